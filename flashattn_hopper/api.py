@@ -1,0 +1,160 @@
+"""Public API: flash-attn-compatible attention functions and their autograd Functions.
+
+Same names, layout and meaning as FlashAttention-3's ``flash_attn_interface``: ``(batch, seqlen,
+nheads, headdim)`` (varlen: ``(total, nheads, headdim)``), GQA/MQA when ``nheads % nheads_k == 0``,
+causal aligned to the bottom-right corner, ``window_size=(left, right)`` with -1/None unbounded,
+LSE in fp32 natural log. Everything after ``q, k, v`` (and the varlen positionals) is keyword-only,
+so flash-attn 2 code that passes ``dropout_p`` positionally fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import dispatch, validate
+from .jit import compile_cache
+from .validate import AttnProblem
+
+
+def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    if t.shape[-1] == head_dim:
+        return t
+    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements."""
+    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
+def _empty_result(q: torch.Tensor, p: AttnProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Results with no kernel launch: empty batches or queries, or no keys at all (O = 0, LSE = -inf)."""
+    out = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((p.batch, p.nheads, p.seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: AttnProblem,
+    backend: str | None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launch. ``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous
+    with the kernel's padded head dim."""
+    spec = dispatch.fwd_kernel_for(q.device, backend, p)
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        return _empty_result(q, p)
+    key = spec.key(p, dispatch.target_arch())
+    compiled = compile_cache.get(key, spec.compile)
+    q_k, k_k, v_k = (_kernel_ready(_pad_head_dim(t, key.head_dim)) for t in (q, k, v))
+    if out is None:
+        out = torch.empty(p.batch, p.seqlen_q, p.nheads, key.head_dim_v, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        compiled(
+            *(dispatch.to_cute(t) for t in (q_k, k_k, v_k, out, lse)),
+            p.softmax_scale,
+            dispatch.current_stream(q.device),
+        )
+    if key.head_dim_v != p.head_dim_v:
+        out = out[..., : p.head_dim_v]
+    return out, lse
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, backend: str | None,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _fwd(q, k, v, p, backend)
+        ctx.mark_non_differentiable(lse)
+        ctx.problem, ctx.backend, ctx.deterministic = p, backend, deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[None, ...]:
+        raise NotImplementedError(
+            "the attention backward pass is not implemented yet in flashattn_hopper "
+            "(forward-only for now; the sm80 backward is tracked by issue 3, the sm90 backward later)"
+        )
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_attn_probs: bool = False,
+    backend: str | None = None,
+    **flash_attn_extras: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention, softmax(q kᵀ · softmax_scale) v, for q ``(batch, seqlen_q, nheads, headdim)``.
+
+    k, v: ``(batch, seqlen_k, nheads_k, headdim[_v])`` with ``nheads % nheads_k == 0`` (GQA/MQA).
+    Returns ``out`` ``(batch, seqlen_q, nheads, headdim_v)``, or ``(out, lse)`` with ``lse``
+    ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse`` (alias ``return_attn_probs``) is set.
+    ``backend``: None (by compute capability), ``"sm90"`` or ``"sm80"``. Other flash-attn keywords
+    (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
+    """
+    validate.check_flash_attn_extras("flash_attn_func", flash_attn_extras)
+    validate.check_common_options(
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
+    )
+    p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    out, lse = FlashAttnFunc.apply(q, k, v, p, backend, deterministic)
+    return (out, lse) if (return_lse or return_attn_probs) else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | torch.Tensor | None = None,
+    max_seqlen_k: int | torch.Tensor | None = None,
+    *,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_attn_probs: bool = False,
+    backend: str | None = None,
+    **flash_attn_extras: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed variable-length sequences: q ``(total_q, nheads, headdim)``.
+
+    ``cu_seqlens_q/k``: int32 ``(batch + 1,)`` offsets starting at 0; ``seqused_q/k``: optional int32
+    ``(batch,)`` lengths actually used inside each sequence's slot; ``max_seqlen_*``: int or 0-d tensor,
+    never read on the host (no sync, no recompile). Returns ``out`` ``(total_q, nheads, headdim_v)`` or
+    ``(out, lse)`` with ``lse`` ``(nheads, total_q)``.
+    """
+    validate.check_flash_attn_extras("flash_attn_varlen_func", flash_attn_extras)
+    validate.check_common_options(
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
+    )
+    p = validate.validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+        softmax_scale, causal, window_size, softcap,
+    )
+    # Raises NotImplementedError naming the missing feature until a backend has varlen kernels.
+    dispatch.fwd_kernel_for(q.device, backend, p)
+    raise NotImplementedError("cu_seqlens_q: varlen attention is not implemented yet")  # pragma: no cover

@@ -1,0 +1,185 @@
+"""Command line: ``python -m flashattn_hopper {info,precompile,cache,sweep}``.
+
+``precompile`` fills the disk cache for a target arch without a GPU (fake tensors), so a build node
+can warm the cache that GPU nodes then load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from .env import settings
+
+
+def _pkg_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{n} B"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    print(f"flashattn_hopper {_pkg_version('flashattn-hopper')}")
+    print(f"python           {platform.python_version()}")
+    print(f"torch            {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"nvidia-cutlass-dsl {_pkg_version('nvidia-cutlass-dsl')}")
+    print(f"cuda-python      {_pkg_version('cuda-python')}")
+    if torch.cuda.is_available():
+        from . import dispatch
+
+        for i in range(torch.cuda.device_count()):
+            device = torch.device("cuda", i)
+            major, minor = torch.cuda.get_device_capability(device)
+            try:
+                backend, explicit = dispatch.select_backend(device, None)
+                chosen = backend + (" (forced by FLASHATTN_HOPPER_BACKEND)" if explicit else "")
+            except (RuntimeError, ValueError) as e:
+                chosen = f"none: {e}"
+            print(f"gpu {i}            {torch.cuda.get_device_name(device)}, compute capability {major}.{minor}, backend {chosen}")
+    else:
+        print("gpu              none found (kernels can still be compiled: python -m flashattn_hopper precompile)")
+    from .jit import cache_info
+
+    info = cache_info()
+    state = "on" if info["disk_cache_enabled"] else "off (FLASHATTN_HOPPER_CACHE=0)"
+    print(f"cache dir        {info['cache_dir']} ({state})")
+    print(
+        f"cache size       {info['entries']} kernels, {_human_bytes(info['bytes'])} "
+        f"({info['entries_current_fingerprint']} for this version, fingerprint {info['fingerprint']})"
+    )
+    return 0
+
+
+def _set_target_arch(arch: str) -> None:
+    """The DSL reads CUTE_DSL_ARCH once, at import: set it before cutlass is imported."""
+    if "cutlass" in sys.modules:
+        from .jit import target_arch
+
+        if target_arch() != arch:
+            raise SystemExit(f"precompile: the CuTe DSL is already set up for {target_arch()} in this process; run precompile in a fresh process")
+        return
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
+def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | None, quiet: bool = False) -> list[dict[str, Any]]:
+    """Compiles (or finds in the disk cache) every kernel variant for ``arch_name``; returns a report."""
+    from . import dispatch
+
+    target = dispatch.PRECOMPILE_TARGETS[arch_name]
+    _set_target_arch(target)
+    from .jit import compile_cache
+
+    # On a Hopper target, compile the Ampere kernels too: they serve backend='sm80' on Hopper.
+    families = ["sm90", "sm80"] if arch_name == "sm90" else ["sm80"]
+    keys = []
+    for family in families:
+        for key in dispatch.FWD_KERNELS[family].all_keys(target):
+            if head_dims and not any(key.head_dim == _kernel_hdim(dispatch.FWD_KERNELS[family], d) for d in head_dims):
+                continue
+            if dtypes and key.dtype not in dtypes:
+                continue
+            keys.append((family, key))
+    report = []
+    for i, (family, key) in enumerate(keys, 1):
+        spec = dispatch.FWD_KERNELS[family]
+        events_before = len(compile_cache.stats.events)
+        start = time.perf_counter()
+        status, error = "ok", ""
+        try:
+            compile_cache.get(key, spec.compile)
+        except Exception as e:  # report every kernel, even when one fails
+            status, error = "FAILED", f"{type(e).__name__}: {e}".splitlines()[0]
+        seconds = time.perf_counter() - start
+        new_events = compile_cache.stats.events[events_before:]
+        source = new_events[-1][1] if new_events else "memory"
+        row = {"kernel": key.name, "status": status, "source": source if status == "ok" else "-", "seconds": seconds, "error": error}
+        report.append(row)
+        if not quiet:
+            print(f"[{i}/{len(keys)}] {row['status']:6} {row['source']:8} {seconds:7.2f} s  {key.name}  {error}", flush=True)
+    return report
+
+
+def _kernel_hdim(spec: Any, head_dim: int) -> int | None:
+    from . import configs
+
+    return configs.kernel_head_dim(spec.tiles, head_dim, head_dim) if hasattr(spec, "tiles") else None
+
+
+def cmd_precompile(args: argparse.Namespace) -> int:
+    report = precompile(args.arch, args.hdim, args.dtype)
+    failed = [r for r in report if r["status"] != "ok"]
+    compiled = sum(1 for r in report if r["source"] == "compile")
+    cached = sum(1 for r in report if r["source"] in ("disk", "memory"))
+    print(
+        f"precompile --arch {args.arch}: {len(report)} kernels, {compiled} compiled, {cached} already cached, "
+        f"{len(failed)} failed; cache dir {settings().cache_dir}"
+        + ("" if settings().disk_cache else " (disk cache is off: FLASHATTN_HOPPER_CACHE=0, nothing was saved)")
+    )
+    return 1 if failed else 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .jit import cache_info, clear_disk_cache
+
+    if args.action == "clear":
+        freed = clear_disk_cache()
+        print(f"cleared {settings().cache_dir} ({_human_bytes(freed)})")
+        return 0
+    info = cache_info()
+    print(f"{info['cache_dir']}: {info['entries']} kernels, {_human_bytes(info['bytes'])}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import sweep
+
+    return sweep.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flashattn_hopper", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, arch, chosen backend, versions, cache dir and size").set_defaults(func=cmd_info)
+    pre = sub.add_parser("precompile", help="compile every kernel for an arch into the disk cache (no GPU needed)")
+    pre.add_argument("--arch", choices=("sm90", "sm80"), required=True, help="target GPU arch family")
+    pre.add_argument("--hdim", type=int, nargs="+", help="only kernels serving these head dims")
+    pre.add_argument("--dtype", choices=("bf16", "fp16"), nargs="+", help="only these dtypes")
+    pre.set_defaults(func=cmd_precompile)
+    cache = sub.add_parser("cache", help="inspect or clear the disk cache")
+    cache.add_argument("action", choices=("clear", "info"))
+    cache.set_defaults(func=cmd_cache)
+    sweep_parser = sub.add_parser("sweep", help="perf sweep against cuDNN / PyTorch flash (needs a GPU)")
+    try:
+        from . import sweep
+
+        sweep.add_arguments(sweep_parser)
+    except ImportError:
+        pass
+    sweep_parser.set_defaults(func=cmd_sweep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

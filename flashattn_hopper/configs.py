@@ -1,0 +1,34 @@
+"""Tile configurations per kernel family, as frozen tables. One comment per row says why.
+
+A row is chosen by the *kernel* head dim: the user's head dims are padded (in Python, with zeros)
+up to the smallest row that holds both ``head_dim`` and ``head_dim_v``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    tile_m: int  # query rows per CTA
+    tile_n: int  # key rows per mainloop iteration
+    num_threads: int
+
+
+# Ampere FA2 forward (kernels/fwd_sm80.py): 4 warps split along the query rows, 16-bit inputs.
+# Smem = (tile_m + 2 * tile_n) * hdim * 2 B (Q + K + V, one stage each).
+FWD_SM80_TILES: dict[int, FwdTile] = {
+    # 128x128: S is 128 fp32 regs/thread at 4 warps; Q+K+V = 48 KB. FA2's A100 choice for hdim 64.
+    64: FwdTile(tile_m=128, tile_n=128, num_threads=128),
+    # 128x64: keeps S at 64 regs/thread so O (128x128 fp32 = 128 regs) fits without spills; Q+K+V = 64 KB.
+    # FA2's A100 choice for hdim 128.
+    128: FwdTile(tile_m=128, tile_n=64, num_threads=128),
+}
+
+
+def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -> int | None:
+    """Smallest compiled head dim that holds both head dims, or None if the table has none."""
+    need = max(head_dim, head_dim_v)
+    fits = [d for d in sorted(table) if d >= need]
+    return fits[0] if fits else None

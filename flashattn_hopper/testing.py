@@ -1,0 +1,134 @@
+"""Reference attention and the flash-attn acceptance rule, shared by the tests and the perf sweep.
+
+``attention_ref`` computes attention with plain PyTorch ops: in fp32 (``upcast=True``, the oracle) or
+in the input dtype (``upcast=False``, the "what would PyTorch get" yardstick). The rule, as in
+flash-attn's tests: ``max|ours - ref| <= 2 * max|pytorch_same_dtype - ref| + atol``.
+
+It materializes the (seqlen_q x seqlen_k) scores: use it on test-sized problems or on slices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _key_mask(
+    seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int], device: torch.device
+) -> torch.Tensor | None:
+    """Bool (seqlen_q, seqlen_k), True where the key is visible; bottom-right aligned like flash-attn."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= cols <= rows + right
+    if left >= 0:
+        visible &= cols >= rows - left
+    return visible
+
+
+def _dense_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (b, s_q, h, d), k/v (b, s_k, h_k, d); computed in q's dtype."""
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads != nheads_k:
+        k = k.repeat_interleave(nheads // nheads_k, dim=2)
+        v = v.repeat_interleave(nheads // nheads_k, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = _key_mask(q.shape[1], k.shape[1], causal, window, q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, s_q); -inf on rows with no visible key
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: 0, not NaN
+    out = torch.einsum("bhts,bshd->bthd", probs, v)
+    return out, lse
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference (out, lse) in the API's layouts; varlen when ``cu_seqlens_q`` is given.
+
+    Varlen runs each sequence on its own (a padding mask in effect), honouring ``seqused``; rows past
+    ``seqused_q`` come back as out = 0, lse = -inf. out is returned in the input dtype.
+    """
+    dtype = q.dtype
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    window = tuple(-1 if w is None else w for w in window_size)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    if cu_seqlens_q is None:
+        out, lse = _dense_ref(q, k, v, scale, causal, window, softcap)  # type: ignore[arg-type]
+        return out.to(dtype), lse
+    assert cu_seqlens_k is not None, "attention_ref: varlen needs cu_seqlens_k too"
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(len(cu_q) - 1):
+        len_q = used_q[i] if used_q is not None else cu_q[i + 1] - cu_q[i]
+        len_k = used_k[i] if used_k is not None else cu_k[i + 1] - cu_k[i]
+        if len_q == 0:
+            continue
+        q_i = q[cu_q[i] : cu_q[i] + len_q][None]
+        k_i, v_i = (t[cu_k[i] : cu_k[i] + len_k][None] for t in (k, v))
+        if len_k == 0:
+            continue  # no keys: out stays 0, lse stays -inf
+        o_i, lse_i = _dense_ref(q_i, k_i, v_i, scale, causal, window, softcap)  # type: ignore[arg-type]
+        out[cu_q[i] : cu_q[i] + len_q] = o_i[0]
+        lse[:, cu_q[i] : cu_q[i] + len_q] = lse_i[0]
+    return out.to(dtype), lse
+
+
+def max_err_check(
+    out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor, atol: float = 1e-5, factor: float = 2.0
+) -> tuple[bool, float, float]:
+    """The flash-attn rule. Returns (ok, our max error, allowed bound); NaN anywhere fails.
+
+    Entries where the reference is -inf (LSE of rows with no keys) must match exactly.
+    """
+    out, out_ref, out_pt = out.float(), out_ref.float(), out_pt.float()
+    same_inf = torch.isinf(out_ref) & (out == out_ref)
+    diff = torch.where(same_inf, torch.zeros_like(out), (out - out_ref).abs())
+    diff_pt = torch.where(torch.isinf(out_ref) & (out_pt == out_ref), torch.zeros_like(out_pt), (out_pt - out_ref).abs())
+    if torch.isnan(diff).any():
+        return False, float("nan"), float("nan")
+    err = diff.max().item() if diff.numel() else 0.0
+    bound = factor * (diff_pt.nan_to_num(0.0).max().item() if diff_pt.numel() else 0.0) + atol
+    return err <= bound, err, bound
+
+
+def assert_close_to_ref(
+    name: str, out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor, atol: float = 1e-5
+) -> None:
+    ok, err, bound = max_err_check(out, out_ref, out_pt, atol=atol)
+    if not ok:
+        raise AssertionError(f"{name}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e} (2x PyTorch's error + atol)")

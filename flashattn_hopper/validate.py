@@ -1,0 +1,334 @@
+"""Input validation for the public API.
+
+Every check raises ``TypeError``/``ValueError`` (or ``NotImplementedError`` for flash-attn features we
+do not have yet) whose message names the argument, says what was expected and what was given.
+Never ``assert``: asserts vanish under ``python -O`` and read like internal bugs.
+
+Checks never read device memory (no ``.item()``, no sync): ``cu_seqlens`` contents are the caller's
+contract, exactly as in flash-attn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """Normalized description of one attention call (static facts only, no tensors)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    softmax_scale: float
+    causal: bool
+    window_left: int  # -1: unbounded
+    window_right: int  # -1: unbounded
+    softcap: float
+    is_varlen: bool
+
+    @property
+    def is_local(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.nheads // self.nheads_k
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"q must be float16 or bfloat16, got {_dtype_name(q.dtype)} "
+            "(cast with q.to(torch.bfloat16); fp32 attention is not supported)"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({_dtype_name(q.dtype)}), got {_dtype_name(t.dtype)}")
+
+
+def _check_devices(q: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
+    """All tensors on one CUDA device. Checked after shapes so CPU tests can exercise shape errors."""
+    if q.device.type != "cuda":
+        hint = "" if torch.cuda.is_available() else " (no CUDA device is available on this machine)"
+        raise ValueError(
+            f"q must be on a CUDA device, got device '{q.device}'{hint}; flashattn_hopper runs on NVIDIA GPUs "
+            "of compute capability 8.0 (Ampere) or 9.0 (Hopper)"
+        )
+    for name, t in others.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
+def _check_last_dim_contiguous(tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides {tuple(t.stride())}; "
+                f"other strides may be anything (call {name}.contiguous() if it came from a transpose)"
+            )
+
+
+def check_softmax_scale(softmax_scale: object, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    value = float(softmax_scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    return value
+
+
+def check_window(window_size: object, causal: bool) -> tuple[int, int]:
+    """Returns (left, right) with -1 meaning unbounded; causal sets right to 0 as flash-attn does."""
+    if window_size is None:
+        window_size = (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    bounds = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None:
+            w = -1
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window_size {side} must be an int or None, got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= 0, or -1/None for unbounded, got {w}")
+        bounds.append(w)
+    left, right = bounds
+    if causal:
+        right = 0
+    return left, right
+
+
+def is_causal(causal: bool, left: int, right: int) -> bool:
+    """A window (-1, 0) is causal attention (bottom-right aligned) under another name."""
+    return causal or (left < 0 and right == 0)
+
+
+def check_softcap(softcap: object) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0 disables it), got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0 disables it), got {softcap!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k must have the same head dim as q ({head_dim}), got {k.shape[-1]}")
+    for name, d in (("q", head_dim), ("v", head_dim_v)):
+        if d < 1 or d > MAX_HEAD_DIM:
+            raise ValueError(f"{name} head dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+    if head_dim_v > head_dim:
+        raise ValueError(
+            f"v head dim ({head_dim_v}) larger than q/k head dim ({head_dim}) is not supported; "
+            "supported: head_dim_v <= head_dim (e.g. 192/128)"
+        )
+    return head_dim, head_dim_v
+
+
+def _check_heads(q_heads: int, k: torch.Tensor, v: torch.Tensor, head_axis: int) -> int:
+    nheads_k = k.shape[head_axis]
+    if v.shape[head_axis] != nheads_k:
+        raise ValueError(f"v must have the same number of heads as k ({nheads_k}), got {v.shape[head_axis]}")
+    if nheads_k < 1 or q_heads % nheads_k != 0:
+        raise ValueError(
+            f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads "
+            f"({nheads_k}) for GQA/MQA"
+        )
+    return nheads_k
+
+
+def check_common_options(
+    softmax_scale: object,
+    causal: object,
+    window_size: object,
+    softcap: object,
+    deterministic: object,
+    return_lse: object,
+    return_attn_probs: object,
+    backend: object,
+) -> None:
+    _check_bool("causal", causal)
+    _check_bool("deterministic", deterministic)
+    _check_bool("return_lse", return_lse)
+    _check_bool("return_attn_probs", return_attn_probs)
+    if backend is not None and backend not in ("sm90", "sm80"):
+        raise ValueError(f"backend must be None, 'sm90' or 'sm80', got {backend!r}")
+
+
+def validate_dense(
+    q: object,
+    k: object,
+    v: object,
+    softmax_scale: object,
+    causal: bool,
+    window_size: object,
+    softcap: object,
+) -> AttnProblem:
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    _check_dtypes(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, seqlen, nheads, headdim), got {tuple(t.shape)}")
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} must have the same batch size as q ({batch}), got {t.shape[0]}")
+    if v.shape[1] != seqlen_k:
+        raise ValueError(f"v must have the same seqlen as k ({seqlen_k}), got {v.shape[1]}")
+    nheads_k = _check_heads(nheads, k, v, head_axis=2)
+    head_dim, head_dim_v = _check_head_dims(q, k, v)
+    _check_last_dim_contiguous({"q": q, "k": k, "v": v})
+    scale = check_softmax_scale(softmax_scale, head_dim)
+    left, right = check_window(window_size, causal)
+    cap = check_softcap(softcap)
+    _check_devices(q, {"k": k, "v": v})
+    return AttnProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        head_dim=head_dim, head_dim_v=head_dim_v, dtype=q.dtype, softmax_scale=scale,
+        causal=is_causal(causal, left, right), window_left=left, window_right=right, softcap=cap, is_varlen=False,
+    )
+
+
+def _check_int_or_tensor(name: str, value: object) -> None:
+    """max_seqlen: a Python int or a 0-d integer tensor; never read (no sync, no recompile)."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a 0-d integer tensor, got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or a 0-d integer tensor, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_index_tensor(name: str, t: object, length: int | None, what: str) -> torch.Tensor:
+    t = _check_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {_dtype_name(t.dtype)}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D ({what}), got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have length {length} ({what}), got {t.shape[0]}")
+    return t
+
+
+def validate_varlen(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    seqused_q: object,
+    seqused_k: object,
+    softmax_scale: object,
+    causal: bool,
+    window_size: object,
+    softcap: object,
+) -> AttnProblem:
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    _check_dtypes(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape (total_tokens, nheads, headdim) for varlen, got {tuple(t.shape)}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v must have the same number of tokens as k ({k.shape[0]}), got {v.shape[0]}")
+    nheads = q.shape[1]
+    nheads_k = _check_heads(nheads, k, v, head_axis=1)
+    head_dim, head_dim_v = _check_head_dims(q, k, v)
+    _check_last_dim_contiguous({"q": q, "k": k, "v": v})
+    cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, "batch + 1 offsets")
+    if cu_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1, got an empty tensor")
+    batch = cu_q.shape[0] - 1
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, batch + 1, "batch + 1, same as cu_seqlens_q")
+    if seqused_q is not None:
+        _check_index_tensor("seqused_q", seqused_q, batch, "one length per sequence")
+    if seqused_k is not None:
+        _check_index_tensor("seqused_k", seqused_k, batch, "one length per sequence")
+    _check_int_or_tensor("max_seqlen_q", max_seqlen_q)
+    _check_int_or_tensor("max_seqlen_k", max_seqlen_k)
+    scale = check_softmax_scale(softmax_scale, head_dim)
+    left, right = check_window(window_size, causal)
+    cap = check_softcap(softcap)
+    _check_devices(q, {
+        "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_seqlens_k,  # type: ignore[dict-item]
+        "seqused_q": seqused_q, "seqused_k": seqused_k,  # type: ignore[dict-item]
+    })
+    return AttnProblem(
+        batch=batch, seqlen_q=q.shape[0], seqlen_k=k.shape[0], nheads=nheads, nheads_k=nheads_k,
+        head_dim=head_dim, head_dim_v=head_dim_v, dtype=q.dtype, softmax_scale=scale,
+        causal=is_causal(causal, left, right), window_left=left, window_right=right, softcap=cap, is_varlen=True,
+    )
+
+
+# flash-attn 2/3/4 keyword arguments we do not implement, with the value that means "feature off".
+# Passing the neutral value is accepted (code written for flash-attn keeps working); anything else
+# raises NotImplementedError naming the argument. Performance hints we pick ourselves are ignored.
+_UNSUPPORTED_NEUTRAL = {
+    "dropout_p": 0.0,
+    "alibi_slopes": None,
+    "qv": None,
+    "q_descale": None,
+    "k_descale": None,
+    "v_descale": None,
+    "attention_chunk": 0,
+    "learnable_sink": None,
+    "score_mod": None,
+    "mask_mod": None,
+    "block_table": None,
+    "page_table": None,
+}
+_IGNORED_HINTS = {"num_splits", "pack_gqa", "sm_margin"}
+
+
+def check_flash_attn_extras(func_name: str, extras: dict[str, object]) -> None:
+    for name, value in extras.items():
+        if name in _IGNORED_HINTS:
+            continue
+        if name not in _UNSUPPORTED_NEUTRAL:
+            raise TypeError(f"{func_name}() got an unexpected keyword argument {name!r}")
+        if value != _UNSUPPORTED_NEUTRAL[name] or isinstance(value, torch.Tensor):
+            raise NotImplementedError(f"{name} is not supported by flashattn_hopper (got {_short(value)})")
+
+
+def _short(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)

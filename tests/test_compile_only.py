@@ -1,0 +1,62 @@
+"""Every kernel variant compiles for sm_80 and sm_90a with fake tensors, on a machine without a GPU.
+
+With ``nvdisasm`` installed (the ``test`` extra brings it), the SASS is read: tensor-core MMAs must be
+there and, at head dims <= 128, no local-memory spills (``LDL``/``STL``). Spills at larger head dims
+are printed, not failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashattn_hopper import dispatch
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.compile_only
+TARGETS = ["sm_80", "sm_90a"]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """arch -> {kernel name -> result row}; one fresh process per target arch."""
+    results = {}
+    for arch in TARGETS:
+        work = tmp_path_factory.mktemp(arch)
+        env = dict(os.environ, PYTHONPATH=str(REPO), FLASHATTN_HOPPER_CACHE="0")
+        proc = subprocess.run([sys.executable, "-m", "tests._compile_variants", arch, str(work / "out.json"), str(work / "dump")],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        data = json.loads((work / "out.json").read_text())
+        results[arch] = {"nvdisasm": data["nvdisasm"], "rows": {r["kernel"]: r for r in data["results"]}}
+    return results
+
+
+def _variants():
+    for arch in TARGETS:
+        for spec in dispatch.FWD_KERNELS.values():
+            for key in spec.all_keys(arch):
+                yield pytest.param(arch, key.name, key.head_dim, id=key.name)
+
+
+@pytest.mark.parametrize("arch,name,head_dim", list(_variants()))
+def test_variant_compiles_with_tensor_cores_and_no_spills(compiled, arch, name, head_dim):
+    row = compiled[arch]["rows"][name]
+    assert row["error"] is None, row["error"]
+    print(f"{name}: compiled in {row['seconds']:.1f} s; SASS {row['counts']}")
+    if compiled[arch]["nvdisasm"] is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm): compiled, SASS not checked")
+    counts = row["counts"]
+    assert counts is not None, "no cubin was written"
+    if name.startswith("fwd_sm80"):
+        assert counts["HMMA"] > 0 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0, counts
+    spills = counts["LDL"] + counts["STL"]
+    if head_dim <= 128:
+        assert spills == 0, f"{name} spills to local memory: {counts['LDL']} LDL, {counts['STL']} STL"
+    elif spills:
+        print(f"note: {name} has {spills} local-memory instructions (head dim {head_dim})")

@@ -1,0 +1,129 @@
+"""Backend choice, kernel table and compile keys (CPU tier: the device is simulated)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashattn_hopper import configs, dispatch
+from flashattn_hopper.env import settings
+from flashattn_hopper.jit import KernelKey
+from flashattn_hopper.validate import AttnProblem
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fake_gpu(clean_settings):
+    monkeypatch = clean_settings
+
+    def use(capability, name="Fake GPU"):
+        monkeypatch.setattr(dispatch, "device_capability", lambda device: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    return use
+
+
+def problem(**overrides):
+    base = dict(batch=2, seqlen_q=128, seqlen_k=128, nheads=4, nheads_k=4, head_dim=128, head_dim_v=128,
+                dtype=torch.bfloat16, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1,
+                softcap=0.0, is_varlen=False)
+    base.update(overrides)
+    return AttnProblem(**base)
+
+
+@pytest.mark.parametrize("capability,expected", [((9, 0), "sm90"), ((8, 0), "sm80"), ((8, 6), "sm80"), ((8, 9), "sm80")])
+def test_backend_by_capability(fake_gpu, capability, expected):
+    fake_gpu(capability)
+    assert dispatch.select_backend(CUDA0, None) == (expected, False)
+
+
+def test_arch_below_sm80_names_found_and_supported(fake_gpu):
+    fake_gpu((7, 5), "Tesla T4")
+    with pytest.raises(RuntimeError, match=r"Tesla T4 \(compute capability 7.5\).*supported: compute capability 8.x"):
+        dispatch.select_backend(CUDA0, None)
+
+
+def test_sm90_requested_on_ampere(fake_gpu):
+    fake_gpu((8, 0), "A100")
+    with pytest.raises(ValueError, match=r"backend='sm90' needs a Hopper GPU .* A100 \(compute capability 8.0\)"):
+        dispatch.select_backend(CUDA0, "sm90")
+
+
+def test_sm80_forced_on_hopper(fake_gpu):
+    fake_gpu((9, 0))
+    assert dispatch.select_backend(CUDA0, "sm80") == ("sm80", True)
+
+
+def test_env_forces_backend(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setenv("FLASHATTN_HOPPER_BACKEND", "sm80")
+    settings.cache_clear()
+    assert dispatch.select_backend(CUDA0, None) == ("sm80", True)
+
+
+def test_env_backend_invalid(clean_settings):
+    clean_settings.setenv("FLASHATTN_HOPPER_BACKEND", "sm70")
+    settings.cache_clear()
+    with pytest.raises(ValueError, match="FLASHATTN_HOPPER_BACKEND must be one of sm90, sm80"):
+        settings()
+
+
+def test_auto_on_hopper_falls_back_to_sm80_until_sm90_kernels_exist(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(dispatch, "check_target_arch", lambda device: "sm_90a")
+    assert dispatch.fwd_kernel_for(CUDA0, None, problem()).backend == "sm80"
+
+
+def test_explicit_sm90_never_falls_back(fake_gpu):
+    fake_gpu((9, 0))
+    with pytest.raises(NotImplementedError, match="Hopper .* not implemented yet"):
+        dispatch.fwd_kernel_for(CUDA0, "sm90", problem())
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(head_dim=192, head_dim_v=192), "head dims"),
+    (dict(is_varlen=True), "varlen"),
+    (dict(window_left=16, window_right=0, causal=True), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+])
+def test_sm80_refuses_what_it_lacks_with_a_reason(fake_gpu, overrides, match):
+    fake_gpu((8, 0))
+    with pytest.raises(NotImplementedError, match=match):
+        dispatch.fwd_kernel_for(CUDA0, None, problem(**overrides))
+
+
+def test_target_arch_mismatch_is_explained(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(dispatch, "target_arch", lambda: "sm_80")
+    with pytest.raises(RuntimeError, match="compiles for sm_80 .* set it to sm_90a"):
+        dispatch.check_target_arch(CUDA0)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(64, 64, 64), (32, 32, 64), (80, 80, 128), (128, 64, 128), (8, 8, 64), (192, 192, None)])
+def test_kernel_head_dim_padding(head_dim, head_dim_v, expected):
+    assert configs.kernel_head_dim(configs.FWD_SM80_TILES, head_dim, head_dim_v) == expected
+
+
+def test_key_holds_no_shapes():
+    spec = dispatch.FWD_KERNELS["sm80"]
+    short, long = spec.key(problem(batch=1, seqlen_q=17, seqlen_k=5), "sm_80"), spec.key(problem(batch=64, seqlen_q=8192, seqlen_k=8192), "sm_80")
+    assert short == long and short.digest == long.digest
+    assert short.name == "fwd_sm80-sm_80-dtypebf16-head_dim128-head_dim_v128-tile_m128-tile_n64-num_threads128"
+    assert spec.key(problem(causal=True), "sm_80").name.endswith("-causal")
+
+
+def test_key_rejects_tensors():
+    @dataclasses.dataclass(frozen=True)
+    class BadKey(KernelKey):
+        max_seqlen: object
+
+    with pytest.raises(TypeError, match="max_seqlen.*Python primitive"):
+        BadKey(kernel="x", arch="sm_80", max_seqlen=torch.tensor(3))
+
+
+def test_all_keys_cover_every_variant():
+    keys = dispatch.FWD_KERNELS["sm80"].all_keys("sm_80")
+    assert len(keys) == len(set(keys)) == len(configs.FWD_SM80_TILES) * 2 * 2

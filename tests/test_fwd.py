@@ -1,0 +1,203 @@
+"""Forward parity through the public API against the fp32 reference (GPU tier).
+
+Rule (flash-attn's): max|ours - ref_fp32| <= 2 * max|pytorch_same_dtype - ref_fp32| + atol, for out and lse.
+Runs every backend the GPU can run: on Hopper both 'sm90' (once it exists) and the forced 'sm80'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashattn_hopper import flash_attn_func, validate
+from flashattn_hopper.api import _fwd
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref
+
+from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_FAST, SEQLENS_SLOW
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, device="cuda", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(batch, s_q, h, d, dtype=dtype, device=device, generator=gen)
+    k = torch.randn(batch, s_k, h_k, d, dtype=dtype, device=device, generator=gen)
+    v = torch.randn(batch, s_k, h_k, dv, dtype=dtype, device=device, generator=gen)
+    return q, k, v
+
+
+def check_parity(q, k, v, causal, backend="sm80", **kwargs):
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend, **kwargs)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, **kwargs)
+    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False, **kwargs)
+    assert out.shape == out_ref.shape and out.dtype == q.dtype
+    assert lse.shape == lse_ref.shape and lse.dtype == torch.float32
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert_close_to_ref("out", out, out_ref, out_pt)
+    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_FAST)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS_FAST, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_parity(dtype, head_dim, causal, seqlens, heads):
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v = make_qkv(2, s_q, s_k, h, h_k, head_dim, dtype=dtype)
+    check_parity(q, k, v, causal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SLOW)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS_SLOW, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_parity_full(dtype, head_dim, causal, seqlens, heads):
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v = make_qkv(3, s_q, s_k, h, h_k, head_dim, dtype=dtype, seed=1)
+    check_parity(q, k, v, causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_poisoned_outputs_are_fully_overwritten(head_dim, causal):
+    q, k, v = make_qkv(2, 239, 113, 4, 2, head_dim)
+    out = torch.full((2, 239, 4, head_dim), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((2, 4, 239), float("nan"), dtype=torch.float32, device="cuda")
+    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
+    _fwd(q, k, v, p, "sm80", out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
+    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+
+
+def test_rows_with_no_keys_are_zero_with_minus_inf_lse():
+    q, k, v = make_qkv(1, 300, 40, 2, 2, 64)
+    out, lse = check_parity(q, k, v, causal=True)
+    assert (out[:, :260] == 0).all() and torch.isneginf(lse[:, :, :260]).all()
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(32, 32), (80, 80), (96, 96), (128, 64), (72, 40)])
+def test_padded_head_dims(head_dim, head_dim_v):
+    q, k, v = make_qkv(2, 77, 150, 4, 4, head_dim, dv=head_dim_v)
+    out, _ = check_parity(q, k, v, causal=False)
+    assert out.shape[-1] == head_dim_v
+
+
+def test_strided_views_of_packed_qkv():
+    qkv = torch.randn(2, 200, 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(dim=2)
+    check_parity(q, k, v, causal=True)
+
+
+def test_softmax_scale_and_default():
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64)
+    check_parity(q, k, v, causal=False, softmax_scale=0.3)
+    out_default = flash_attn_func(q, k, v, backend="sm80")
+    out_explicit = flash_attn_func(q, k, v, softmax_scale=64**-0.5, backend="sm80")
+    torch.testing.assert_close(out_default, out_explicit, atol=0, rtol=0)
+
+
+def test_return_values():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    assert isinstance(flash_attn_func(q, k, v), torch.Tensor)
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.shape == (1, 2, 16)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 16), (2, 0, 16), (2, 16, 0)], ids=["batch0", "seqlen_q0", "seqlen_k0"])
+def test_empty_inputs_return_without_launch(shape):
+    b, s_q, s_k = shape
+    q, k, v = make_qkv(b, s_q, s_k, 2, 2, 64)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (b, s_q, 2, 64) and lse.shape == (b, 2, s_q)
+    if s_k == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_auto_backend_runs_on_this_gpu():
+    q, k, v = make_qkv(2, 100, 100, 4, 4, 128)
+    out_auto = flash_attn_func(q, k, v, causal=True)
+    out_ref, _ = attention_ref(q, k, v, causal=True)
+    out_pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert_close_to_ref("out", out_auto, out_ref, out_pt)
+
+
+@pytest.mark.sm90
+def test_explicit_sm90_does_not_fall_back():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    with pytest.raises(NotImplementedError, match="sm90"):
+        flash_attn_func(q, k, v, backend="sm90")
+
+
+def test_mixed_devices_named():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    with pytest.raises(ValueError, match="k must be on the same device as q"):
+        flash_attn_func(q, k.cpu(), v)
+
+
+def test_backward_not_implemented_says_so():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    q.requires_grad_(True)
+    out = flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward"):
+        out.sum().backward()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs to check that cuda:1 inputs run on cuda:1")
+def test_second_device():
+    q, k, v = make_qkv(1, 100, 100, 2, 2, 64, device="cuda:1")
+    out = flash_attn_func(q, k, v)
+    assert out.device == q.device
+    out_ref, _ = attention_ref(q, k, v)
+    out_pt, _ = attention_ref(q, k, v, upcast=False)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+
+
+def test_non_default_stream():
+    q, k, v = make_qkv(2, 512, 512, 4, 4, 128)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = flash_attn_func(q, k, v)
+    stream.synchronize()
+    out_ref, _ = attention_ref(q, k, v)
+    out_pt, _ = attention_ref(q, k, v, upcast=False)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+
+
+def test_fresh_process_runs_kernel_loaded_from_disk(tmp_path):
+    """Process 1 compiles into an empty disk cache; process 2 loads the object file and must compute right."""
+    script = (
+        "import torch, json, time; from flashattn_hopper import flash_attn_func; from flashattn_hopper.jit import compile_cache;"
+        "from flashattn_hopper.testing import attention_ref, max_err_check;"
+        "g=torch.Generator(device='cuda').manual_seed(0);"
+        "q,k,v=(torch.randn(2,300,4,128,dtype=torch.bfloat16,device='cuda',generator=g) for _ in range(3));"
+        "t=time.perf_counter(); out=flash_attn_func(q,k,v,causal=True,backend='sm80'); torch.cuda.synchronize(); dt=time.perf_counter()-t;"
+        "ok=max_err_check(out, attention_ref(q,k,v,causal=True)[0], attention_ref(q,k,v,causal=True,upcast=False)[0])[0];"
+        "s=compile_cache.stats; print(json.dumps(dict(ok=ok, first_call_s=dt, compiles=s.compiles, disk_hits=s.disk_hits)))"
+    )
+    env = dict(os.environ, FLASHATTN_HOPPER_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    env.pop("FLASHATTN_HOPPER_CACHE", None)
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    print(f"cold first call {cold['first_call_s']:.2f} s (compile), warm first call {warm['first_call_s']:.3f} s (disk cache)")
+    assert cold["ok"] and cold["compiles"] == 1
+    assert warm["ok"] and warm["compiles"] == 0 and warm["disk_hits"] == 1

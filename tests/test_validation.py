@@ -1,0 +1,230 @@
+"""Bad input gets a clear Python error naming the argument (CPU tier: no GPU needed).
+
+Device checks run after shape/dtype checks, so CPU tensors exercise every shape/dtype error here;
+the device errors themselves are checked both here (CPU input) and in the GPU tier (mixed devices).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
+from flashattn_hopper import validate
+
+
+def qkv(b=2, s_q=16, s_k=16, h=4, h_k=4, d=64, dv=None, dtype=torch.bfloat16):
+    dv = d if dv is None else dv
+    return (
+        torch.randn(b, s_q, h, d, dtype=dtype),
+        torch.randn(b, s_k, h_k, d, dtype=dtype),
+        torch.randn(b, s_k, h_k, dv, dtype=dtype),
+    )
+
+
+def varlen_qkv(total_q=20, total_k=24, h=4, h_k=4, d=64, batch=2):
+    q, k, v = (torch.randn(n, hh, d, dtype=torch.bfloat16) for n, hh in ((total_q, h), (total_k, h_k), (total_k, h_k)))
+    cu_q = torch.tensor([0, 8, total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, total_k], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def raises(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+def test_q_not_a_tensor():
+    _, k, v = qkv()
+    raises(TypeError, "q must be a torch.Tensor", flash_attn_func, [1.0], k, v)
+
+
+def test_dtype_fp32_rejected():
+    q, k, v = qkv(dtype=torch.float32)
+    raises(TypeError, "q must be float16 or bfloat16, got float32", flash_attn_func, q, k, v)
+
+
+def test_dtype_mismatch():
+    q, k, v = qkv()
+    raises(TypeError, "k must have the same dtype as q", flash_attn_func, q, k.half(), v)
+    raises(TypeError, "v must have the same dtype as q", flash_attn_func, q, k, v.half())
+
+
+def test_rank():
+    q, k, v = qkv()
+    raises(ValueError, r"q must have shape \(batch, seqlen, nheads, headdim\)", flash_attn_func, q[0], k, v)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    raises(ValueError, "k must have the same batch size as q", flash_attn_func, q, k[:1], v[:1])
+
+
+def test_kv_seqlen_mismatch():
+    q, k, v = qkv()
+    raises(ValueError, "v must have the same seqlen as k", flash_attn_func, q, k, v[:, :5])
+
+
+def test_heads_not_divisible():
+    q, k, v = qkv(h=6, h_k=4)
+    raises(ValueError, r"number of query heads \(6\) must be a multiple", flash_attn_func, q, k, v)
+
+
+def test_kv_heads_differ():
+    q, k, _ = qkv(h=4, h_k=2)
+    v = torch.randn(2, 16, 1, 64, dtype=torch.bfloat16)
+    raises(ValueError, "v must have the same number of heads as k", flash_attn_func, q, k, v)
+
+
+def test_head_dim_qk_mismatch():
+    q, _, v = qkv()
+    k = torch.randn(2, 16, 4, 32, dtype=torch.bfloat16)
+    raises(ValueError, r"k must have the same head dim as q \(64\)", flash_attn_func, q, k, v)
+
+
+def test_head_dim_too_large_says_supported_range():
+    q, k, v = qkv(d=512)
+    raises(ValueError, r"head dim must be in \[1, 256\], got 512", flash_attn_func, q, k, v)
+
+
+def test_head_dim_v_larger_than_qk():
+    q, k, v = qkv(d=64, dv=128)
+    raises(ValueError, "v head dim .* larger than q/k head dim", flash_attn_func, q, k, v)
+
+
+def test_last_dim_not_contiguous():
+    q, k, v = qkv()
+    q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, stride(-1) != 1
+    raises(ValueError, "q must have a contiguous last dimension", flash_attn_func, q_t, k, v)
+
+
+def test_other_strides_are_fine_until_device_check():
+    qkv_packed = torch.randn(2, 16, 3, 4, 64, dtype=torch.bfloat16)
+    q, k, v = qkv_packed.unbind(dim=2)  # non-contiguous views: must pass validation
+    raises(ValueError, "q must be on a CUDA device", flash_attn_func, q, k, v)
+
+
+@pytest.mark.parametrize("scale,exc", [("0.1", TypeError), (-1.0, ValueError), (float("nan"), ValueError), (True, TypeError)])
+def test_softmax_scale(scale, exc):
+    q, k, v = qkv()
+    raises(exc, "softmax_scale", flash_attn_func, q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("window,exc", [((1, 2, 3), ValueError), ((-2, 0), ValueError), ((1.5, 0), TypeError), (5, ValueError)])
+def test_window_size(window, exc):
+    q, k, v = qkv()
+    raises(exc, "window_size", flash_attn_func, q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("softcap,exc", [(-1.0, ValueError), (float("inf"), ValueError), ("1", TypeError)])
+def test_softcap(softcap, exc):
+    q, k, v = qkv()
+    raises(exc, "softcap", flash_attn_func, q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("name", ["causal", "deterministic", "return_lse", "return_attn_probs"])
+def test_bool_flags(name):
+    q, k, v = qkv()
+    raises(TypeError, f"{name} must be a bool", flash_attn_func, q, k, v, **{name: 1})
+
+
+def test_backend_value():
+    q, k, v = qkv()
+    raises(ValueError, "backend must be None, 'sm90' or 'sm80'", flash_attn_func, q, k, v, backend="sm70")
+
+
+def test_flash_attn2_positional_dropout_fails_loudly():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_func(q, k, v, 0.0, None, True)  # FA2 order: dropout_p, softmax_scale, causal
+
+
+@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)), ("learnable_sink", torch.ones(4))])
+def test_unimplemented_flash_attn_features(name, value):
+    q, k, v = qkv()
+    raises(NotImplementedError, name, flash_attn_func, q, k, v, **{name: value})
+
+
+def test_flash_attn_neutral_values_accepted_until_device_check():
+    q, k, v = qkv()
+    raises(ValueError, "CUDA device", flash_attn_func, q, k, v, dropout_p=0.0, alibi_slopes=None, num_splits=1, pack_gqa=None)
+
+
+def test_unknown_keyword():
+    q, k, v = qkv()
+    raises(TypeError, "unexpected keyword argument 'bogus'", flash_attn_func, q, k, v, bogus=1)
+
+
+def test_cpu_tensors_explain_gpu_requirement():
+    q, k, v = qkv()
+    with pytest.raises(ValueError) as info:
+        flash_attn_func(q, k, v)
+    message = str(info.value)
+    assert "q must be on a CUDA device" in message and "compute capability 8.0" in message
+    if not torch.cuda.is_available():
+        assert "no CUDA device is available" in message
+
+
+def test_mixed_devices_named():
+    q, k, v = qkv()
+    raises(ValueError, "k must be on the same device as q", validate._check_devices, _fake_cuda(q), {"k": k})
+
+
+def _fake_cuda(t):
+    """A stand-in whose device reports cuda, to check the same-device rule without a GPU."""
+
+    class _T:
+        device = torch.device("cuda", 0)
+
+    return _T()
+
+
+# --- varlen ---------------------------------------------------------------------------------
+
+
+def test_varlen_cu_seqlens_dtype():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(TypeError, "cu_seqlens_q must be an int32 tensor, got int64", flash_attn_varlen_func, q, k, v, cu_q.long(), cu_k, 8, 10)
+
+
+def test_varlen_cu_seqlens_length():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(ValueError, "cu_seqlens_k must have length 3", flash_attn_varlen_func, q, k, v, cu_q, cu_k[:2], 8, 10)
+
+
+def test_varlen_cu_seqlens_rank():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(ValueError, "cu_seqlens_q must be 1-D", flash_attn_varlen_func, q, k, v, cu_q[None], cu_k, 8, 10)
+
+
+def test_varlen_cu_seqlens_not_tensor():
+    q, k, v, _, cu_k = varlen_qkv()
+    raises(TypeError, "cu_seqlens_q must be a torch.Tensor", flash_attn_varlen_func, q, k, v, [0, 8, 20], cu_k, 8, 10)
+
+
+def test_varlen_seqused_length():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(ValueError, "seqused_k must have length 2", flash_attn_varlen_func, q, k, v, cu_q, cu_k, 8, 10,
+           seqused_k=torch.zeros(3, dtype=torch.int32))
+
+
+def test_varlen_rank():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(ValueError, r"q must have shape \(total_tokens, nheads, headdim\)", flash_attn_varlen_func, q[None], k, v, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("value,exc", [(8.0, TypeError), (-1, ValueError), (torch.tensor([8]), TypeError), (torch.tensor(8.0), TypeError)])
+def test_varlen_max_seqlen(value, exc):
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(exc, "max_seqlen_q", flash_attn_varlen_func, q, k, v, cu_q, cu_k, value, 10)
+
+
+def test_varlen_max_seqlen_tensor_accepted_without_reading_it():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    # A 0-d tensor passes validation (the next error is the device check, so it was not rejected).
+    raises(ValueError, "CUDA device", flash_attn_varlen_func, q, k, v, cu_q, cu_k, torch.tensor(12), torch.tensor(14))
+
+
+def test_varlen_cu_seqlens_on_other_device_than_q():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    raises(ValueError, "cu_seqlens_q must be on the same device as q", validate._check_devices, _fake_cuda(q), {"cu_seqlens_q": cu_q})
