@@ -19,11 +19,13 @@ class FwdTile:
 # Ampere FA2 forward (kernels/fwd_sm80.py): 4 warps split along the query rows, 16-bit inputs.
 # Smem = (tile_m + 2 * tile_n) * hdim * 2 B (Q + K + V, one stage each).
 FWD_SM80_TILES: dict[int, FwdTile] = {
-    # 128x128: S is 128 fp32 regs/thread at 4 warps; Q+K+V = 48 KB. FA2's A100 choice for hdim 64.
-    64: FwdTile(tile_m=128, tile_n=128, num_threads=128),
-    # 128x64: keeps S at 64 regs/thread so O (128x128 fp32 = 128 regs) fits without spills; Q+K+V = 64 KB.
-    # FA2's A100 choice for hdim 128.
-    128: FwdTile(tile_m=128, tile_n=64, num_threads=128),
+    # 128x128, 8 warps (16 query rows each): FA2's A100 tile at 4 warps spills 104-444 B at 255 regs/thread
+    # in our kernel; 8 warps halve the S/P/O fragments per thread (209-250 regs, no spills; ptxas,
+    # CuTe DSL 4.8.1, sm_80 and sm_90a, 2026-11-21).
+    64: FwdTile(tile_m=128, tile_n=128, num_threads=256),
+    # 128x64, 8 warps: at 4 warps 128x64 spills 108-196 B (FA2's C++ spills there too) and even 128x32
+    # spills on sm_90a when causal; 8 warps give 204-216 regs, no spills.
+    128: FwdTile(tile_m=128, tile_n=64, num_threads=256),
 }
 
 

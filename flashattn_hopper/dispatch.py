@@ -28,6 +28,7 @@ SUPPORTED_ARCHS_TEXT = "compute capability 8.x (Ampere/Ada, backend 'sm80') or 9
 # Compile targets of the CuTe DSL for each backend when compiling ahead of time (precompile).
 PRECOMPILE_TARGETS = {"sm90": "sm_90a", "sm80": "sm_80"}
 
+_MAX_GRID_YZ = 65535  # the sm80 forward puts heads on grid y and batch on grid z
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -123,6 +124,8 @@ class FwdSm80:
             return "window_size (sliding-window attention) is not implemented yet on the sm80 backend"
         if p.softcap != 0.0:
             return "softcap is not implemented yet on the sm80 backend"
+        if p.nheads > _MAX_GRID_YZ or p.batch > _MAX_GRID_YZ:
+            return f"nheads ({p.nheads}) and batch ({p.batch}) must each be <= {_MAX_GRID_YZ} (CUDA grid y/z limit)"
         return None
 
     def key(self, p: AttnProblem, arch: str) -> FwdKey:

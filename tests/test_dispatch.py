@@ -111,7 +111,7 @@ def test_key_holds_no_shapes():
     spec = dispatch.FWD_KERNELS["sm80"]
     short, long = spec.key(problem(batch=1, seqlen_q=17, seqlen_k=5), "sm_80"), spec.key(problem(batch=64, seqlen_q=8192, seqlen_k=8192), "sm_80")
     assert short == long and short.digest == long.digest
-    assert short.name == "fwd_sm80-sm_80-dtypebf16-head_dim128-head_dim_v128-tile_m128-tile_n64-num_threads128"
+    assert short.name == "fwd_sm80-sm_80-dtypebf16-head_dim128-head_dim_v128-tile_m128-tile_n64-num_threads256"
     assert spec.key(problem(causal=True), "sm_80").name.endswith("-causal")
 
 

@@ -1,0 +1,93 @@
+"""Element masks applied to an S block (``-inf`` where a key is not visible).
+
+Purpose: inside the key blocks that ``BlockInfo`` flags as straddling a boundary, set the
+scores of invisible (row, key) pairs to ``-inf`` before the online softmax:
+- the key-length bound ``j < seqlen_k`` (only the first block visited can be cut by it);
+- the causal / right-window bound ``j <= i + seqlen_k - seqlen_q + window_right``
+  (bottom-right aligned, causal = ``window_right = 0``);
+- the left-window bound ``j >= i + seqlen_k - seqlen_q - window_left`` (local attention).
+Which bounds apply is a compile-time choice of the caller, so blocks that need none carry no
+masking code at all (design doc 1.9, pitfall 15).
+
+Technique: column coordinates come from thread 0's partition of an identity tensor, which are
+compile-time constants; this thread's column offset is folded into the runtime limit once per
+row, so each element costs one integer compare and one select (design doc 1.9, ``t0ScS``).
+A score modifier such as softcap runs on S before masking and needs nothing from here.
+
+Constraints: S in the MMA C layout of ``thr_mma`` (sm80 ``mma.sync`` or sm90 WGMMA), viewed as
+rows/cols with ``utils.acc_rows_cols``; ``n_block >= 0``.
+
+Paper: FlashAttention-2 (Dao, 2023) section 3.1.1 (causal masking on the diagonal blocks only).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .utils import acc_rows_cols
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    tile_m: int
+    tile_n: int
+    seqlen_q: Int32
+    seqlen_k: Int32
+    window_left: Int32 | None = None
+    window_right: Int32 | None = None
+
+    @cute.jit
+    def apply(
+        self,
+        acc_S: cute.Tensor,
+        thr_mma: cute.ThrMma,
+        m_block: Int32,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool] = False,
+    ) -> None:
+        """Mask one ``(tile_m, tile_n)`` S block of this thread in place."""
+        acc_S_mn = acc_rows_cols(acc_S)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = acc_rows_cols(thr_mma.partition_C(cS))
+        t0ScS_mn = acc_rows_cols(thr_mma.get_slice(0).partition_C(cS))
+        num_rows = cute.size(acc_S_mn.shape[0])
+        num_cols = cute.size(acc_S_mn.shape[1])
+        # Global key index of this thread's column c is col_base + t0ScS_mn[0, c][1].
+        col_base = n_block * self.tile_n + tScS_mn[0, 0][1]
+        col_limit_seqlen = self.seqlen_k - col_base
+        if cutlass.const_expr(not mask_causal and not mask_local):
+            if cutlass.const_expr(mask_seqlen):
+                for c in cutlass.range_constexpr(num_cols):
+                    key_oob = t0ScS_mn[0, c][1] >= col_limit_seqlen
+                    for r in cutlass.range_constexpr(num_rows):
+                        acc_S_mn[r, c] = -Float32.inf if key_oob else acc_S_mn[r, c]
+        else:
+            # Row i sees keys up to i + diag_offset (+ window_right), from i + diag_offset
+            # - window_left; both limits are taken relative to col_base.
+            diag_offset = self.seqlen_k - self.seqlen_q - col_base
+            row_base = m_block * self.tile_m
+            for r in cutlass.range_constexpr(num_rows):
+                row_idx = row_base + tScS_mn[r, 0][0]
+                col_limit_right = row_idx + diag_offset + 1
+                if cutlass.const_expr(mask_local):
+                    col_limit_right = (
+                        col_limit_right + self.window_right
+                        if cutlass.const_expr(self.window_right is not None)
+                        else Int32(self.tile_n)
+                    )
+                if cutlass.const_expr(mask_seqlen):
+                    col_limit_right = cutlass.min(col_limit_right, col_limit_seqlen)
+                if cutlass.const_expr(mask_local and self.window_left is not None):
+                    col_limit_left = row_idx + diag_offset - self.window_left
+                    for c in cutlass.range_constexpr(num_cols):
+                        col = t0ScS_mn[0, c][1]
+                        hidden = col >= col_limit_right or col < col_limit_left
+                        acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
+                else:
+                    for c in cutlass.range_constexpr(num_cols):
+                        hidden = t0ScS_mn[0, c][1] >= col_limit_right
+                        acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]

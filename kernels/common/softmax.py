@@ -1,0 +1,127 @@
+"""Online softmax over the rows of an MMA accumulator, kept in registers.
+
+Purpose: the running ``row_max`` / ``row_sum`` statistics of FlashAttention. Each thread owns a
+few rows of the S tile (2 per 16-row MMA atom); the 4 threads of a quad hold the columns of a
+row, so a row reduction is a thread-local reduction plus two ``shfl.bfly`` steps.
+
+Numerics (design doc 1.6, pitfall 18):
+- ``scale_log2 = softmax_scale * log2(e)`` is folded into the exponent:
+  ``P = exp2(S * scale_log2 - row_max * scale_log2)`` (one FFMA + one MUFU.EX2 per element).
+  This assumes ``softmax_scale > 0`` (the max is taken on the unscaled S), as in FA2/FA3/FA4.
+- A row whose max is still ``-inf`` (every key masked so far) uses 0 as its offset, so the
+  exponent is ``-inf`` (P = 0) instead of ``-inf - -inf = NaN``.
+- ``row_sum`` is kept thread-local inside the key loop and reduced across the quad once, in
+  ``finalize``.
+- ``finalize``: a row with ``row_sum == 0`` (it saw no key, e.g. causal with
+  ``seqlen_q > seqlen_k``) gets output scale 0 and LSE ``-inf``; otherwise
+  ``O *= 1 / row_sum`` and ``LSE = (row_max * scale_log2 + log2(row_sum)) * ln(2)`` (natural log).
+
+Constraints: fp32 accumulators in the sm80/sm90 MMA C layout (see ``utils.acc_rows_cols``).
+A score modifier (softcap) would run on S before ``update``; with one, the caller passes
+``scale_log2 = log2(e)`` and applies ``softmax_scale`` inside the modifier.
+
+Paper: FlashAttention-2 (Dao, 2023) section 3.1, Algorithm 1 lines 8-12 (online softmax with
+the rescaling of O deferred to the end).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .utils import LN_2, acc_rows_cols
+
+
+def _chained_reduce(row: cute.Tensor, op, num_chains: int):
+    """Reduce a 1-D register view with ``num_chains`` independent chains.
+
+    Independent partial results let the FMNMX/FADD latencies overlap instead of forming one
+    serial chain of ``size(row)`` dependent instructions.
+    """
+    n = cute.size(row)
+    chains = num_chains if n % num_chains == 0 else 1
+    partial = [row[i] for i in range(chains)]
+    for i in range(chains, n, chains):
+        for j in range(chains):
+            partial[j] = op(partial[j], row[i + j])
+    while len(partial) > 1:
+        partial = [op(partial[2 * i], partial[2 * i + 1]) for i in range(len(partial) // 2)] + (
+            [partial[-1]] if len(partial) % 2 else []
+        )
+    return partial[0]
+
+
+class OnlineSoftmax:
+    """Running softmax statistics for ``num_rows`` accumulator rows of the calling thread."""
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.num_rows = num_rows
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def update(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Fold one (already masked) S block in: S is overwritten with P, returns the O row scale.
+
+        The returned ``row_scale[r] = exp2((old_max - new_max) * scale_log2)`` must be applied
+        to the O accumulator before this block's P.V is added (``rescale_O``). On the first
+        block O is zero, so the scale is 1 and need not be applied.
+        """
+        acc_S_mn = acc_rows_cols(acc_S)
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        scale_log2 = self.scale_log2
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = acc_S_mn[r, None]
+            row_max_cur = _chained_reduce(row, cute.arch.fmax, 4)
+            row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
+            row_max_prev = self.row_max[r]
+            if cutlass.const_expr(not is_first):
+                row_max_cur = cute.arch.fmax(row_max_cur, row_max_prev)
+            self.row_max[r] = row_max_cur
+            # Fully masked row so far: offset 0 keeps exp2 at exp2(-inf) = 0, never NaN.
+            row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
+            neg_max_scaled = -(row_max_safe * scale_log2)
+            for c in cutlass.range_constexpr(cute.size(row)):
+                row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
+            row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = row_sum_cur
+            else:
+                row_scale[r] = cute.math.exp2(
+                    (row_max_prev - row_max_safe) * scale_log2, fastmath=True
+                )
+                self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum_cur
+        return row_scale
+
+    @cute.jit
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        """Multiply each row of the O accumulator by its scale."""
+        acc_O_mn = acc_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
+
+    @cute.jit
+    def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
+        """Reduce ``row_sum`` across the quad; return ``(o_scale, lse)`` per row.
+
+        ``o_scale`` is what O must be multiplied by (``1 / row_sum``, or 0 for a row that saw
+        no key), ``lse`` is the natural-log log-sum-exp of the scaled scores (``-inf`` for such
+        a row). A NaN sum (NaN inputs) is treated like an empty row for the LSE.
+        """
+        o_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        lse = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row_sum = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            is_empty = row_sum == 0.0 or row_sum != row_sum
+            o_scale[r] = Float32(0.0) if is_empty else cute.arch.rcp_approx(row_sum)
+            log_sum = cute.math.log2(row_sum, fastmath=True)
+            lse[r] = (
+                -Float32.inf
+                if is_empty
+                else (self.row_max[r] * self.scale_log2 + log_sum) * LN_2
+            )
+        return o_scale, lse
