@@ -8,16 +8,16 @@ are printed, not failed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flashattn_hopper import dispatch
 
-REPO = Path(__file__).resolve().parents[1]
+from ._subprocess import REPO, subprocess_env
+
+
 pytestmark = pytest.mark.compile_only
 TARGETS = ["sm_80", "sm_90a"]
 
@@ -28,7 +28,7 @@ def compiled(tmp_path_factory):
     results = {}
     for arch in TARGETS:
         work = tmp_path_factory.mktemp(arch)
-        env = dict(os.environ, PYTHONPATH=str(REPO), FLASHATTN_HOPPER_CACHE="0")
+        env = subprocess_env(FLASHATTN_HOPPER_CACHE="0")
         proc = subprocess.run([sys.executable, "-m", "tests._compile_variants", arch, str(work / "out.json"), str(work / "dump")],
                               env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
         assert proc.returncode == 0, proc.stderr[-4000:]

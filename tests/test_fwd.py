@@ -7,10 +7,8 @@ Runs every backend the GPU can run: on Hopper both 'sm90' (once it exists) and t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +17,12 @@ from flashattn_hopper import flash_attn_func, validate
 from flashattn_hopper.api import _fwd
 from flashattn_hopper.testing import assert_close_to_ref, attention_ref
 
+from ._subprocess import subprocess_env
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_FAST, SEQLENS_SLOW
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
-REPO = Path(__file__).resolve().parents[1]
+
 
 
 def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, device="cuda", seed=0):
@@ -190,7 +189,7 @@ def test_fresh_process_runs_kernel_loaded_from_disk(tmp_path):
         "ok=max_err_check(out, attention_ref(q,k,v,causal=True)[0], attention_ref(q,k,v,causal=True,upcast=False)[0])[0];"
         "s=compile_cache.stats; print(json.dumps(dict(ok=ok, first_call_s=dt, compiles=s.compiles, disk_hits=s.disk_hits)))"
     )
-    env = dict(os.environ, FLASHATTN_HOPPER_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    env = subprocess_env(FLASHATTN_HOPPER_CACHE_DIR=str(tmp_path))
     env.pop("FLASHATTN_HOPPER_CACHE", None)
     runs = []
     for _ in range(2):

@@ -7,7 +7,6 @@ fake tensors) in fresh processes against a private cache directory.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +15,13 @@ import pytest
 
 from flashattn_hopper import jit
 
-REPO = Path(__file__).resolve().parents[1]
+from ._subprocess import REPO, subprocess_env
+
+
 
 
 def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"FLASHATTN_HOPPER_CACHE_DIR": str(cache_dir), "CUTE_DSL_ARCH": "sm_80", "PYTHONPATH": str(REPO)})
+    env = subprocess_env(FLASHATTN_HOPPER_CACHE_DIR=str(cache_dir), CUTE_DSL_ARCH="sm_80")
     env.pop("FLASHATTN_HOPPER_CACHE", None)
     env.update(extra)
     return env

@@ -95,7 +95,7 @@ def test_gqa_equals_repeated_kv():
 
 
 def test_varlen_equals_per_sequence_dense():
-    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    lens_q = [3, 0, 5]
     cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     cu_k = torch.tensor([0, 4, 6, 12], dtype=torch.int32)
     q, k, v = _rand(8, 2, 8), _rand(12, 2, 8), _rand(12, 2, 8)
