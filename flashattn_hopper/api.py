@@ -14,28 +14,8 @@ from typing import Any
 import torch
 
 from . import dispatch, validate
-from .jit import compile_cache
+from .backends.common import VarlenArgs
 from .validate import AttnProblem
-
-
-def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    if t.shape[-1] == head_dim:
-        return t
-    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
-
-
-def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements."""
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
-        return t
-    return t.contiguous()
-
-
-def _empty_result(q: torch.Tensor, p: AttnProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Results with no kernel launch: empty batches or queries, or no keys at all (O = 0, LSE = -inf)."""
-    out = torch.zeros(p.batch, p.seqlen_q, p.nheads, p.head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.full((p.batch, p.nheads, p.seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
 
 
 def _fwd(
@@ -44,30 +24,12 @@ def _fwd(
     v: torch.Tensor,
     p: AttnProblem,
     backend: str | None,
+    varlen: VarlenArgs | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward launch. ``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous
-    with the kernel's padded head dim."""
-    spec = dispatch.fwd_kernel_for(q.device, backend, p)
-    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
-        return _empty_result(q, p)
-    key = spec.key(p, dispatch.target_arch())
-    compiled = compile_cache.get(key, spec.compile)
-    q_k, k_k, v_k = (_kernel_ready(_pad_head_dim(t, key.head_dim)) for t in (q, k, v))
-    if out is None:
-        out = torch.empty(p.batch, p.seqlen_q, p.nheads, key.head_dim_v, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        compiled(
-            *(dispatch.to_cute(t) for t in (q_k, k_k, v_k, out, lse)),
-            p.softmax_scale,
-            dispatch.current_stream(q.device),
-        )
-    if key.head_dim_v != p.head_dim_v:
-        out = out[..., : p.head_dim_v]
-    return out, lse
+    family = dispatch.fwd_kernel_for(q.device, backend, p)
+    return family.forward(q, k, v, p, varlen, out=out, lse=lse)
 
 
 class FlashAttnFunc(torch.autograd.Function):

@@ -76,7 +76,7 @@ def test_poisoned_outputs_are_fully_overwritten(head_dim, causal):
     out = torch.full((2, 239, 4, head_dim), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((2, 4, 239), float("nan"), dtype=torch.float32, device="cuda")
     p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    _fwd(q, k, v, p, "sm80", out=out, lse=lse)
+    _fwd(q, k, v, p, "sm80", None, out=out, lse=lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
     out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)

@@ -1,0 +1,124 @@
+"""Pieces every kernel family's launcher shares: the family interface, dtype names, fake tensors for
+compiling without a GPU, conversion of torch tensors at call time, the current stream, padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..jit import KernelKey
+from ..validate import AttnProblem
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+MAX_GRID_YZ = 65535  # CUDA grid y/z limit
+
+
+@dataclass(frozen=True)
+class VarlenArgs:
+    """The varlen side inputs, as the user gave them (validated; never read on the host)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_q: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    max_seqlen_q: int | torch.Tensor | None
+    max_seqlen_k: int | torch.Tensor | None
+
+
+class FwdFamily(Protocol):
+    backend: str
+
+    def can_implement(self, p: AttnProblem) -> str | None: ...
+
+    def all_keys(self, arch: str) -> list[KernelKey]: ...
+
+    def compile(self, key: KernelKey, options: str | None = None) -> Any: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out ``(b, s_q, h, dv)`` (varlen ``(total_q, h, dv)``), lse ``(b, h, s_q)`` (varlen ``(h, total_q)``)."""
+        ...
+
+
+class BwdFamily(Protocol):
+    backend: str
+
+    def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None: ...
+
+    def all_keys(self, arch: str) -> list[KernelKey]: ...
+
+    def compile(self, key: KernelKey, options: str | None = None) -> Any: ...
+
+    def backward(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq, dk, dv shaped like q, k, v."""
+        ...
+
+
+def cutlass_dtype(name: str) -> Any:
+    import cutlass
+
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
+
+
+def fake_bshd(dtype: Any, batch: Any, seqlen: Any, heads: Any, dim: Any) -> Any:
+    """A fake (batch, seqlen, heads, dim) tensor with the ABI of ``to_cute`` at call time: every shape
+    dynamic, every stride but the last dynamic and declared a multiple of 8 elements (``kernel_ready``
+    guarantees it), data 16-byte aligned."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+    return make_fake_tensor(dtype, (batch, seqlen, heads, dim), stride=(*strides, 1), assumed_align=16)
+
+
+def fake_f32(shape: tuple[Any, ...]) -> Any:
+    """A fake fp32 tensor (LSE-like): dynamic shapes and strides, last stride 1."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    strides = tuple(cute.sym_int64() for _ in range(len(shape) - 1))
+    return make_fake_tensor(cutlass.Float32, shape, stride=(*strides, 1), assumed_align=16)
+
+
+def to_cute(t: torch.Tensor) -> Any:
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def current_stream(device: torch.device) -> Any:
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    if t.shape[-1] == head_dim:
+        return t
+    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+
+
+def kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements."""
+    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
+def empty_result(q: torch.Tensor, p: AttnProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Results with no kernel launch: empty batches or queries, or no keys at all (O = 0, LSE = -inf)."""
+    if p.is_varlen:  # seqlen_q is total_q
+        out_shape, lse_shape = (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+    else:
+        out_shape, lse_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v), (p.batch, p.nheads, p.seqlen_q)
+    out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
