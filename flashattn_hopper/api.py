@@ -33,20 +33,23 @@ def _fwd(
 
 
 class FlashAttnFunc(torch.autograd.Function):
+    """Autograd for both entry points; ``varlen`` is None for the dense layout."""
+
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, backend: str | None,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _fwd(q, k, v, p, backend)
+                deterministic: bool, varlen: VarlenArgs | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _fwd(q, k, v, p, backend, varlen)
         ctx.mark_non_differentiable(lse)
-        ctx.problem, ctx.backend, ctx.deterministic = p, backend, deterministic
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem, ctx.backend, ctx.deterministic, ctx.varlen = p, backend, deterministic, varlen
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[None, ...]:
-        raise NotImplementedError(
-            "the attention backward pass is not implemented yet in flashattn_hopper "
-            "(forward-only for now; the sm80 backward is tracked by issue 3, the sm90 backward later)"
-        )
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        family = dispatch.bwd_kernel_for(q.device, ctx.backend, ctx.problem, ctx.deterministic)
+        dq, dk, dv = family.backward(dout, q, k, v, out, lse, ctx.problem, ctx.varlen, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attn_func(
@@ -77,7 +80,7 @@ def flash_attn_func(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
     p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap)
-    out, lse = FlashAttnFunc.apply(q, k, v, p, backend, deterministic)
+    out, lse = FlashAttnFunc.apply(q, k, v, p, backend, deterministic, None)
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 
@@ -117,6 +120,6 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale, causal, window_size, softcap,
     )
-    # Raises NotImplementedError naming the missing feature until a backend has varlen kernels.
-    dispatch.fwd_kernel_for(q.device, backend, p)
-    raise NotImplementedError("cu_seqlens_q: varlen attention is not implemented yet")  # pragma: no cover
+    varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    out, lse = FlashAttnFunc.apply(q, k, v, p, backend, deterministic, varlen)
+    return (out, lse) if (return_lse or return_attn_probs) else out

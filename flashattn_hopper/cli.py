@@ -87,23 +87,24 @@ def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | 
     from .jit import compile_cache
 
     # On a Hopper target, compile the Ampere kernels too: they serve backend='sm80' on Hopper.
-    families = ["sm90", "sm80"] if arch_name == "sm90" else ["sm80"]
+    backends = dispatch.BACKENDS_FOR_TARGET[target]
     keys = []
-    for family in families:
-        for key in dispatch.FWD_KERNELS[family].all_keys(target):
-            if head_dims and not any(key.head_dim == _kernel_hdim(dispatch.FWD_KERNELS[family], d) for d in head_dims):
-                continue
-            if dtypes and key.dtype not in dtypes:
-                continue
-            keys.append((family, key))
+    for backend in backends:
+        for family in dispatch.families(backend):
+            for key in family.all_keys(target):
+                head_dim = getattr(key, "head_dim", None)
+                if head_dims and head_dim is not None and not any(_serves(family, head_dim, d) for d in head_dims):
+                    continue
+                if dtypes and getattr(key, "dtype", None) not in (None, *dtypes):
+                    continue
+                keys.append((family, key))
     report = []
     for i, (family, key) in enumerate(keys, 1):
-        spec = dispatch.FWD_KERNELS[family]
         events_before = len(compile_cache.stats.events)
         start = time.perf_counter()
         status, error = "ok", ""
         try:
-            compile_cache.get(key, spec.compile)
+            compile_cache.get(key, family.compile)
         except Exception as e:  # report every kernel, even when one fails
             status, error = "FAILED", f"{type(e).__name__}: {e}".splitlines()[0]
         seconds = time.perf_counter() - start
@@ -116,10 +117,14 @@ def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | 
     return report
 
 
-def _kernel_hdim(spec: Any, head_dim: int) -> int | None:
+def _serves(family: Any, kernel_head_dim: int, head_dim: int) -> bool:
+    """Whether a kernel compiled for ``kernel_head_dim`` is the one used for a user's ``head_dim``."""
     from . import configs
 
-    return configs.kernel_head_dim(spec.tiles, head_dim, head_dim) if hasattr(spec, "tiles") else None
+    tiles = getattr(family, "tiles", None)
+    if not tiles:
+        return kernel_head_dim == head_dim
+    return configs.kernel_head_dim(tiles, head_dim, head_dim) == kernel_head_dim
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .backends.common import FwdFamily
+from .backends.common import BwdFamily, FwdFamily
+from .backends.sm80_bwd import BwdSm80
 from .backends.sm80_fwd import FwdSm80
+from .backends.sm90_bwd import BwdSm90
 from .backends.sm90_fwd import FwdSm90
 from .env import settings
 from .jit import target_arch
@@ -26,6 +28,8 @@ BACKENDS = ("sm90", "sm80")
 SUPPORTED_ARCHS_TEXT = "compute capability 8.x (Ampere/Ada, backend 'sm80') or 9.0 (Hopper, backend 'sm90')"
 # Compile targets of the CuTe DSL for each backend when compiling ahead of time (precompile).
 PRECOMPILE_TARGETS = {"sm90": "sm_90a", "sm80": "sm_80"}
+# Kernel families that run on each compile target: Hopper runs its own and the Ampere kernels.
+BACKENDS_FOR_TARGET = {"sm_90a": ("sm90", "sm80"), "sm_80": ("sm80",)}
 
 
 
@@ -54,19 +58,38 @@ def select_backend(device: torch.device, requested: str | None) -> tuple[str, bo
 
 
 FWD_KERNELS: dict[str, FwdFamily] = {"sm90": FwdSm90(), "sm80": FwdSm80()}
+BWD_KERNELS: dict[str, BwdFamily] = {"sm90": BwdSm90(), "sm80": BwdSm80()}
+
+
+def families(backend: str) -> list[FwdFamily | BwdFamily]:
+    """Every kernel family of a backend, for precompile and the compile-only tests."""
+    return [FWD_KERNELS[backend], BWD_KERNELS[backend]]
 
 
 def fwd_kernel_for(device: torch.device, requested: str | None, p: AttnProblem) -> FwdFamily:
     backend, explicit = select_backend(device, requested)
-    spec = FWD_KERNELS[backend]
-    reason = spec.can_implement(p)
+    family = FWD_KERNELS[backend]
+    reason = family.can_implement(p)
     if reason is not None and not explicit and backend == "sm90":
-        spec, backend = FWD_KERNELS["sm80"], "sm80"
-        reason = spec.can_implement(p)
+        family = FWD_KERNELS["sm80"]  # auto on Hopper: the Ampere kernels run there too
+        reason = family.can_implement(p)
     if reason is not None:
         raise NotImplementedError(reason)
     check_target_arch(device)
-    return spec
+    return family
+
+
+def bwd_kernel_for(device: torch.device, requested: str | None, p: AttnProblem, deterministic: bool) -> BwdFamily:
+    backend, explicit = select_backend(device, requested)
+    family = BWD_KERNELS[backend]
+    reason = family.can_implement(p, deterministic)
+    if reason is not None and not explicit and backend == "sm90":
+        family = BWD_KERNELS["sm80"]
+        reason = family.can_implement(p, deterministic)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    check_target_arch(device)
+    return family
 
 
 def check_target_arch(device: torch.device) -> str:

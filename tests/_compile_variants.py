@@ -19,12 +19,13 @@ def main() -> None:
     arch, out_json, dump_root = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     nvdisasm = sass.find_nvdisasm()
     results = []
-    for spec in dispatch.FWD_KERNELS.values():
+    families = [f for backend in dispatch.BACKENDS_FOR_TARGET[arch] for f in dispatch.families(backend)]
+    for spec in families:
         for key in spec.all_keys(arch):
             dump_dir = dump_root / key.name
             dump_dir.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
-            row = {"kernel": key.name, "head_dim": key.head_dim, "error": None, "counts": None}
+            row = {"kernel": key.name, "head_dim": getattr(key, "head_dim", 0), "error": None, "counts": None}
             try:
                 spec.compile(key, options=f"--keep-cubin --dump-dir {dump_dir}")
                 row["seconds"] = time.perf_counter() - start

@@ -20,6 +20,11 @@ from ._subprocess import REPO, subprocess_env
 
 pytestmark = pytest.mark.compile_only
 TARGETS = ["sm_80", "sm_90a"]
+# Per kernel kind (the key's first field): instructions its SASS must contain.
+EXPECTED_OPCODES = {
+    "fwd_sm80": ("HMMA", "LDSM", "LDGSTS"),
+    "fwd_sm90": ("HGMMA", "UTMALDG", "USETMAXREG"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +44,10 @@ def compiled(tmp_path_factory):
 
 def _variants():
     for arch in TARGETS:
-        for spec in dispatch.FWD_KERNELS.values():
-            for key in spec.all_keys(arch):
-                yield pytest.param(arch, key.name, key.head_dim, id=key.name)
+        for backend in dispatch.BACKENDS_FOR_TARGET[arch]:
+            for family in dispatch.families(backend):
+                for key in family.all_keys(arch):
+                    yield pytest.param(arch, key.name, getattr(key, "head_dim", 0), id=key.name)
 
 
 @pytest.mark.parametrize("arch,name,head_dim", list(_variants()))
@@ -53,8 +59,8 @@ def test_variant_compiles_with_tensor_cores_and_no_spills(compiled, arch, name, 
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm): compiled, SASS not checked")
     counts = row["counts"]
     assert counts is not None, "no cubin was written"
-    if name.startswith("fwd_sm80"):
-        assert counts["HMMA"] > 0 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0, counts
+    for opcode in EXPECTED_OPCODES.get(name.split("-")[0], ()):
+        assert counts[opcode] > 0, f"{name}: no {opcode} in the SASS: {counts}"
     spills = counts["LDL"] + counts["STL"]
     if head_dim <= 128:
         assert spills == 0, f"{name} spills to local memory: {counts['LDL']} LDL, {counts['STL']} STL"
