@@ -16,16 +16,56 @@ class FwdTile:
     num_threads: int
 
 
-# Ampere FA2 forward (kernels/fwd_sm80.py): 4 warps split along the query rows, 16-bit inputs.
-# Smem = (tile_m + 2 * tile_n) * hdim * 2 B (Q + K + V, one stage each).
+# Ampere FA2 forward (kernels/fwd_sm80.py): warps split along the query rows, 16-bit inputs.
+# Smem = (tile_m + 2 * stages * tile_n) * hdim * 2 B (Q + K + V; stages in backends/sm80_fwd.py).
+# What matters on H100/H200 is query rows per warp (tile_m / warps): 32 rows halve the shared-memory
+# bytes per mma.sync against 16 rows (each K/V fragment feeds twice the MMAs), and 4-warp CTAs at
+# <= 255 regs run 2 per SM, so one CTA's barrier waits hide behind the other's math. Measured on H200,
+# bf16, 16k tokens, hidden 2048, vs SDPA flash (FA2), 2026-11-21 (perf/NOTES_sm80.md).
 FWD_SM80_TILES: dict[int, FwdTile] = {
-    # 128x128, 8 warps (16 query rows each): FA2's A100 tile at 4 warps spills 104-444 B at 255 regs/thread
-    # in our kernel; 8 warps halve the S/P/O fragments per thread (209-250 regs, no spills; ptxas,
-    # CuTe DSL 4.8.1, sm_80 and sm_90a, 2026-11-21).
-    64: FwdTile(tile_m=128, tile_n=128, num_threads=256),
-    # 128x64, 8 warps: at 4 warps 128x64 spills 108-196 B (FA2's C++ spills there too) and even 128x32
-    # spills on sm_90a when causal; 8 warps give 204-216 regs, no spills.
-    128: FwdTile(tile_m=128, tile_n=64, num_threads=256),
+    # 128x64, 4 warps (32 rows each): S 64 + O 64 regs/thread, no spills; 1.11-1.37x FA2 at
+    # seqlens 512-16k (8 warps 128x128: 0.86-1.04x; 4 warps 128x128 spills, 1.06-1.15x).
+    64: FwdTile(tile_m=128, tile_n=64, num_threads=128),
+    # 128x32, 4 warps: S 32 + O 96 regs/thread, no spills with any flag; 0.94-1.01x FA2 at 2k/8k.
+    # 128x64 x 4 warps measures 1.06-1.07x but spills 10-30 registers causal or varlen on sm_90a.
+    96: FwdTile(tile_m=128, tile_n=32, num_threads=128),
+    # 128x32, 4 warps: S 32 + O 128 regs/thread, no spills dense; 1.03-1.20x FA2 (8 warps 128x64:
+    # 0.85-1.05x; FA2's own 4-warp 128x64 spills in our kernel, 1.00-1.14x). Local/softcap/varlen
+    # spill here and take 128x64 x 8 warps (backends/sm80_fwd.py, _FEATURE_TILES).
+    128: FwdTile(tile_m=128, tile_n=32, num_threads=128),
+    # 128x64, 8 warps (FA2's tile), 1 stage: S 32 + O 96 regs/thread; 1.03-1.06x FA2 at 2k/8k (2 stages
+    # 1.00-1.04x; 128x32 x 8 warps 0.87-0.90x; 64x64 x 4 warps 0.87-1.00x).
+    192: FwdTile(tile_m=128, tile_n=64, num_threads=256),
+    # 64x64, 4 warps (16 rows each), 1 stage: S 32 + O 128 regs/thread, 96 KB smem, so 2 CTAs per SM;
+    # 1.02-1.15x FA2 at 512-16k. FA2's 128x64 x 8 warps (1 CTA/SM) is 0.93-1.18x: ahead at long
+    # non-causal, behind at short and causal. 32-row warps would need 256 O regs/thread.
+    256: FwdTile(tile_m=64, tile_n=64, num_threads=128),
+}
+
+
+@dataclass(frozen=True)
+class FwdTileSm90:
+    tile_m: int  # query rows per CTA: 64 per MMA warpgroup
+    tile_n: int  # key rows per mainloop iteration
+    intra_wg_overlap: bool  # issue S_{j} = Q K_j^T before the softmax of the previous block ends
+    pingpong: bool  # named-barrier ping-pong between the MMA warpgroups
+
+
+# Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
+# Smem = (tile_m + 2 * 2 * tile_n) * hdim * 2 B; MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
+FWD_SM90_TILES: dict[int, FwdTileSm90] = {
+    # 192x128, 3 MMA WGs at 160 regs (FA4's tile): S 64 + O 32 + P 32 = 128 regs/thread, smem 88 KB.
+    # Measured vs 128x128 with 2 WGs (H200, bf16, 16k tokens, 2026-11-21): +7..23% at every seqlen
+    # 512-16k non-causal (519 vs 423 TFLOP/s at 16k); causal -1..+8% at >= 2k but -9% at 512-1k
+    # (more diagonal waste per 192-row tile). Numbers in perf/NOTES.md.
+    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    # 128x128, 2 MMA WGs (FA4's tile): smem 160 KB, regs S 64 + O 64 + P 32 = 160 of the 240 each MMA
+    # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
+    # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
+    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    # 128x80 (FA3/FA4): O takes 128 regs/thread, so S 40 + P 20 keep it under 240; smem 64 + 80 + 80
+    # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
+    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False),
 }
 
 
@@ -34,3 +74,25 @@ def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -
     need = max(head_dim, head_dim_v)
     fits = [d for d in sorted(table) if d >= need]
     return fits[0] if fits else None
+
+
+@dataclass(frozen=True)
+class BwdSm80Tile:
+    tile_m: int  # query rows per m_block step
+    tile_n: int  # key rows per CTA (dK/dV accumulated in registers)
+    num_threads: int
+    atom_m_sdp: int  # warps along M of the S/dP GEMMs (the rest along N)
+    atom_n_dkv: int  # warps along M (= keys) of the dK/dV GEMMs
+    atom_m_dq: int  # warps along M of the dQ GEMM
+
+
+# Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, Q/dO double-buffered, K/V once per CTA.
+# Smem = (4 * tile_m + 2 * tile_n) * hdim * 2 B + 2 * tile_m * tile_n * 2 B (Q, dO x2; K, V; P, dS).
+BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
+    # 128x128, warps 4x2 for every GEMM: FA2/FA3's sm80 bwd tile for d=64 (8 warps); 160 KiB smem;
+    # accumulators dK+dV 64 + S+dP 128 fp32 registers per thread.
+    64: BwdSm80Tile(tile_m=128, tile_n=128, num_threads=256, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4),
+    # 64x128, warps 2x4: FA2/FA3's sm80 bwd tile for d=128 (8 warps); 160 KiB smem; dK+dV 128 + S+dP 64
+    # fp32 registers per thread. (FA2/FA3 use 64x64 for d=256.)
+    128: BwdSm80Tile(tile_m=64, tile_n=128, num_threads=256, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),
+}

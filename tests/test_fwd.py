@@ -140,21 +140,13 @@ def test_auto_backend_runs_on_this_gpu():
 def test_explicit_sm90_does_not_fall_back():
     q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
     with pytest.raises(NotImplementedError, match="sm90"):
-        flash_attn_func(q, k, v, backend="sm90")
+        flash_attn_func(q, k, v, backend="sm90", softcap=30.0)
 
 
 def test_mixed_devices_named():
     q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="k must be on the same device as q"):
         flash_attn_func(q, k.cpu(), v)
-
-
-def test_backward_not_implemented_says_so():
-    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
-    q.requires_grad_(True)
-    out = flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs to check that cuda:1 inputs run on cuda:1")

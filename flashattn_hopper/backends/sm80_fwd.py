@@ -1,4 +1,10 @@
-"""Launcher of the Ampere FA2 forward (kernels/fwd_sm80.py): key, compile, launch."""
+"""Launcher of the Ampere FA2 forward (kernels/fwd_sm80.py): key, compile, launch.
+
+Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA.
+Head dims are zero-padded in Python up to a row of ``configs.FWD_SM80_TILES`` (``head_dim_v``
+separately, so 192/128 runs natively). Nothing here reads device memory: ``cu_seqlens``,
+``seqused`` and a tensor ``max_seqlen`` stay on the GPU (the kernel's grid is an upper bound).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,20 @@ from .common import (
     kernel_ready, pad_head_dim, to_cute,
 )
 
+# A window side that is unbounded goes to the kernel as this many tokens (no int32 overflow in the
+# kernel's index math as long as sequences are shorter than 2**30).
+_UNBOUNDED_WINDOW = 1 << 30
+# cp.async stages of K and V per kernel head dim (1 = FA2's schedule). 2 stages give each load a
+# whole block step to land: +0-9 % at 4 warps with 32-row warps on H200; -3 to -13 % at hdim 192 and
+# 256, whose tiles are 16-row warps (perf/NOTES_sm80.md).
+_NUM_STAGES = {64: 2, 96: 2, 128: 2, 192: 1, 256: 1}
+# Tiles for local / softcap / varlen variants where the table's tile spills. Those features keep a
+# few more values in registers through the key loop (window bounds, softcap scale, varlen offsets
+# and lengths, which dense kernels read from the parameter bank); at hdim 128 the 4-warp 128x32 tile
+# then spills 5-42 registers on sm_90a (causal varlen on sm_80 too; ptxas of DSL 4.8.1,
+# 2026-11-21). The 8-warp 128x64 tile (2 stages) is spill-free there, ~8 % slower dense on H200.
+_FEATURE_TILES = {128: (configs.FwdTile(tile_m=128, tile_n=64, num_threads=256), 2)}
+
 
 @dataclass(frozen=True)
 class FwdKey(KernelKey):
@@ -24,7 +44,46 @@ class FwdKey(KernelKey):
     tile_m: int
     tile_n: int
     num_threads: int
+    num_stages: int
     causal: bool
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
+    seqused_q: bool = False
+    seqused_k: bool = False
+
+
+def mask_flags(p: AttnProblem) -> tuple[bool, bool]:
+    """``(causal, local)`` as the kernel sees them: causal with a left window is local with
+    right = 0; a window ``(-1, 0)`` is causal; ``(-1, -1)`` is neither."""
+    left, right = p.window_left, p.window_right
+    if left < 0 and right < 0:
+        return p.causal, False
+    if left < 0 and right == 0:  # validate sets right = 0 for causal
+        return True, False
+    return False, True
+
+
+def _window_args(p: AttnProblem) -> tuple[int, int]:
+    return tuple(w if w >= 0 else _UNBOUNDED_WINDOW for w in (p.window_left, p.window_right))
+
+
+def _kernel_head_dims(tiles: dict, head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """(qk, v) kernel head dims: the table row holding both, and the smallest row holding v."""
+    hdim = configs.kernel_head_dim(tiles, head_dim, head_dim_v)
+    if hdim is None:
+        return None
+    return hdim, min(d for d in tiles if d >= head_dim_v)
+
+
+def _int_ready(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _int_to_cute(t: torch.Tensor) -> Any:
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=4).mark_layout_dynamic(leading_dim=0)
 
 
 class FwdSm80:
@@ -35,53 +94,93 @@ class FwdSm80:
     tiles = configs.FWD_SM80_TILES
 
     def can_implement(self, p: AttnProblem) -> str | None:
-        if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None:
+        if _kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v) is None:
             return (
-                f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented yet on the sm80 backend; "
+                f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented on the sm80 backend; "
                 f"supported: head dims up to {max(self.tiles)}"
             )
-        if p.is_varlen:
-            return "varlen (cu_seqlens_q/cu_seqlens_k) is not implemented yet on the sm80 backend"
-        if p.is_local and not (p.causal and p.window_left < 0):
-            return "window_size (sliding-window attention) is not implemented yet on the sm80 backend"
-        if p.softcap != 0.0:
-            return "softcap is not implemented yet on the sm80 backend"
-        if p.nheads > MAX_GRID_YZ or p.batch > MAX_GRID_YZ:
-            return f"nheads ({p.nheads}) and batch ({p.batch}) must each be <= {MAX_GRID_YZ} (CUDA grid y/z limit)"
+        if p.head_dim_v > p.head_dim:
+            return f"head_dim_v ({p.head_dim_v}) > head_dim ({p.head_dim}) is not implemented on the sm80 backend"
+        if p.softcap < 0.0:
+            return f"softcap must be >= 0 (0 disables it), got {p.softcap}"
+        if p.nheads > MAX_GRID_YZ:
+            return f"nheads ({p.nheads}) must be <= {MAX_GRID_YZ} (CUDA grid y limit)"
+        if not p.is_varlen and p.batch > MAX_GRID_YZ:
+            return f"batch ({p.batch}) must be <= {MAX_GRID_YZ} (CUDA grid z limit); use the varlen API"
+        if max(p.seqlen_q, p.seqlen_k) >= _UNBOUNDED_WINDOW:
+            return f"seqlen_q/seqlen_k ({p.seqlen_q}, {p.seqlen_k}) must be < 2**30 on the sm80 backend"
         return None
 
-    def key(self, p: AttnProblem, arch: str) -> FwdKey:
-        hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
-        assert hdim is not None, "can_implement() must accept the problem first"
-        tile = self.tiles[hdim]
+    def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdKey:
+        dims = _kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        assert dims is not None, "can_implement() must accept the problem first"
+        causal, local = mask_flags(p)
+        return self._key(
+            arch, DTYPE_NAMES[p.dtype], *dims, causal=causal, local=local, softcap=p.softcap > 0.0,
+            varlen=varlen is not None,
+            seqused_q=varlen is not None and varlen.seqused_q is not None,
+            seqused_k=varlen is not None and varlen.seqused_k is not None,
+        )
+
+    def _key(self, arch: str, dtype: str, hdim: int, hdim_v: int, **flags: bool) -> FwdKey:
+        tile, stages = self.tiles[hdim], _NUM_STAGES.get(hdim, 1)
+        if hdim in _FEATURE_TILES and any(flags.get(f, False) for f in ("local", "softcap", "varlen")):
+            tile, stages = _FEATURE_TILES[hdim]
         return FwdKey(
-            kernel=self.kind, arch=arch, dtype=DTYPE_NAMES[p.dtype], head_dim=hdim, head_dim_v=hdim,
-            tile_m=tile.tile_m, tile_n=tile.tile_n, num_threads=tile.num_threads, causal=p.causal,
+            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
+            tile_n=tile.tile_n, num_threads=tile.num_threads, num_stages=stages, **flags,
         )
 
     def all_keys(self, arch: str) -> list[FwdKey]:
-        """Every variant, for precompile and the compile-only tests."""
-        return [
-            FwdKey(kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
-                   tile_n=tile.tile_n, num_threads=tile.num_threads, causal=causal)
-            for hdim, tile in self.tiles.items() for dtype in ("bf16", "fp16") for causal in (False, True)
-        ]
+        """The variants users hit, for precompile and the compile-only tests (58 per arch). Rarer
+        combinations (local + varlen, fp16 local/softcap, seqused, other v head dims) compile on first use."""
+        dims = [(d, d) for d in self.tiles] + ([(192, 128)] if 192 in self.tiles and 128 in self.tiles else [])
+        keys = []
+        for hdim, hdim_v in dims:
+            for dtype in ("bf16", "fp16"):
+                for varlen in (False, True):
+                    for causal in (False, True):
+                        keys.append(self._key(arch, dtype, hdim, hdim_v, causal=causal, varlen=varlen))
+            keys.append(self._key(arch, "bf16", hdim, hdim_v, causal=False, local=True))
+            if hdim in (128, 256) and hdim == hdim_v:  # softcap models (Gemma 2: 256; Grok: 128)
+                for causal in (False, True):
+                    keys.append(self._key(arch, "bf16", hdim, hdim_v, causal=causal, softcap=True))
+        return keys
 
     def compile(self, key: FwdKey, options: str | None = None) -> Any:
         import cutlass
         import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
 
         from ..kernels.fwd_sm80 import FlashFwdSm80
 
         dtype = cutlass_dtype(key.dtype)
-        kernel = FlashFwdSm80(dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_threads, key.causal)
-        b, s_q, s_k, h, h_k, d, d_v = (cute.sym_int() for _ in range(7))
-        fakes = (
-            fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
-            fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)),
+        kernel = FlashFwdSm80(
+            dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_threads, key.causal,
+            is_local=key.local, has_softcap=key.softcap, num_stages=key.num_stages,
         )
+        h, h_k, d, d_v = (cute.sym_int() for _ in range(4))
+        if key.varlen:
+            total_q, total_k, b1, b = (cute.sym_int() for _ in range(4))
+
+            def packed(total: Any, heads: Any, dim: Any) -> Any:
+                strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
+                return make_fake_tensor(dtype, (total, heads, dim), stride=(*strides, 1), assumed_align=16)
+
+            def ints(n: Any) -> Any:
+                return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
+
+            tensors = (packed(total_q, h, d), packed(total_k, h_k, d), packed(total_k, h_k, d_v),
+                       packed(total_q, h, d_v), fake_f32((h, total_q)))
+            varlen_tensors = (ints(b1), ints(b1), ints(b) if key.seqused_q else None, ints(b) if key.seqused_k else None)
+        else:
+            b, s_q, s_k = (cute.sym_int() for _ in range(3))
+            tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
+                       fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
+            varlen_tensors = (None, None, None, None)
         kwargs = {"options": options} if options else {}
-        return cute.compile(kernel, *fakes, cutlass.Float32(1.0), cute.runtime.make_fake_stream(), **kwargs)
+        scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+        return cute.compile(kernel, *tensors, *scalars, *varlen_tensors, cute.runtime.make_fake_stream(), **kwargs)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
@@ -91,15 +190,33 @@ class FwdSm80:
         kernel's padded head dim."""
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return empty_result(q, p)
-        key = self.key(p, target_arch())
+        key = self.key(p, target_arch(), varlen)
         compiled = compile_cache.get(key, self.compile)
-        q_k, k_k, v_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k, v))
+        q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
+        v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
+        if key.varlen:
+            out_shape, lse_shape = (p.seqlen_q, p.nheads, key.head_dim_v), (p.nheads, p.seqlen_q)
+        else:
+            out_shape, lse_shape = (p.batch, p.seqlen_q, p.nheads, key.head_dim_v), (p.batch, p.nheads, p.seqlen_q)
         if out is None:
-            out = torch.empty(p.batch, p.seqlen_q, p.nheads, key.head_dim_v, dtype=q.dtype, device=q.device)
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         if lse is None:
-            lse = torch.empty(p.batch, p.nheads, p.seqlen_q, dtype=torch.float32, device=q.device)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        if key.seqused_q:  # the kernel writes only rows < seqused_q of each sequence
+            out.zero_()
+            lse.fill_(float("-inf"))
+        window_left, window_right = _window_args(p) if key.local else (0, 0)
+        softcap = p.softcap if key.softcap else 1.0
+        if varlen is not None:
+            ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
+            int_args = tuple(None if t is None else _int_to_cute(_int_ready(t)) for t in ints)
+        else:
+            int_args = (None, None, None, None)
         with torch.cuda.device(q.device):
-            compiled(*(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, current_stream(q.device))
+            compiled(
+                *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, window_left, window_right, softcap,
+                *int_args, current_stream(q.device),
+            )
         if key.head_dim_v != p.head_dim_v:
             out = out[..., : p.head_dim_v]
         return out, lse

@@ -16,9 +16,13 @@ Numerics (design doc 1.6, pitfall 18):
   ``seqlen_q > seqlen_k``) gets output scale 0 and LSE ``-inf``; otherwise
   ``O *= 1 / row_sum`` and ``LSE = (row_max * scale_log2 + log2(row_sum)) * ln(2)`` (natural log).
 
+Softcap (Gemma-2 style, ``s = softcap * tanh(s * softmax_scale / softcap)``): ``apply_softcap``
+runs on S before masking and ``update`` and leaves ``tanh(s * softmax_scale / softcap)``; the
+caller then builds ``OnlineSoftmax`` with ``scale_log2 = softcap * log2(e)`` so the exponent and
+the LSE come out in the capped units (``softcap_scale_log2`` gives both constants). The max is
+still taken before the scale, which is right because ``softcap > 0``.
+
 Constraints: fp32 accumulators in the sm80/sm90 MMA C layout (see ``utils.acc_rows_cols``).
-A score modifier (softcap) would run on S before ``update``; with one, the caller passes
-``scale_log2 = log2(e)`` and applies ``softmax_scale`` inside the modifier.
 
 Paper: FlashAttention-2 (Dao, 2023) section 3.1, Algorithm 1 lines 8-12 (online softmax with
 the rescaling of O deferred to the end).
@@ -28,7 +32,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .utils import LN_2, acc_rows_cols
+from .utils import LN_2, LOG2_E, acc_rows_cols
+
+
+def softcap_scale_log2(softmax_scale: Float32, softcap: Float32) -> tuple[Float32, Float32]:
+    """``(scale for apply_softcap, scale_log2 for OnlineSoftmax)`` when softcap is on."""
+    return softmax_scale / softcap, softcap * LOG2_E
+
+
+@cute.jit
+def apply_softcap(acc_S: cute.Tensor, softcap_scale: Float32) -> None:
+    """``S = tanh(S * softcap_scale)`` in place (``tanh.approx.f32``, one MUFU op per element)."""
+    for i in cutlass.range_constexpr(cute.size(acc_S)):
+        acc_S[i] = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
 
 
 def _chained_reduce(row: cute.Tensor, op, num_chains: int):

@@ -1,0 +1,84 @@
+"""Hopper (sm90) helpers: smem layouts for TMA + WGMMA, the WGMMA issue protocol, and the view of
+an S accumulator as the register A operand of the P.V WGMMA.
+
+Purpose: the small pieces the sm90 kernels need and the DSL does not ship in this form.
+- ``make_smem_layout_sm90``: a row-major (K-major) tile, optionally staged, built from the widest
+  WGMMA swizzle atom (128/64/32 B) the row holds. The same layout is legal for TMA (the DSL splits
+  a row wider than one swizzle span into several TMA boxes) and for WGMMA descriptors; the
+  transposed view of a V tile (``utils.transpose_view``) is the MN-major B operand of P.V.
+- ``wgmma``: ``warpgroup.fence`` -> one MMA per 16-deep k slice -> ``commit_group`` ->
+  optional ``wait_group``. A fresh MMA atom per call, because its ACCUMULATE field is mutated
+  (re-using one atom across calls trips an MLIR dominance error; design doc 1.5).
+- ``acc_to_frag_a_sm90``: the m64nNk16 C fragment ``((2, 2, N/8), MMA_M, MMA_N)`` re-grouped as
+  the k16 A fragment ``((2, 2, 2), MMA_M, (N/16, MMA_N))``: two neighbouring 8-column groups of C
+  hold, per thread, exactly the values the A operand of one k16 slice expects (design doc 1.5).
+
+Constraints: 16-bit inputs with fp32 accumulators; N/8 even for the A-fragment view.
+
+Paper: FlashAttention-3 (Shah et al., 2024) section 3.1 (WGMMA with P kept in registers).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+
+def make_smem_layout_sm90(
+    dtype: type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None
+) -> cute.ComposedLayout:
+    """Swizzled ``(rows, cols[, stages])`` smem layout, ``cols`` contiguous (K-major)."""
+    atom = warpgroup.make_smem_layout_atom(
+        hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: bool,
+    wg_wait: int,
+) -> None:
+    """``acc (+)= A B^T`` over all k slices of ``(MMA, MMA_M|N, MMA_K)`` operand fragments.
+
+    ``zero_init``: the first k slice overwrites ``acc`` (no fill needed). ``wg_wait``: after the
+    commit, wait until at most this many WGMMA groups of this warpgroup are in flight; negative:
+    return right after the issue (the caller waits later, which is how GEMMs overlap softmax).
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in range(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if wg_wait >= 0:
+        warpgroup.wait_group(wg_wait)
+
+
+def acc_to_frag_a_layout_sm90(layout: cute.Layout) -> cute.Layout:
+    """Layout of ``acc_to_frag_a_sm90`` (split out so it can be checked on static layouts)."""
+    if cute.size(layout.shape[0][2]) % 2 != 0:
+        raise ValueError("P-as-A-operand needs an even number of 8-column accumulator groups")
+    split = cute.logical_divide(layout, ((None, None, 2), None, None))
+    # ((2, 2, (2, N/16)), MMA_M, MMA_N): pair the 8-column groups into 16-deep k slices.
+    v_shape, v_stride = split.shape[0], split.stride[0]
+    return cute.make_layout(
+        ((v_shape[0], v_shape[1], v_shape[2][0]), split.shape[1], (v_shape[2][1], split.shape[2])),
+        stride=(
+            (v_stride[0], v_stride[1], v_stride[2][0]),
+            split.stride[1],
+            (v_stride[2][1], split.stride[2]),
+        ),
+    )
+
+
+def acc_to_frag_a_sm90(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 C fragment (e.g. P after conversion to 16 bits) as a WGMMA A fragment."""
+    return cute.make_tensor(acc.iterator, acc_to_frag_a_layout_sm90(acc.layout))

@@ -1,0 +1,752 @@
+"""FlashAttention-3 forward kernel for Hopper (sm90): ``FlashFwdSm90``.
+
+Purpose: ``O = softmax(Q K^T * softmax_scale) V`` and the natural-log LSE per query row, bf16/fp16
+inputs, fp32 accumulation, optional bottom-right-aligned causal masking, GQA/MQA (query head ``h``
+reads KV head ``h // (nheads // nheads_k)``, no K/V repeat), with the three FA3 techniques:
+warp specialisation (a TMA producer warp, MMA warpgroups with ``setmaxnreg``), intra-warpgroup
+overlap (the softmax of block ``j`` runs while the P.V GEMM of block ``j+1`` is in flight, see the
+class timeline) and inter-warpgroup ping-pong (named barriers serialise the GEMM issue of the MMA
+warpgroups so one warpgroup's softmax runs under the other's GEMMs).
+
+Constraints:
+- Q/K/V/O ``(batch, seqlen, nheads, head_dim)``, unit last stride, other strides multiples of 8
+  elements, 16-byte-aligned base pointers (TMA descriptors need 16-byte strides); LSE fp32
+  ``(batch, nheads, seqlen_q)``. All extents dynamic; the runtime head dim must equal the
+  compiled one (the launcher zero-pads), ``head_dim == head_dim_v``, a multiple of 16 up to 256.
+- Any ``seqlen_q, seqlen_k >= 1``: TMA zero-fills rows past the tensor, the first key block is
+  masked by ``seqlen_k``, O rows past ``seqlen_q`` are not stored.
+- ``softmax_scale > 0`` (``common/softmax.py``).
+
+Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
+ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); design doc
+``fa3_cute_design.md`` section 1.
+"""
+
+import enum
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+
+from .common.block_info import BlockInfo
+from .common.mask import AttentionMask
+from .common.sm90_utils import acc_to_frag_a_sm90, make_smem_layout_sm90, wgmma
+from .common.softmax import OnlineSoftmax
+from .common.utils import (
+    LOG2_E,
+    acc_rows_cols,
+    assume_strides_aligned,
+    convert_to_16bit,
+    select_modes,
+    transpose_view,
+)
+
+_SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
+_SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
+_WG_THREADS = 128
+# (producer, MMA warpgroup) registers per thread after setmaxnreg, by number of MMA warpgroups:
+# 128 * (producer + sum of MMA) must fit the 64K register file (FA3/FA4's values, design doc 1.1).
+_REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# fp32 accumulator registers (S + O) plus the 16-bit P (S / 2) one MMA thread may hold: the
+# rest of the budget is operand descriptors, softmax state and addresses (design doc 1.2).
+_MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
+
+
+class NamedBarrierFwd(enum.IntEnum):
+    """Hardware named barriers of the forward kernel (id 0 is ``__syncthreads``)."""
+
+    EPILOGUE = 1  # all MMA threads: sQ no longer read by any WGMMA / sO complete
+    WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
+    WARP_SCHEDULER_WG2 = 3
+    WARP_SCHEDULER_WG3 = 4
+
+
+@dataclass(frozen=True)
+class TileCoord:
+    """Which tile this CTA computes and the key blocks it visits (``n_block_min <= n < max``)."""
+
+    m_block: Int32
+    head_idx: Int32
+    batch_idx: Int32
+    head_idx_kv: Int32
+    n_block_min: Int32
+    n_block_max: Int32
+
+
+@dataclass(frozen=True)
+class MmaParts:
+    """One MMA thread's WGMMA fragments (descriptors for smem operands) and accumulator."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    thr_mma_qk: cute.ThrMma  # this thread's slice (coordinates for masking)
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
+    tOrVt: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
+    tOrP: cute.Tensor  # 16-bit A fragment of P
+    acc_O: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """What one key-block step needs besides the block index and its compile-time mask flags."""
+
+    mma: MmaParts
+    pipeline_k: pipeline.PipelineTmaAsync
+    pipeline_v: pipeline.PipelineTmaAsync
+    softmax: OnlineSoftmax
+    mask: AttentionMask
+    m_block: Int32
+    wg_idx: Int32  # MMA warpgroup index, 0-based
+
+
+class FlashFwdSm90:
+    """FA3 forward on sm90, non-persistent: one CTA computes one ``(tile_m, head_dim_v)`` tile of O.
+
+    Grid ``(ceil(seqlen_q / tile_m), nheads, batch)``; with causal masking the m_blocks run in
+    reverse (the longest rows, at the bottom, start first). ``128 * (1 + tile_m / 64)`` threads:
+
+        | warpgroup | warps    | registers | role                                             |
+        | WG0       | 0        | 24        | producer: TMA loads of Q, K[n], V[n]             |
+        | WG0       | 1-3      | 24        | idle (exit after setmaxnreg)                     |
+        | WG1..     | 4 each   | 240       | MMA: 64 query rows each, WGMMA + softmax + store |
+
+    Pipelines (mbarriers; producer arrive = one elected ``arrive.expect_tx``, consumer arrive =
+    lane 0 of every MMA warp, so the empty count is the number of MMA warps):
+
+        | pipeline   | stages | producer -> consumer        | tx bytes per stage        |
+        | pipeline_q | 1      | TMA Q -> every MMA warp     | tile_m * head_dim * 2     |
+        | pipeline_k | 2      | TMA K[n] -> every MMA warp  | tile_n * head_dim * 2     |
+        | pipeline_v | 2      | TMA V[n] -> every MMA warp  | tile_n * head_dim_v * 2   |
+
+    Key blocks run right to left (``n_block_max - 1`` down to ``n_block_min``); the first is the
+    only one cut by ``seqlen_k``; with causal the next few carry the diagonal mask and the rest
+    none. Blocks above the diagonal are never loaded. Per MMA warpgroup, with intra-WG overlap::
+
+        first: wait K[n0]; S = Q K^T; mask; softmax; P = cvt(S)
+        step j: wait K[j]; [sync own sched barrier] issue S = Q K[j]^T; wait V[j+1];
+                issue O += P V[j+1]; [arrive next WG's barrier]; wait S; release K[j];
+                mask; softmax (under the P.V GEMM); wait P.V; release V[j+1];
+                P = cvt(S); O *= row_scale
+        last:  release Q; wait V[n_min]; O += P V[n_min]; wait; release V
+
+    and the producer issues ``K[n0], Q, {K[j], V[j+1]}..., V[n_min]`` in that order. The
+    scheduler barriers make the warpgroups take turns issuing their GEMM sections, so one
+    warpgroup's softmax overlaps the other's tensor-core work (ping-pong). Epilogue: finalize
+    (O / row_sum, LSE), 16-bit O into sO with ``stmatrix`` (sO aliases sQ, after a barrier over
+    all MMA threads guarantees every QK^T WGMMA has read sQ), LSE from registers, then one TMA
+    store issued by the first MMA warp (rows past ``seqlen_q`` are clipped by the TMA unit).
+    A CTA that sees no key (causal, ``seqlen_q > seqlen_k``) loads nothing and stores O = 0,
+    LSE = -inf.
+    """
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int,
+        tile_m: int,
+        tile_n: int,
+        is_causal: bool,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+        num_stages: int = 2,
+    ):
+        reason = self.can_implement(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages)
+        if reason is not None:
+            raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.is_causal = is_causal
+        self.intra_wg_overlap = intra_wg_overlap
+        self.num_stages = num_stages
+        self.num_mma_wg = tile_m // 64
+        self.num_mma_threads = self.num_mma_wg * _WG_THREADS
+        self.num_threads = self.num_mma_threads + _WG_THREADS
+        self.producer_regs, self.mma_regs = _REGISTERS[self.num_mma_wg]
+        # Ping-pong needs two or more MMA warpgroups; FA3/FA4 switch it off above head dim 128
+        # (too few registers left for it to pay; design doc 1.8).
+        self.pingpong = pingpong and intra_wg_overlap and self.num_mma_wg >= 2 and head_dim <= 128
+        elem_bytes = dtype.width // 8
+        self.tx_bytes_q = tile_m * head_dim * elem_bytes
+        self.tx_bytes_k = tile_n * head_dim * elem_bytes
+        self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
+
+    @staticmethod
+    def can_implement(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2) -> str | None:
+        """None if this static config compiles into a correct kernel, else the reason why not."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype must be BFloat16 or Float16, got {dtype}"
+        if head_dim != head_dim_v:
+            return f"head_dim ({head_dim}) != head_dim_v ({head_dim_v}) is not implemented yet"
+        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
+            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if tile_m not in (64, 128, 192):
+            return f"tile_m must be 64, 128 or 192 (64 rows per MMA warpgroup), got {tile_m}"
+        if tile_n % 16 != 0 or not 16 <= tile_n <= 256:
+            return f"tile_n must be a multiple of 16 in [16, 256] (P as k16 A fragments), got {tile_n}"
+        if num_stages < 1:
+            return f"num_stages must be >= 1, got {num_stages}"
+        num_wg = tile_m // 64
+        threads = num_wg * _WG_THREADS
+        acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
+        if acc_regs > _MAX_ACC_REGS[num_wg]:
+            return (
+                f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[num_wg]} "
+                f"with {num_wg} MMA warpgroups); use a smaller tile_n"
+            )
+        elem_bytes = dtype.width // 8
+
+        def buf(n: int) -> int:
+            return (n * elem_bytes + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
+
+        smem = (
+            buf(tile_m * head_dim)
+            + buf(tile_n * head_dim * num_stages)
+            + buf(tile_n * head_dim_v * num_stages)
+            + _SMEM_ALIGN  # mbarriers
+        )
+        if smem > _SMEM_CAPACITY:
+            return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
+        return None
+
+    # ------------------------------------------------------------------ static building blocks
+
+    def _smem_layouts(self):
+        return (
+            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, self.num_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, self.num_stages),
+        )
+
+    def _tiled_mmas(self):
+        """S = Q K^T: SS, both K-major. O += P V: A = P from registers, B = V^T (MN-major)."""
+        tiled_mma_qk = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        def buffer(num_elems: int):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, num_elems], _SMEM_ALIGN]
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: buffer(cute.cosize(sQ_layout))  # sO reuses it (head_dim == head_dim_v)
+            sK: buffer(cute.cosize(sK_layout))
+            sV: buffer(cute.cosize(sV_layout))
+
+        return SharedStorage
+
+    # ------------------------------------------------------------------ host entry point
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim_v)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim_v), output
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32, output, natural log
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(
+            not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)
+            or mQ.element_type != self.dtype
+        ):
+            raise TypeError(f"Q/K/V/O must all be {self.dtype}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("LSE must be Float32")
+        # Kernel-side views: (seqlen, head_dim, head, batch); LSE (seqlen_q, head, batch).
+        mQ, mK, mV, mO = [
+            select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)
+        ]
+        mLSE = select_modes(mLSE, [2, 1, 0])
+        sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        # 4-D TMA descriptors over the whole tensors; a CTA indexes (head, batch) at issue time.
+        # Boxes past seqlen (or a -1 tile) are zero-filled and still count their full bytes.
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, mQ, sQ_layout, (self.tile_m, self.head_dim)
+        )
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim), 1
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v), 1
+        )
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim_v)
+        )
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        num_m_blocks = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale * LOG2_E, qhead_per_kvhead, SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim, nheads, batch)
+        mK: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim, nheads_k, batch)
+        mV: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v, nheads_k, batch)
+        mO: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v, nheads, batch)
+        mLSE: cute.Tensor,  # (seqlen_q, nheads, batch)
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        scale_log2: Float32,
+        qhead_per_kvhead: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Prologue (pipelines, smem views, block range), then role dispatch."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=producer, consumer_group=consumers,
+            tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+            tx_count=self.tx_bytes_k, barrier_storage=storage.mbar_k.data_ptr(), defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+            tx_count=self.tx_bytes_v, barrier_storage=storage.mbar_v.data_ptr(), defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+
+        sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        m_block, head_idx, batch_idx = cute.arch.block_idx()
+        if const_expr(self.is_causal):
+            # Longest-first: bottom tiles see the most keys under the causal mask.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        seqlen_q = mO.shape[0]
+        seqlen_k = mK.shape[0]
+        n_block_min, n_block_max = BlockInfo(self.tile_m, self.tile_n, self.is_causal).n_block_min_max(
+            seqlen_q, seqlen_k, m_block
+        )
+        tile = TileCoord(
+            m_block, head_idx, batch_idx, head_idx // qhead_per_kvhead, n_block_min, n_block_max
+        )
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v, tile,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma(
+                mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v, tile,
+                scale_log2, seqlen_q, seqlen_k,
+            )
+
+    @cute.jit
+    def load(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_k: pipeline.PipelineTmaAsync,
+        pipeline_v: pipeline.PipelineTmaAsync,
+        tile: TileCoord,
+    ):
+        """Producer warp: TMA Q once, K/V ring over the key blocks in the consumers' order."""
+        gQ = cute.local_tile(
+            mQ[None, None, tile.head_idx, tile.batch_idx], (self.tile_m, self.head_dim),
+            (tile.m_block, 0),
+        )
+        gK = cute.local_tile(
+            mK[None, None, tile.head_idx_kv, tile.batch_idx], (self.tile_n, self.head_dim), (None, 0)
+        )
+        gV = cute.local_tile(
+            mV[None, None, tile.head_idx_kv, tile.batch_idx], (self.tile_n, self.head_dim_v),
+            (None, 0),
+        )
+        cta_layout = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cta_layout, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        # ((atom, rest), stage) and ((atom, rest), n_block)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        if tile.n_block_max > tile.n_block_min:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
+            load_k = (tma_atom_K, tKgK, tKsK, pipeline_k)
+            load_v = (tma_atom_V, tVgV, tVsV, pipeline_v)
+            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            num_rest = tile.n_block_max - 1 - tile.n_block_min
+            if const_expr(self.intra_wg_overlap):
+                # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
+                for i in cutlass.range(num_rest, unroll=1):
+                    n_block_prev = tile.n_block_max - 1 - i
+                    state_prev = kv_state.clone()
+                    kv_state.advance()
+                    self._load_kv(*load_k, n_block_prev - 1, kv_state)
+                    self._load_kv(*load_v, n_block_prev, state_prev)
+                self._load_kv(*load_v, tile.n_block_min, kv_state)
+            else:
+                self._load_kv(*load_v, tile.n_block_max - 1, kv_state)
+                for i in cutlass.range(num_rest, unroll=1):
+                    kv_state.advance()
+                    self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state)
+                    self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
+
+    def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
+        """Wait for a free stage, expect its bytes, issue the TMA of key block ``n_block`` into it."""
+        pipe.producer_acquire(state)
+        cute.copy(
+            tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(state),
+        )
+
+    @cute.jit
+    def mma(
+        self,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_k: pipeline.PipelineTmaAsync,
+        pipeline_v: pipeline.PipelineTmaAsync,
+        tile: TileCoord,
+        scale_log2: Float32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """MMA warpgroups: main loop over key blocks, finalize, epilogue."""
+        tidx = cute.arch.thread_idx()[0] - _WG_THREADS  # 0 .. num_mma_threads - 1
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        # WGMMA fragments are per-warpgroup descriptors: slice by the warpgroup's first thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * _WG_THREADS)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * _WG_THREADS)
+        acc_O = cute.make_rmem_tensor(
+            tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
+        )
+        acc_O.fill(0.0)
+        mma = MmaParts(
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            thr_mma_qk=tiled_mma_qk.get_slice(tidx),
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
+            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
+            tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV))),
+            tOrP=wg_mma_pv.make_fragment_A(
+                wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))
+            ),
+            acc_O=acc_O,
+        )
+        softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k)
+        step = BlockStep(mma, pipeline_k, pipeline_v, softmax, mask, tile.m_block, wg_idx)
+
+        if const_expr(self.pingpong):
+            # The first MMA warpgroup gets the first turn at the tensor cores.
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1),
+                    number_of_threads=2 * _WG_THREADS,
+                )
+
+        if tile.n_block_max > tile.n_block_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            self.mainloop(step, pipeline_q, q_state, seqlen_q, seqlen_k, tile)
+
+        o_scale, lse = softmax.finalize()
+        softmax.rescale_O(acc_O, o_scale)
+        self.epilogue(
+            acc_O, lse, mO[None, None, tile.head_idx, tile.batch_idx],
+            mLSE[None, tile.head_idx, tile.batch_idx], sQ, tiled_mma_pv, tma_atom_O, tidx,
+            tile.m_block, seqlen_q,
+        )
+
+    @cute.jit
+    def mainloop(
+        self,
+        step: BlockStep,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        tile: TileCoord,
+    ):
+        """Key blocks right to left in up to three segments, each with its masking compiled in.
+
+        One loop body is the same GEMM/softmax sequence for every block; only the mask differs,
+        so the mask flags are compile-time and the unmasked segment carries no masking code.
+        """
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        n_block_first = tile.n_block_max - 1
+        if const_expr(self.intra_wg_overlap):
+            kv_state = self.first_half_block(step, kv_state, n_block_first)
+        else:
+            kv_state = self.one_block(
+                step, kv_state, n_block_first, is_first=True, mask_seqlen=True,
+                mask_causal=self.is_causal,
+            )
+        # Causal: blocks that may still cross the diagonal.
+        n_block_unmasked_end = n_block_first
+        if const_expr(self.is_causal):
+            n_block_mask_min = BlockInfo(self.tile_m, self.tile_n, True).n_block_min_right_mask(
+                seqlen_q, seqlen_k, tile.m_block, tile.n_block_min
+            )
+            n_block_unmasked_end = cutlass.min(n_block_unmasked_end, n_block_mask_min)
+            for i in cutlass.range(n_block_first - n_block_unmasked_end, unroll=1):
+                kv_state = self.one_block(
+                    step, kv_state, n_block_first - 1 - i, is_first=False, mask_seqlen=False,
+                    mask_causal=True,
+                )
+        # Everything left of the diagonal: no masking code at all.
+        for i in cutlass.range(n_block_unmasked_end - tile.n_block_min, unroll=1):
+            kv_state = self.one_block(
+                step, kv_state, n_block_unmasked_end - 1 - i, is_first=False, mask_seqlen=False,
+                mask_causal=False,
+            )
+        if const_expr(self.intra_wg_overlap):
+            # Every QK^T of this tile has completed: the producer may reuse sQ (it will not,
+            # the kernel is non-persistent, but the release keeps the pipeline balanced).
+            pipeline_q.consumer_release(q_state)
+            kv_state = self.last_half_block(step, kv_state)
+        else:
+            pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
+        """Intra-WG overlap prologue: S = Q K^T of the first block, its softmax and P; no P.V."""
+        mma = step.mma
+        step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
+        acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
+        step.pipeline_k.consumer_release(kv_state)
+        step.mask.apply(
+            acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=True,
+            mask_causal=self.is_causal,
+        )
+        step.softmax.update(acc_S, is_first=True)
+        self._store_p(mma, acc_S)
+        return kv_state
+
+    @cute.jit
+    def last_half_block(self, step: BlockStep, kv_state):
+        """Intra-WG overlap epilogue: O += P V of the last block visited."""
+        mma = step.mma
+        step.pipeline_v.consumer_wait(kv_state, step.pipeline_v.consumer_try_wait(kv_state))
+        wgmma(
+            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_state.index],
+            zero_init=False, wg_wait=0,
+        )
+        step.pipeline_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def one_block(
+        self,
+        step: BlockStep,
+        kv_state,
+        n_block: Int32,
+        is_first: cutlass.Constexpr[bool],
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+    ):
+        """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together,
+        softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
+        mma = step.mma
+        if const_expr(self.intra_wg_overlap):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
+            self._scheduler_sync(step.wg_idx)
+            acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=-1)
+            step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
+            wgmma(
+                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
+                zero_init=False, wg_wait=-1,
+            )
+            self._scheduler_arrive(step.wg_idx)
+            warpgroup.wait_group(1)  # S_j has landed; P.V may still run
+            step.pipeline_k.consumer_release(kv_state)
+            if const_expr(mask_seqlen or mask_causal):
+                step.mask.apply(
+                    acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
+                    mask_causal=mask_causal,
+                )
+            row_scale = step.softmax.update(acc_S, is_first=False)
+            warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
+            step.pipeline_v.consumer_release(v_state)
+            self._store_p(mma, acc_S)
+            step.softmax.rescale_O(mma.acc_O, row_scale)
+        else:
+            step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
+            acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
+            step.pipeline_k.consumer_release(kv_state)
+            if const_expr(mask_seqlen or mask_causal):
+                step.mask.apply(
+                    acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
+                    mask_causal=mask_causal,
+                )
+            row_scale = step.softmax.update(acc_S, is_first=is_first)
+            self._store_p(mma, acc_S)
+            if const_expr(not is_first):
+                step.softmax.rescale_O(mma.acc_O, row_scale)
+            step.pipeline_v.consumer_wait(kv_state, step.pipeline_v.consumer_try_wait(kv_state))
+            wgmma(
+                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_state.index],
+                zero_init=False, wg_wait=0,
+            )
+            step.pipeline_v.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state
+
+    def _qk_gemm(self, mma: MmaParts, stage: Int32, wg_wait: int) -> cute.Tensor:
+        acc_S = cute.make_rmem_tensor(
+            mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32
+        )
+        wgmma(
+            mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, stage],
+            zero_init=True, wg_wait=wg_wait,
+        )
+        return acc_S
+
+    def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
+        """P (fp32, in S's registers) -> 16-bit A fragment of the P.V WGMMA (paired cvt)."""
+        mma.tOrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+
+    def _scheduler_sync(self, wg_idx: Int32) -> None:
+        """Wait for this warpgroup's turn to issue GEMMs (ping-pong, design doc 1.8)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + wg_idx,
+                number_of_threads=2 * _WG_THREADS,
+            )
+
+    def _scheduler_arrive(self, wg_idx: Int32) -> None:
+        """Hand the tensor cores to the next MMA warpgroup (round robin)."""
+        if const_expr(self.pingpong):
+            next_wg = (wg_idx + 1) % self.num_mma_wg
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + next_wg,
+                number_of_threads=2 * _WG_THREADS,
+            )
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO_cur: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v) of this (batch, head)
+        mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head)
+        sO: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_O: cute.CopyAtom,
+        tidx: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+    ):
+        """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> one TMA store; LSE per row.
+
+        The TMA store clips rows past ``seqlen_q`` (they are outside the tensor), so no
+        predicates; LSE goes straight from registers (2 rows per thread, lane % 4 == 0).
+        """
+        rO = convert_to_16bit(acc_O, self.dtype)
+        # sO is sQ: every warpgroup's last QK^T WGMMA must have read it (each waited on its own).
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
+        )
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_pv,
+        )
+        smem_thr_copy_O = smem_copy_O.get_slice(tidx)
+        cute.copy(smem_copy_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
+
+        cO_acc = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
+        tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE_cur[row] = lse[r]
+
+        # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
+        )
+        if tidx // 32 == 0:
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            # smem must outlive the bulk read; the CTA exits right after.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+

@@ -1,0 +1,156 @@
+"""Forward benchmark of the Hopper FA3 kernel and its technique ablations (not a test).
+
+    python perf/bench_fwd_sm90.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384]
+                                  [--causal off on] [--variants full overlap serial] [--no-baselines]
+
+FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
+- sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
+  ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence);
+- ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
+Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
+(warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events. FLOPs = 4*b*h*s^2*d (x1/2 causal).
+Prints a Markdown table of TFLOP/s and the ratio of ``full`` to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+VARIANTS = {"full": (True, True), "overlap": (True, False), "serial": (False, False)}
+
+
+def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
+    """A callable running kernels/fwd_sm90.py with the given technique flags (compiled once);
+    ``tile_mn`` = (tile_m, tile_n) overrides the configs.FWD_SM90_TILES row."""
+    from flashattn_hopper.backends.common import current_stream, to_cute
+    from flashattn_hopper.backends.sm90_fwd import FwdSm90
+    from flashattn_hopper.jit import compile_cache, target_arch
+
+    family = FwdSm90()
+    tile = family.tiles[q.shape[-1]]
+    key = dataclasses.replace(
+        family._key(target_arch(), "bf16" if q.dtype == torch.bfloat16 else "fp16", q.shape[-1], causal),
+        intra_wg_overlap=overlap, pingpong=pingpong and tile.pingpong,
+    )
+    if tile_mn is not None:
+        key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
+    compiled = compile_cache.get(key, family.compile)
+    b, s, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    args = [to_cute(t) for t in (q, k, v, out, lse)]
+    scale = d**-0.5
+    stream = current_stream(q.device)
+
+    def run():
+        compiled(*args, scale, stream)
+        return out
+
+    return run
+
+
+def make_timer():
+    try:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except ImportError:
+        def timer(fn, reps=50):
+            for _ in range(5):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(reps):
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[len(times) // 2]
+
+        return timer
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--causal", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--no-baselines", action="store_true", help="only the sm90 variants")
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="HDIM:MxN",
+                    help="extra sm90-full columns with another tile, e.g. 64:192x128 128:128x176")
+    args = ap.parse_args(argv)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from flashattn_hopper import flash_attn_func
+
+    timer = make_timer()
+    gpu = torch.cuda.get_device_name()
+    print(f"# fwd, bf16, 16k tokens, nheads*hdim=2048, {gpu}, torch {torch.__version__}\n")
+    extra_tiles = {}
+    for spec in args.tiles:
+        hd, mn = spec.split(":")
+        extra_tiles.setdefault(int(hd), []).append(tuple(int(x) for x in mn.split("x")))
+    extra_cols = sorted({f"sm90-{m}x{n}" for tiles in extra_tiles.values() for m, n in tiles})
+    cols = [f"sm90-{v}" for v in args.variants] + extra_cols
+    cols += [] if args.no_baselines else ["sm80", "cudnn", "flash"]
+    print("| hdim | seqlen | causal | " + " | ".join(cols) + " | full/cudnn |")
+    print("|" + "---|" * (len(cols) + 4))
+    for hdim in args.hdims:
+        for seqlen in args.seqlens:
+            for causal in (c == "on" for c in args.causal):
+                batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
+                                       generator=gen) for _ in range(3))
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    ref = sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
+                flops = 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
+                fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, *VARIANTS[name]) for name in args.variants}
+                for m, n in extra_tiles.get(hdim, []):
+                    fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, True, True, (m, n))
+                if not args.no_baselines:
+                    fns["sm80"] = lambda: flash_attn_func(q, k, v, causal=causal, backend="sm80")
+
+                    def cudnn():
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            return sdpa(qt, kt, vt, is_causal=causal)
+
+                    def flash():
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            return sdpa(qt, kt, vt, is_causal=causal)
+
+                    fns["cudnn"], fns["flash"] = cudnn, flash
+                tflops = {}
+                for name, fn in fns.items():
+                    try:
+                        out = fn()
+                        if name.startswith("sm"):
+                            err = (out.float() - ref.float()).abs().max().item()
+                            if not err < 0.05:
+                                tflops[name] = f"WRONG({err:.2g})"
+                                continue
+                        ms = timer(fn)
+                        tflops[name] = flops / ms / 1e9
+                    except Exception as e:  # report and keep going: one broken cell must not hide the rest
+                        tflops[name] = f"ERR({type(e).__name__})"
+                        print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
+                cells = [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-"))
+                         for c in cols]
+                full, cud = tflops.get("sm90-full"), tflops.get("cudnn")
+                ratio = f"{full / cud:.2f}" if isinstance(full, float) and isinstance(cud, float) else "-"
+                print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells) + f" | {ratio} |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
