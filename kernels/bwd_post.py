@@ -1,0 +1,178 @@
+"""Backward postprocess: an fp32 gradient accumulator, times a scale, to the 16-bit gradient.
+
+Purpose: the last step of the backward (design doc 2.8): ``dQ = dQaccum * softmax_scale`` and,
+for GQA/MQA, ``dK = dKaccum * softmax_scale`` and ``dV = dVaccum`` (the main kernel adds the
+contributions of every query head sharing a KV head into those fp32 buffers), converted to
+bf16/fp16 in the user layout ``(batch, seqlen, nheads, head_dim)``.
+
+Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp32
+(``common/bwd_utils.py``); the output has 16-byte rows and strides. Two layouts:
+- row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums; ``atom_m`` None): an
+  elementwise kernel, 128-bit fp32 loads, one FMUL and a paired cvt per two values, 64-bit stores;
+- MMA-fragment order per ``tile_m`` rows (dQ; ``atom_m`` given): the CTA rebuilds the main
+  kernel's dQ tiled MMA (same ``tile_m``, ``num_threads``, ``atom_m``), loads its fragment with
+  coalesced 32-bit loads, and writes 16-bit rows through a swizzled smem tile (128-bit stores).
+
+Paper: FlashAttention-2 (Dao, 2023), Algorithm 2 (dQ accumulated in fp32 across key blocks).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from cutlass.memory import SmemAllocator
+
+from .common.bwd_utils import (
+    SEQ_PAD, accum_tile, fragment_accum, tiled_copy_16b, tiled_mma_sm80,
+)
+from .common.utils import (
+    assume_strides_aligned, convert_to_16bit, select_modes, smem_layout_atom_sm80,
+)
+
+
+class FlashBwdPostprocess:
+    """Grid ``(ceil(seqlen / tile_m), nheads, batch)``.
+
+    Row-major mode: each thread converts 4 values per copy. Fragment mode (``atom_m``): each
+    thread converts its dQ-MMA fragment of the tile, stages it in smem, then stores rows.
+    """
+
+    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
+                 num_threads: int = 128, atom_m: int | None = None):
+        reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
+        if reason is not None:
+            raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.num_threads = num_threads
+        self.atom_m = atom_m
+
+    @staticmethod
+    def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype must be BFloat16 or Float16, got {dtype}"
+        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
+            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if SEQ_PAD % tile_m != 0:
+            return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
+        threads_per_row = head_dim // 4
+        if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
+            return f"{num_threads} threads do not tile {tile_m} x {head_dim} in 4-value chunks"
+        return None
+
+    @cute.jit
+    def __call__(
+        self,
+        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim) fp32
+        mOut: cute.Tensor,  # (batch, seqlen, nheads, head_dim), output
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mAccum.element_type != Float32 or mOut.element_type != self.dtype):
+            raise TypeError(f"the accumulator must be Float32 and the output {self.dtype}")
+        mAccum = assume_strides_aligned(mAccum)
+        mOut = select_modes(assume_strides_aligned(mOut), [1, 3, 2, 0])  # (s, d, h, b)
+        num_blocks = (mOut.shape[0] + (self.tile_m - 1)) // self.tile_m
+        grid = [num_blocks, mOut.shape[2], mOut.shape[3]]
+        if const_expr(self.atom_m is None):
+            self.kernel(mAccum, mOut, scale).launch(
+                grid=grid, block=[self.num_threads, 1, 1], stream=stream
+            )
+        else:
+            sO_layout = self._smem_layout()
+
+            @cute.struct
+            class SharedStorage:
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+            self.kernel_fragment(mAccum, mOut, scale, SharedStorage).launch(
+                grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+                stream=stream,
+            )
+
+    def _smem_layout(self):
+        atom = smem_layout_atom_sm80(self.dtype, self.head_dim)
+        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
+
+    @cute.kernel
+    def kernel(
+        self,
+        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim)
+        mOut: cute.Tensor,  # (seqlen, head_dim, nheads, batch)
+        scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head_idx, batch_idx = cute.arch.block_idx()
+        seqlen = mOut.shape[0]
+        tile = (self.tile_m, self.head_dim)
+
+        # Same thread/value layout for both copies: 4 values per thread per copy.
+        copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
+        copy_out = tiled_copy_16b(
+            self.dtype, self.num_threads, self.head_dim, is_async=False, copy_bits=64
+        )
+        gAccum = accum_tile(mAccum[batch_idx, head_idx, None], self.tile_m, self.head_dim, m_block)
+        tAgA = copy_f32.get_slice(tidx).partition_S(gAccum)
+        rA = cute.make_fragment_like(tAgA)
+        cute.copy(copy_f32, tAgA, rA)
+        rA.store(rA.load() * scale)
+        rOut = convert_to_16bit(rA, self.dtype)
+
+        thr_out = copy_out.get_slice(tidx)
+        tOgO = thr_out.partition_D(cute.local_tile(mOut[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        cO = cute.make_identity_tensor(tile)
+        tOcO = thr_out.partition_D(cO)
+        t0OcO = copy_out.get_slice(0).partition_D(cO)
+        row_bound = seqlen - m_block * self.tile_m - tOcO[0][0]
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if t0OcO[0, m, 0][0] < row_bound:
+                cute.copy(copy_out, rOut[None, m, None], tOgO[None, m, None])
+
+    @cute.kernel
+    def kernel_fragment(
+        self,
+        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim), fragment order
+        mOut: cute.Tensor,  # (seqlen, head_dim, nheads, batch)
+        scale: Float32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head_idx, batch_idx = cute.arch.block_idx()
+        seqlen = mOut.shape[0]
+        tile = (self.tile_m, self.head_dim)
+
+        tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
+        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
+        gAcc = fragment_accum(
+            mAccum[batch_idx, head_idx, None], self.tile_m * self.head_dim, self.num_threads,
+            m_block, tidx,
+        )
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = gAcc[i] * scale
+        rO = convert_to_16bit(acc, self.dtype)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        sO = storage.sO.get_tensor(self._smem_layout())
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
+            tiled_mma,
+        ).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        cute.arch.barrier()
+
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
+        thr_copy = tiled_copy.get_slice(tidx)
+        tOsO = thr_copy.partition_S(sO)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        tOgO = thr_copy.partition_D(cute.local_tile(mOut[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        cO = cute.make_identity_tensor(tile)
+        tOcO = thr_copy.partition_S(cO)
+        t0OcO = tiled_copy.get_slice(0).partition_S(cO)
+        row_bound = seqlen - m_block * self.tile_m - tOcO[0][0]
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if t0OcO[0, m, 0][0] < row_bound:
+                cute.copy(tiled_copy, tOrO[None, m, None], tOgO[None, m, None])

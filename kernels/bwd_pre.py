@@ -1,0 +1,145 @@
+"""Backward preprocess: ``dPsum = rowsum(dO * O)``, ``LSE_log2``, and a zeroed ``dQaccum``.
+
+Purpose: the per-row quantities the main backward kernel (``bwd_sm80.py``) reads for every key
+block, computed once (design doc 2.2), in fp32:
+- ``dPsum[i] = sum_d dO[i, d] * O[i, d]`` (the ``D_i`` of ``dS = P * (dP - D)``);
+- ``LSE_log2[i] = LSE[i] * log2(e)`` so that ``P = exp2(S * scale_log2 - LSE_log2)`` is one FFMA
+  and one MUFU.EX2; a row whose LSE is ``-inf`` (it sees no key) stores 0 (its scores are all
+  masked, so P = 0 either way and no ``inf - inf`` arises); padding rows past ``seqlen_q`` store
+  ``+inf`` and ``dPsum = 0``, so ``P = 0`` and ``dS = 0`` there (pitfall 19);
+- ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds.
+
+Constraints: O/dO ``(batch, seqlen_q, nheads, head_dim)`` 16-bit with 16-byte rows and aligned
+strides; LSE fp32 ``(batch, nheads, seqlen_q)``; scratch shapes per ``common/bwd_utils.py``
+(``seqlen_q_padded`` a multiple of ``tile_m``). One CTA per ``tile_m`` padded rows, plain
+128-bit loads: this kernel is bandwidth-bound and reads O and dO exactly once.
+
+Paper: FlashAttention-2 (Dao, 2023), Algorithm 2 line 4 (``D_i = rowsum(dO_i * O_i)``).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from .common.bwd_utils import SEQ_PAD, accum_tile, tiled_copy_16b
+from .common.utils import LOG2_E, assume_strides_aligned, select_modes
+
+
+class FlashBwdPreprocess:
+    """Grid ``(seqlen_q_padded / tile_m, nheads, batch)``; threads row-major over 16-byte chunks.
+
+    Each thread loads its chunks of O and dO (rows past ``seqlen_q`` stay zero), multiplies in
+    fp32, and the ``head_dim / 8`` threads of a row finish the sum with butterfly shuffles; the
+    thread holding column 0 writes the row's ``dPsum`` and ``LSE_log2``. The CTA then stores
+    zeros over its ``tile_m x head_dim`` slice of ``dQaccum``.
+    """
+
+    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
+                 num_threads: int = 128):
+        reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
+        if reason is not None:
+            raise ValueError(f"FlashBwdPreprocess cannot implement this config: {reason}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.num_threads = num_threads
+
+    @staticmethod
+    def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype must be BFloat16 or Float16, got {dtype}"
+        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
+            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if SEQ_PAD % tile_m != 0:
+            return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
+        threads_per_row = head_dim // 8
+        if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
+            return f"{num_threads} threads do not tile {tile_m} x {head_dim} in 16-byte chunks"
+        return None
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
+        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32, natural log
+        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32, output
+        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32, output
+        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim) fp32, output (zeros)
+        stream: cuda.CUstream,
+    ):
+        if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
+            raise TypeError(f"O and dO must be {self.dtype}")
+        for t in (mLSE, mLSE_log2, mdPsum, mdQaccum):
+            if const_expr(t.element_type != Float32):
+                raise TypeError("LSE, LSE_log2, dPsum and dQaccum must be Float32")
+        mO, mdO = [select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mO, mdO)]
+        mdQaccum = assume_strides_aligned(mdQaccum)
+        num_blocks = mLSE_log2.shape[2] // self.tile_m
+        self.kernel(mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum).launch(
+            grid=[num_blocks, mO.shape[2], mO.shape[3]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
+        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q)
+        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
+        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
+        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim)
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head_idx, batch_idx = cute.arch.block_idx()
+        seqlen_q = mO.shape[0]
+
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
+        thr_copy = tiled_copy.get_slice(tidx)
+        tile = (self.tile_m, self.head_dim)
+        tOgO = thr_copy.partition_S(cute.local_tile(mO[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        tOgdO = thr_copy.partition_S(cute.local_tile(mdO[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        cO = cute.make_identity_tensor(tile)
+        tOcO = thr_copy.partition_S(cO)
+        t0OcO = tiled_copy.get_slice(0).partition_S(cO)
+
+        rO = cute.make_fragment_like(tOgO)
+        rdO = cute.make_fragment_like(tOgdO)
+        rO.fill(0.0)
+        rdO.fill(0.0)
+        row_bound = seqlen_q - m_block * self.tile_m - tOcO[0][0]
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if t0OcO[0, m, 0][0] < row_bound:
+                cute.copy(tiled_copy, tOgO[None, m, None], rO[None, m, None])
+                cute.copy(tiled_copy, tOgdO[None, m, None], rdO[None, m, None])
+
+        prod = cute.make_rmem_tensor_like(rO, Float32)
+        prod.store(rO.load().to(Float32) * rdO.load().to(Float32))
+        threads_per_row = self.head_dim // 8
+        for m in cutlass.range_constexpr(cute.size(prod.shape[1])):
+            prod_row = prod[None, m, None]
+            dot = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(prod_row)):
+                dot += prod_row[i]
+            dot = cute.arch.warp_reduction_sum(dot, threads_in_group=threads_per_row)
+            row = m_block * self.tile_m + tOcO[0, m, 0][0]
+            if tOcO[0][1] == 0:
+                lse_log2 = Float32.inf
+                dpsum = Float32(0.0)
+                if row < seqlen_q:
+                    lse = mLSE[batch_idx, head_idx, row]
+                    lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
+                    dpsum = dot
+                mLSE_log2[batch_idx, head_idx, row] = lse_log2
+                mdPsum[batch_idx, head_idx, row] = dpsum
+
+        copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
+        gdQaccum = accum_tile(mdQaccum[batch_idx, head_idx, None], self.tile_m, self.head_dim, m_block)
+        tQgQaccum = copy_f32.get_slice(tidx).partition_D(gdQaccum)
+        zeros = cute.make_fragment_like(tQgQaccum)
+        zeros.fill(0.0)
+        cute.copy(copy_f32, zeros, tQgQaccum)

@@ -1,0 +1,660 @@
+"""FlashAttention-2 backward kernel for Ampere (sm80): ``FlashBwdSm80``.
+
+Purpose: given Q, K, V, dO and the preprocess outputs (``LSE_log2``, ``dPsum``, see
+``bwd_pre.py``), compute ``dK``, ``dV`` and accumulate ``dQ`` in fp32 (design doc 2.1, 3.2):
+
+    P  = exp2(S * scale_log2 - LSE_log2),  S = Q K^T      dV += P^T dO
+    dP = dO V^T,  dS = P * (dP - dPsum)                   dK += dS^T Q   (times softmax_scale)
+    dQaccum += dS K                                      (scaled by the postprocess)
+
+Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` with unit last stride,
+other strides multiples of 8 elements, 16-byte aligned bases; ``head_dim == head_dim_v`` a
+multiple of 16 (the launcher zero-pads other head dims); any ``seqlen_q, seqlen_k >= 1``;
+``nheads % nheads_k == 0``. Scratch buffers as in ``common/bwd_utils.py``. Bottom-right causal.
+
+Paper: FlashAttention-2 (Dao, 2023) section 3.2 / Algorithm 2 (backward, parallel over key
+blocks); design doc sections 2.1-2.9 and 3.2 (FA3's ``mainloop_bwd_sm80``).
+"""
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
+
+from .common.bwd_utils import (
+    SEQ_PAD, accum_tile, fragment_accum, red_add_tile, semaphore_signal, semaphore_wait,
+    tiled_copy_16b, tiled_mma_sm80,
+)
+from .common.gemm_sm80 import gemm_ss
+from .common.mask import AttentionMask
+from .common.utils import (
+    LOG2_E,
+    acc_rows_cols,
+    assume_strides_aligned,
+    convert_to_16bit,
+    copy_predicate,
+    select_modes,
+    smem_layout_atom_sm80,
+    transpose_view,
+)
+
+_SMEM_ALIGN = 1024  # each buffer starts on a full period of the 128-byte swizzle (8 rows)
+# fp32 accumulator registers per thread (dK + dV + S + dP; dQ lives after S/dP are converted).
+# Beyond this a config is refused: the rest of the 255-register cap holds operand slices,
+# addresses and the LSE/dPsum values.
+_MAX_ACC_REGS_PER_THREAD = 192
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One warp-level GEMM ``acc += A B^T`` with both operands read from smem by ``ldmatrix``.
+
+    ``tCsA``/``tCsB`` may carry a trailing stage mode (``a_staged``/``b_staged``); the register
+    fragments are shaped for one stage.
+    """
+
+    thr_mma: cute.ThrMma
+    tCrA: cute.Tensor
+    tCrB: cute.Tensor
+    tCsA: cute.Tensor
+    tCsB: cute.Tensor
+    copy_A: cute.TiledCopy
+    copy_B: cute.TiledCopy
+    a_staged: bool
+    b_staged: bool
+
+    def __call__(self, acc: cute.Tensor, stage: Int32 | None = None) -> None:
+        sA = self.tCsA[None, None, None, stage] if self.a_staged else self.tCsA
+        sB = self.tCsB[None, None, None, stage] if self.b_staged else self.tCsB
+        gemm_ss(self.thr_mma, acc, self.tCrA, self.tCrB, sA, sB, self.copy_A, self.copy_B)
+
+
+@dataclass(frozen=True)
+class StagedLoad:
+    """``cp.async`` partition of a ``(rows, head_dim)`` operand: gmem ``(CPY, R, C, block)``,
+    smem ``(CPY, R, C[, stage])``, and the identity partitions used for row predicates."""
+
+    tiled_copy: cute.TiledCopy
+    gX: cute.Tensor
+    sX: cute.Tensor
+    cX: cute.Tensor
+    c0X: cute.Tensor
+    rows: int
+
+    def __call__(self, block: Int32, seqlen: Int32, stage: Int32 | None = None) -> None:
+        """Rows past ``seqlen`` are zero-filled (``cp.async`` src-size 0, no gmem access)."""
+        pred = copy_predicate(self.cX, self.c0X, seqlen - block * self.rows, None)
+        gX = self.gX[None, None, None, block]
+        sX = self.sX if stage is None else self.sX[None, None, None, stage]
+        cute.copy(self.tiled_copy, gX, sX, pred=pred)
+
+
+@dataclass(frozen=True)
+class MBlockStep:
+    """Everything one m_block step needs besides its index."""
+
+    gemm_S: Gemm
+    gemm_dP: Gemm
+    gemm_dV: Gemm
+    gemm_dK: Gemm
+    gemm_dQ: Gemm
+    load_Q: StagedLoad
+    load_dO: StagedLoad
+    r2s_PdS: cute.TiledCopy
+    tPsP: cute.Tensor
+    tdSsdS: cute.Tensor
+    tScS_mn: cute.Tensor
+    mask: AttentionMask
+    mLSE_log2: cute.Tensor  # (seqlen_q_padded,) of this (batch, head)
+    mdPsum: cute.Tensor  # (seqlen_q_padded,)
+    mdQaccum: cute.Tensor  # (seqlen_q_padded * head_dim,)
+    mdQ_sem: cute.Tensor  # (num_m_blocks,)
+    acc_dK: cute.Tensor
+    acc_dV: cute.Tensor
+    n_block: Int32
+    num_n_blocks: Int32
+    m_block_max: Int32
+    seqlen_q: Int32
+    scale_log2: Float32
+    deterministic: Int32
+
+
+class FlashBwdSm80:
+    """FA2 backward on sm80: one CTA owns one key block ``(n_block, head, batch)``.
+
+    Grid ``(ceil(seqlen_k / tile_n), nheads, batch)``; ``num_threads / 32`` warps, no warp
+    specialisation. K and V of the block are loaded once; the CTA walks the query blocks
+    ``m_block_min .. m_block_max - 1`` (causal: from the first one that sees the block), keeping
+    ``acc_dK``/``acc_dV`` in fp32 registers. Three tiled MMAs (warps ``atom_m x (W / atom_m)``):
+    ``S/dP`` over ``(tile_m, tile_n)``, ``dK/dV`` over ``(tile_n, head_dim)``, ``dQ`` over
+    ``(tile_m, head_dim)``. The transposed operands (P^T, dS^T, dO^T, Q^T, K^T) are read from the
+    same row-major swizzled smem tiles with ``ldmatrix.trans``.
+
+    Shared memory: sQ and sdO double-buffered (2 stages), sK, sV, sP, sdS single.
+
+    Copy groups (``cp.async.commit_group`` -> ``wait_group(0)`` + CTA barrier):
+
+        | group              | issued                       | waited                    |
+        | K, V, Q[m0], dO[m0]| prologue                     | top of m_block m0         |
+        | Q[m+1], dO[m+1]    | top of m_block m (stage ^ 1) | top of m_block m + 1      |
+
+    Timeline of one m_block (stage ``s``)::
+
+        wait, barrier (Q/dO[s] landed; every warp done with the previous block's sP, sdS and
+        stage s ^ 1) | issue Q/dO[m+1] -> stage s ^ 1 | LSE_log2, dPsum -> regs |
+        S = Q K^T, dP = dO V^T | mask, P = exp2(..), dS = P (dP - dPsum) | P, dS -> sP, sdS |
+        barrier | dQ = dS K -> red.add into dQaccum (fragment order) | dV += P^T dO | dK += dS^T Q
+
+    The dQ reduce-adds are fire-and-forget, so they drain while the dV/dK GEMMs run. With
+    ``deterministic`` the CTA waits for its turn on the m_block's semaphore before adding, so
+    additions into dQaccum happen in a fixed n_block order (see ``bwd_utils``): ascending, or
+    for causal descending with the block index reversed (FA3/FA4's shortest-first order: in
+    ascending order each causal key block starts only after its left neighbour has passed the
+    diagonal, a chain that measured 0.55x of FA2 on an H200; see perf/NOTES_sm80_bwd.md).
+
+    Epilogue: MHA converts ``dK * softmax_scale`` and ``dV`` to 16-bit through smem (reusing
+    sK/sV) with 128-bit predicated stores. GQA (``is_gqa``) reduce-adds the fp32 accumulators
+    into ``dKaccum``/``dVaccum`` (the postprocess scales and converts); deterministic: in
+    ascending query-head order per KV head.
+    """
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        num_threads: int,
+        atom_m_sdp: int,
+        atom_n_dkv: int,
+        atom_m_dq: int,
+        is_causal: bool,
+        is_gqa: bool,
+    ):
+        reason = self.can_implement(
+            dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq
+        )
+        if reason is not None:
+            raise ValueError(f"FlashBwdSm80 cannot implement this config: {reason}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_threads = num_threads
+        self.num_warps = num_threads // 32
+        self.atom_m_sdp = atom_m_sdp
+        self.atom_n_dkv = atom_n_dkv
+        self.atom_m_dq = atom_m_dq
+        self.is_causal = is_causal
+        self.is_gqa = is_gqa
+        self.num_stages = 2
+
+    @staticmethod
+    def can_implement(
+        dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq
+    ) -> str | None:
+        """None if this static config compiles into a correct kernel, else the reason why not."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype must be BFloat16 or Float16, got {dtype}"
+        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
+            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if num_threads <= 0 or num_threads % 32 != 0:
+            return f"num_threads must be a positive multiple of 32, got {num_threads}"
+        for name, tile in (("tile_m", tile_m), ("tile_n", tile_n)):
+            if tile <= 0 or SEQ_PAD % tile != 0 or tile % 16 != 0:
+                return f"{name} must be a multiple of 16 dividing {SEQ_PAD}, got {tile}"
+        num_warps = num_threads // 32
+        for name, atom, (m, n) in (
+            ("atom_m_sdp", atom_m_sdp, (tile_m, tile_n)),
+            ("atom_n_dkv", atom_n_dkv, (tile_n, head_dim)),
+            ("atom_m_dq", atom_m_dq, (tile_m, head_dim)),
+        ):
+            if atom <= 0 or num_warps % atom != 0:
+                return f"{name} ({atom}) must divide the number of warps ({num_warps})"
+            if m % (16 * atom) != 0 or n % (16 * (num_warps // atom)) != 0:
+                return f"{name} ({atom}): the {m} x {n} tile is not a whole number of warp tiles"
+        for name, rows in (("Q/dO", tile_m), ("K/V", tile_n)):
+            threads_per_row = head_dim * dtype.width // 128
+            if num_threads % threads_per_row or rows % (num_threads // threads_per_row):
+                return f"the {name} tile ({rows} x {head_dim}) is not covered by whole copy passes"
+        acc_regs = (2 * tile_n * head_dim + 2 * tile_m * tile_n) // num_threads
+        if acc_regs > _MAX_ACC_REGS_PER_THREAD:
+            return f"accumulators need {acc_regs} fp32 registers per thread (> {_MAX_ACC_REGS_PER_THREAD})"
+        elem = dtype.width // 8
+        smem = (
+            4 * tile_m * head_dim * elem  # sQ, sdO: 2 stages each
+            + 2 * tile_n * head_dim * elem  # sK, sV
+            + 2 * tile_m * tile_n * elem  # sP, sdS
+        )
+        capacity = get_smem_capacity_in_bytes("sm_80")
+        if smem > capacity:
+            return f"needs {smem} bytes of shared memory, sm80 allows {capacity}"
+        return None
+
+    # ------------------------------------------------------------------ static building blocks
+
+    def _smem_layouts(self):
+        def tile(rows: int, cols: int, stages: int | None = None):
+            atom = smem_layout_atom_sm80(self.dtype, cols)
+            if stages is None:
+                return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+            return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+        d, st = self.head_dim, self.num_stages
+        return {
+            "sQ": tile(self.tile_m, d, st),
+            "sdO": tile(self.tile_m, d, st),
+            "sK": tile(self.tile_n, d),
+            "sV": tile(self.tile_n, d),
+            "sP": tile(self.tile_m, self.tile_n),
+            "sdS": tile(self.tile_m, self.tile_n),
+        }
+
+    def _shared_storage(self, layouts):
+        def buffer(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
+
+        @cute.struct
+        class SharedStorage:
+            sQ: buffer(layouts["sQ"])
+            sdO: buffer(layouts["sdO"])
+            sK: buffer(layouts["sK"])
+            sV: buffer(layouts["sV"])
+            sP: buffer(layouts["sP"])
+            sdS: buffer(layouts["sdS"])
+
+        return SharedStorage
+
+    def _tiled_mma(self, atom_m: int) -> cute.TiledMma:
+        return tiled_mma_sm80(self.dtype, self.num_warps, atom_m)
+
+    # ------------------------------------------------------------------ host entry point
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
+        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
+        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32
+        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32
+        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim) fp32, zeroed
+        mdK: cute.Tensor,  # MHA: (batch, seqlen_k, nheads_k, head_dim) 16-bit output;
+        mdV: cute.Tensor,  # GQA: (batch, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
+        mdQ_sem: cute.Tensor,  # (batch, nheads, ceil(seqlen_q / tile_m)) int32, zeroed
+        mdKV_sem: cute.Tensor,  # (batch, nheads_k, ceil(seqlen_k / tile_n)) int32, zeroed
+        softmax_scale: Float32,
+        deterministic: Int32,  # 0 or 1; the semaphores are only touched when 1
+        stream: cuda.CUstream,
+    ):
+        if const_expr(
+            not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type)
+            or mQ.element_type != self.dtype
+        ):
+            raise TypeError(f"Q/K/V/dO must all be {self.dtype}")
+        acc_dtype = Float32 if const_expr(self.is_gqa) else self.dtype
+        if const_expr(mdK.element_type != acc_dtype or mdV.element_type != acc_dtype):
+            raise TypeError(f"dK/dV must be {acc_dtype}")
+        mQ, mK, mV, mdO = [
+            select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO)
+        ]
+        if const_expr(not self.is_gqa):
+            mdK, mdV = [select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV)]
+        layouts = self._smem_layouts()
+        SharedStorage = self._shared_storage(layouts)
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        num_n_blocks = (mK.shape[0] + (self.tile_n - 1)) // self.tile_n
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE_log2, mdPsum, mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem,
+            softmax_scale, softmax_scale * LOG2_E, qhead_per_kvhead, deterministic, SharedStorage,
+        ).launch(
+            grid=[num_n_blocks, mQ.shape[2], mQ.shape[3]],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
+        mK: cute.Tensor,  # (seqlen_k, head_dim, nheads_k, batch)
+        mV: cute.Tensor,  # (seqlen_k, head_dim, nheads_k, batch)
+        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
+        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
+        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
+        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim)
+        mdK: cute.Tensor,  # MHA (seqlen_k, head_dim, nheads_k, batch); GQA flat fp32
+        mdV: cute.Tensor,
+        mdQ_sem: cute.Tensor,  # (batch, nheads, num_m_blocks)
+        mdKV_sem: cute.Tensor,  # (batch, nheads_k, num_n_blocks)
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        qhead_per_kvhead: Int32,
+        deterministic: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Prologue (partitions, K/V and first Q/dO loads), loop over m_blocks, epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_idx_kv = head_idx // qhead_per_kvhead
+        num_n_blocks = (seqlen_k + (self.tile_n - 1)) // self.tile_n
+        if const_expr(self.is_causal):
+            if deterministic != 0:
+                # Shortest-first: the last key block (fewest query blocks) takes the lowest block
+                # index and the first turn on every m_block it visits (see compute_one_m_block).
+                n_block = num_n_blocks - 1 - n_block
+
+        m_block_max = (seqlen_q + (self.tile_m - 1)) // self.tile_m
+        m_block_min = Int32(0)
+        if const_expr(self.is_causal):
+            # Row i sees key j iff j <= i + seqlen_k - seqlen_q: the first row that sees this
+            # block's first key is n_block * tile_n + seqlen_q - seqlen_k (floor division).
+            m_block_min = cutlass.max(
+                (n_block * self.tile_n + seqlen_q - seqlen_k) // self.tile_m, Int32(0)
+            )
+
+        layouts = self._smem_layouts()
+        storage = SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(layouts["sQ"])
+        sdO = storage.sdO.get_tensor(layouts["sdO"])
+        sK = storage.sK.get_tensor(layouts["sK"])
+        sV = storage.sV.get_tensor(layouts["sV"])
+        sP = storage.sP.get_tensor(layouts["sP"])
+        sdS = storage.sdS.get_tensor(layouts["sdS"])
+
+        d = self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head_idx, batch_idx], (self.tile_m, d), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_idx_kv, batch_idx], (self.tile_n, d), (None, 0))
+        load_Q = self._staged_load(gQ, sQ, self.tile_m, tidx)
+        load_dO = self._staged_load(gdO, sdO, self.tile_m, tidx)
+        load_K = self._staged_load(gK, sK, self.tile_n, tidx)
+        load_V = self._staged_load(gV, sV, self.tile_n, tidx)
+
+        tiled_mma_sdp = self._tiled_mma(self.atom_m_sdp)
+        tiled_mma_dkv = self._tiled_mma(self.atom_n_dkv)
+        tiled_mma_dq = self._tiled_mma(self.atom_m_dq)
+        thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
+        acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        r2s_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        step = MBlockStep(
+            gemm_S=self._gemm(tiled_mma_sdp, sQ, sK, tidx, a_staged=True),
+            gemm_dP=self._gemm(tiled_mma_sdp, sdO, sV, tidx, a_staged=True),
+            gemm_dV=self._gemm(
+                tiled_mma_dkv, transpose_view(sP), transpose_view(sdO), tidx,
+                a_trans=True, b_trans=True, b_staged=True,
+            ),
+            gemm_dK=self._gemm(
+                tiled_mma_dkv, transpose_view(sdS), transpose_view(sQ), tidx,
+                a_trans=True, b_trans=True, b_staged=True,
+            ),
+            gemm_dQ=self._gemm(tiled_mma_dq, sdS, transpose_view(sK), tidx, b_trans=True),
+            load_Q=load_Q,
+            load_dO=load_dO,
+            r2s_PdS=r2s_PdS,
+            tPsP=r2s_PdS.partition_D(sP),
+            tdSsdS=r2s_PdS.partition_D(sdS),
+            tScS_mn=acc_rows_cols(thr_mma_sdp.partition_C(cS)),
+            mask=AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k),
+            mLSE_log2=mLSE_log2[batch_idx, head_idx, None],
+            mdPsum=mdPsum[batch_idx, head_idx, None],
+            mdQaccum=mdQaccum[batch_idx, head_idx, None],
+            mdQ_sem=mdQ_sem[batch_idx, head_idx, None],
+            acc_dK=acc_dK,
+            acc_dV=acc_dV,
+            n_block=n_block,
+            num_n_blocks=num_n_blocks,
+            m_block_max=m_block_max,
+            seqlen_q=seqlen_q,
+            scale_log2=scale_log2,
+            deterministic=deterministic,
+        )
+
+        if m_block_min < m_block_max:
+            load_K(n_block, seqlen_k)
+            load_V(n_block, seqlen_k)
+            load_Q(m_block_min, seqlen_q, Int32(0))
+            load_dO(m_block_min, seqlen_q, Int32(0))
+        cute.arch.cp_async_commit_group()
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            self.compute_one_m_block(m_block, (m_block - m_block_min) % 2, step)
+
+        if const_expr(self.is_gqa):
+            self.epilogue_gqa(
+                acc_dK, acc_dV, mdK, mdV, mdKV_sem, thr_mma_dkv, tidx, n_block, batch_idx,
+                head_idx, head_idx_kv, qhead_per_kvhead, deterministic,
+            )
+        else:
+            acc_dK.store(acc_dK.load() * softmax_scale)
+            self.epilogue_mha(
+                acc_dK, acc_dV, mdK[None, None, head_idx_kv, batch_idx],
+                mdV[None, None, head_idx_kv, batch_idx], sK, sV, tiled_mma_dkv, tidx, n_block,
+                seqlen_k,
+            )
+
+    def _staged_load(self, gX, sX, rows: int, tidx) -> StagedLoad:
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=True)
+        thr_copy = tiled_copy.get_slice(tidx)
+        cX = cute.make_identity_tensor((rows, self.head_dim))
+        return StagedLoad(
+            tiled_copy=tiled_copy,
+            gX=thr_copy.partition_S(gX),
+            sX=thr_copy.partition_D(sX),
+            cX=thr_copy.partition_S(cX),
+            c0X=tiled_copy.get_slice(0).partition_S(cX),
+            rows=rows,
+        )
+
+    def _gemm(self, tiled_mma, sA, sB, tidx, a_trans=False, b_trans=False, a_staged=False,
+              b_staged=False) -> Gemm:
+        """Fragments and ldmatrix partitions of ``acc += A B^T``; ``*_trans``: the smem view is
+        the transpose of a row-major tile, so it is read with ``ldmatrix.trans``."""
+        thr_mma = tiled_mma.get_slice(tidx)
+
+        def ldsm(transpose: bool):
+            return cute.make_copy_atom(
+                warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), self.dtype
+            )
+
+        copy_A = cute.make_tiled_copy_A(ldsm(a_trans), tiled_mma).get_slice(tidx)
+        copy_B = cute.make_tiled_copy_B(ldsm(b_trans), tiled_mma).get_slice(tidx)
+        sA0 = sA[None, None, 0] if a_staged else sA
+        sB0 = sB[None, None, 0] if b_staged else sB
+        return Gemm(
+            thr_mma=thr_mma,
+            tCrA=thr_mma.make_fragment_A(thr_mma.partition_A(sA0)),
+            tCrB=thr_mma.make_fragment_B(thr_mma.partition_B(sB0)),
+            tCsA=copy_A.partition_S(sA),
+            tCsB=copy_B.partition_S(sB),
+            copy_A=copy_A,
+            copy_B=copy_B,
+            a_staged=a_staged,
+            b_staged=b_staged,
+        )
+
+    @cute.jit
+    def compute_one_m_block(self, m_block: Int32, stage: Int32, step: MBlockStep):
+        """One query block: recompute P, form dS, accumulate dV, dK and (atomically) dQ."""
+        # Q/dO[stage] (and K/V on the first block) have landed for every thread; every warp is
+        # done with the previous block, so stage ^ 1, sP and sdS may be overwritten.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if m_block + 1 < step.m_block_max:
+            step.load_Q(m_block + 1, step.seqlen_q, 1 - stage)
+            step.load_dO(m_block + 1, step.seqlen_q, 1 - stage)
+        cute.arch.cp_async_commit_group()
+
+        num_rows = cute.size(step.tScS_mn.shape[0])
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        dpsum = cute.make_rmem_tensor((num_rows,), Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m_block * self.tile_m + step.tScS_mn[r, 0][0]
+            lse[r] = step.mLSE_log2[row]
+            dpsum[r] = step.mdPsum[row]
+
+        thr_mma_sdp = step.gemm_S.thr_mma
+        acc_S = cute.make_rmem_tensor(
+            thr_mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32
+        )
+        acc_dP = cute.make_rmem_tensor(
+            thr_mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32
+        )
+        acc_S.fill(0.0)
+        acc_dP.fill(0.0)
+        step.gemm_S(acc_S, stage)
+        step.gemm_dP(acc_dP, stage)
+        # Keys past seqlen_k (zero-filled K rows: only the last block) and, causal, keys right
+        # of the diagonal (only where the block's last key is past the tile's first row's
+        # limit). A uniform branch: the mask code is traced once, most blocks skip it.
+        block_end = (step.n_block + 1) * self.tile_n
+        need_mask = block_end > step.mask.seqlen_k
+        if const_expr(self.is_causal):
+            first_row_limit = m_block * self.tile_m + step.mask.seqlen_k - step.seqlen_q
+            need_mask = need_mask | (first_row_limit < block_end - 1)
+        if need_mask:
+            step.mask.apply(
+                acc_S, thr_mma_sdp, m_block, step.n_block, mask_seqlen=True,
+                mask_causal=self.is_causal,
+            )
+        acc_S_mn = acc_rows_cols(acc_S)
+        acc_dP_mn = acc_rows_cols(acc_dP)
+        for r in cutlass.range_constexpr(num_rows):
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                p = cute.math.exp2(acc_S_mn[r, c] * step.scale_log2 - lse[r], fastmath=True)
+                acc_S_mn[r, c] = p
+                acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum[r])
+        rP = convert_to_16bit(acc_S, self.dtype)
+        rdS = convert_to_16bit(acc_dP, self.dtype)
+        cute.copy(step.r2s_PdS, step.r2s_PdS.retile(rP), step.tPsP)
+        cute.copy(step.r2s_PdS, step.r2s_PdS.retile(rdS), step.tdSsdS)
+        cute.arch.barrier()  # sP, sdS complete
+
+        thr_mma_dq = step.gemm_dQ.thr_mma
+        acc_dQ = cute.make_rmem_tensor(
+            thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32
+        )
+        acc_dQ.fill(0.0)
+        step.gemm_dQ(acc_dQ)
+        tidx = cute.arch.thread_idx()[0]
+        gdQaccum = fragment_accum(
+            step.mdQaccum, self.tile_m * self.head_dim, self.num_threads, m_block, tidx
+        )
+        if step.deterministic != 0:
+            turn = step.n_block
+            if const_expr(self.is_causal):
+                # The key blocks visiting m_block are 0 .. n_block_max - 1 (a prefix); they add
+                # in descending order, each waiting only for a lower block index.
+                n_idx_end = (m_block + 1) * self.tile_m + step.mask.seqlen_k - step.seqlen_q
+                n_block_max = cutlass.min(
+                    (n_idx_end + (self.tile_n - 1)) // self.tile_n, step.num_n_blocks
+                )
+                turn = n_block_max - 1 - step.n_block
+            semaphore_wait(step.mdQ_sem, m_block, turn, tidx)
+        red_add_tile(acc_dQ, gdQaccum)
+        if step.deterministic != 0:
+            semaphore_signal(step.mdQ_sem, m_block, tidx)
+
+        step.gemm_dV(step.acc_dV, stage)
+        step.gemm_dK(step.acc_dK, stage)
+
+    @cute.jit
+    def epilogue_mha(
+        self,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        mdK_cur: cute.Tensor,  # (seqlen_k, head_dim) of this (batch, kv head)
+        mdV_cur: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tiled_mma_dkv: cute.TiledMma,
+        tidx: Int32,
+        n_block: Int32,
+        seqlen_k: Int32,
+    ):
+        """dK, dV -> 16-bit -> smem (reusing sK, sV) -> 128-bit predicated stores.
+
+        Rows past ``seqlen_k`` are not stored; a block no query sees stores zeros.
+        """
+        rdK = convert_to_16bit(acc_dK, self.dtype)
+        rdV = convert_to_16bit(acc_dV, self.dtype)
+        # No cp.async may still land in sK/sV and every warp has issued its last ldmatrix.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
+            tiled_mma_dkv,
+        ).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
+        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
+        cute.arch.barrier()
+        self._store_tile(sK, mdK_cur, tidx, n_block, seqlen_k)
+        self._store_tile(sV, mdV_cur, tidx, n_block, seqlen_k)
+
+    @cute.jit
+    def _store_tile(self, sX: cute.Tensor, mX: cute.Tensor, tidx: Int32, n_block: Int32,
+                    seqlen_k: Int32):
+        """smem ``(tile_n, head_dim)`` -> registers -> 128-bit stores of rows ``< seqlen_k``."""
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
+        thr_copy = tiled_copy.get_slice(tidx)
+        tile = (self.tile_n, self.head_dim)
+        cX = cute.make_identity_tensor(tile)
+        tXcX = thr_copy.partition_S(cX)
+        t0XcX = tiled_copy.get_slice(0).partition_S(cX)
+        row_bound = seqlen_k - n_block * self.tile_n - tXcX[0][0]
+        tXsX = thr_copy.partition_S(sX)
+        tXrX = cute.make_fragment_like(tXsX, self.dtype)
+        cute.autovec_copy(tXsX, tXrX)
+        tXgX = thr_copy.partition_D(cute.local_tile(mX, tile, (n_block, 0)))
+        for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
+            if t0XcX[0, m, 0][0] < row_bound:
+                cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
+
+    @cute.jit
+    def epilogue_gqa(
+        self,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        mdKaccum: cute.Tensor,  # (batch, nheads_k, seqlen_k_padded * head_dim) fp32
+        mdVaccum: cute.Tensor,
+        mdKV_sem: cute.Tensor,  # (batch, nheads_k, num_n_blocks)
+        thr_mma_dkv: cute.ThrMma,
+        tidx: Int32,
+        n_block: Int32,
+        batch_idx: Int32,
+        head_idx: Int32,
+        head_idx_kv: Int32,
+        qhead_per_kvhead: Int32,
+        deterministic: Int32,
+    ):
+        """Reduce-add the fp32 dK (unscaled) and dV of this query head into the KV head's sums."""
+        gdK = accum_tile(mdKaccum[batch_idx, head_idx_kv, None], self.tile_n, self.head_dim, n_block)
+        gdV = accum_tile(mdVaccum[batch_idx, head_idx_kv, None], self.tile_n, self.head_dim, n_block)
+        sem = mdKV_sem[batch_idx, head_idx_kv, None]
+        if deterministic != 0:
+            # Turns in ascending query-head order: lower heads have lower block indices.
+            semaphore_wait(sem, n_block, head_idx - head_idx_kv * qhead_per_kvhead, tidx)
+        red_add_tile(acc_dV, thr_mma_dkv.partition_C(gdV))
+        red_add_tile(acc_dK, thr_mma_dkv.partition_C(gdK))
+        if deterministic != 0:
+            semaphore_signal(sem, n_block, tidx)

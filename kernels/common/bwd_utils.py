@@ -1,0 +1,144 @@
+"""Pieces the three backward kernels share: scratch-buffer padding, row-major fp32 accumulator
+tiles, 16-byte tiled copies, fp32 reduce-adds and the semaphores of the deterministic mode.
+
+Purpose: the preprocess, main and postprocess kernels of the backward (design doc 2.1-2.9) talk
+through fp32 scratch buffers; they must agree on one padding rule and one layout:
+- ``LSE_log2`` and ``dPsum``: ``(batch, nheads, seqlen_q_padded)``;
+- ``dQaccum``: ``(batch, nheads, seqlen_q_padded * head_dim)``; per head, m_block ``i`` owns
+  ``[i * tile_m * head_dim, (i + 1) * tile_m * head_dim)`` in the MMA-fragment order of the
+  main kernel's dQ tiled MMA (``fragment_accum``): the per-m_block ``red.add`` of a warp then
+  covers 128 contiguous bytes (4 sectors) instead of 8 rows x 32 bytes in row-major order, as
+  FA2 does; the postprocess rebuilds the same tiled MMA to undo the order;
+- GQA ``dKaccum``/``dVaccum``: ``(batch, nheads_k, seqlen_k_padded * head_dim)``, row-major
+  ``(seqlen_k_padded, head_dim)`` per head (added once per CTA, so order matters little);
+with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22).
+
+Deterministic mode (design doc 2.9): an int32 semaphore per (batch, head, block) holds whose turn
+it is; a CTA waits (thread 0 spins with ``ld.acquire.gpu``, then a CTA barrier) until the value
+equals its turn, adds its contribution, and passes the turn on (CTA barrier, then thread 0:
+``fence.acq_rel.gpu`` + ``red.add``). A fixed order of fp32 additions gives bitwise-equal results.
+Waiting is deadlock-free as long as every CTA waits only for CTAs with a lower linear block index
+(those were dispatched first): the callers order turns that way.
+
+Constraints: 16-bit inputs, fp32 scratch; ``head_dim`` a multiple of 16.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+# Every scratch buffer pads its sequence length to a multiple of this; tiles must divide it.
+SEQ_PAD = 128
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@cute.jit
+def elem_pointer(t: cute.Tensor, i):
+    """Pointer to element ``i`` (a linear index into the tensor's shape) of ``t``."""
+    return t.iterator + cute.crd2idx(i, t.layout)
+
+
+def accum_tile(m_accum_head: cute.Tensor, rows: int, cols: int, block: Int32) -> cute.Tensor:
+    """The ``(rows, cols)`` row-major fp32 tile ``block`` of one head's flat accumulator.
+
+    The layout is static (stride ``cols``), so per-element offsets are immediates.
+    """
+    base = m_accum_head.iterator + block * (rows * cols)
+    # The buffer is 16-byte aligned and a tile is a multiple of 16 bytes: say so, for 128-bit
+    # copies (the flat view lost the alignment through its dynamic strides).
+    base = cute.make_ptr(cutlass.Float32, base.toint(), base.memspace, assumed_align=16)
+    return cute.make_tensor(base, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+
+def fragment_accum(m_accum_head: cute.Tensor, tile_elems: int, num_threads: int, block: Int32,
+                   tidx: Int32) -> cute.Tensor:
+    """This thread's flat view of accumulator tile ``block`` in MMA-fragment order.
+
+    Element ``i`` of a thread's accumulator fragment lives at ``i * num_threads + tidx`` of the
+    tile, so one ``red.add`` instruction of a warp covers 128 contiguous bytes (4 sectors)
+    instead of 8 rows x 32 bytes in row-major order. Producer (main kernel) and consumer
+    (postprocess) must enumerate the fragment of the same tiled MMA (``tiled_mma_sm80``).
+    """
+    base = m_accum_head.iterator + block * tile_elems + tidx
+    base = cute.make_ptr(cutlass.Float32, base.toint(), base.memspace, assumed_align=4)
+    return cute.make_tensor(base, cute.make_layout(tile_elems // num_threads, stride=num_threads))
+
+
+def tiled_mma_sm80(dtype: type[cutlass.Numeric], num_warps: int, atom_m: int) -> cute.TiledMma:
+    """``mma.sync.m16n8k16`` with warps ``atom_m x (num_warps / atom_m)``; N and K permuted to 16
+    so B loads are ``ldmatrix.x4``. Shared by the main kernel and the dQ postprocess."""
+    from cutlass.cute.nvgpu import warp
+
+    atom_n = num_warps // atom_m
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+        (atom_m, atom_n, 1),
+        permutation_mnk=(atom_m * 16, atom_n * 16, 16),
+    )
+
+
+def tiled_copy_16b(
+    dtype: type[cutlass.Numeric], num_threads: int, cols: int, is_async: bool, copy_bits: int = 128
+) -> cute.TiledCopy:
+    """``copy_bits`` per thread per copy, threads row-major over the chunks of a row.
+
+    With ``cols`` elements per row, ``cols * width / copy_bits`` threads share a row: a warp
+    covers whole rows (coalesced) and, with the swizzled smem atoms, distinct banks.
+    """
+    from cutlass.cute.nvgpu import cpasync
+
+    elems = copy_bits // dtype.width
+    if cols % elems != 0:
+        raise ValueError(f"rows of {cols} elements do not split into {copy_bits}-bit chunks")
+    threads_per_row = cols // elems
+    if threads_per_row > num_threads or num_threads % threads_per_row:
+        raise ValueError(f"{num_threads} threads cannot cover rows of {threads_per_row} chunks")
+    op = (
+        cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        if is_async
+        else cute.nvgpu.CopyUniversalOp()
+    )
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=copy_bits)
+    thr_layout = cute.make_ordered_layout(
+        (num_threads // threads_per_row, threads_per_row), order=(1, 0)
+    )
+    return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
+
+
+@cute.jit
+def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor):
+    """``gacc[i] += acc[i]`` for every element, with ``red.relaxed.gpu.global.add.f32``.
+
+    ``gacc`` is a gmem view indexed like the register tensor ``acc`` (its MMA partition, or a
+    ``fragment_accum``); pitfall 27: the DSL needs an explicit ``sem``/``scope``.
+    """
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        cute.arch.red(
+            elem_pointer(gacc, i), acc[i], op="add", dtype=cutlass.Float32, sem="relaxed",
+            scope="gpu",
+        )
+
+
+@cute.jit
+def semaphore_wait(sem: cute.Tensor, idx, turn: Int32, tidx: Int32):
+    """Block the CTA until ``sem[idx] == turn``."""
+    if tidx == 0:
+        ptr = elem_pointer(sem, idx)
+        val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        while val != turn:
+            val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.barrier()
+
+
+@cute.jit
+def semaphore_signal(sem: cute.Tensor, idx, tidx: Int32):
+    """Pass the turn on once every thread's prior global reduce-adds are done."""
+    cute.arch.barrier()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.red(
+            elem_pointer(sem, idx), Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu"
+        )
