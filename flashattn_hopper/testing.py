@@ -51,10 +51,16 @@ def _dense_ref(
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     visible = _key_mask(q.shape[1], k.shape[1], causal, window, q.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, s_q); -inf on rows with no visible key
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: 0, not NaN
+    if visible is None:
+        lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, s_q)
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # Rows that see no key: softmax over finite zeros, then zeroed, so that neither the output
+        # nor any gradient flowing back through the reference is NaN; their LSE is -inf.
+        has_key = visible.any(dim=-1, keepdim=True)
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
+        lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(~has_key[..., 0], float("-inf"))
+        probs = torch.softmax(scores, dim=-1) * has_key
     out = torch.einsum("bhts,bshd->bthd", probs, v)
     return out, lse
 

@@ -143,3 +143,12 @@ def test_rule_rejects_nan_and_wrong_inf():
     assert not max_err_check(torch.tensor([0.0, 1.0]), ref, ref)[0]
     with pytest.raises(AssertionError, match="out: max"):
         assert_close_to_ref("out", torch.tensor([0.0, 2.0]), ref, ref)
+
+
+def test_gradients_finite_on_rows_with_no_keys():
+    q, k, v = (_rand(1, s, 2, 8).requires_grad_() for s in (6, 2, 2))
+    out, _ = attention_ref(q, k, v, causal=True)  # rows 0..3 see no key
+    out.sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert torch.isfinite(t.grad).all(), f"d{name} has NaN/inf"
+    assert (q.grad[:, :4] == 0).all()
