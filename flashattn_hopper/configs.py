@@ -14,10 +14,13 @@ class FwdTile:
     tile_m: int  # query rows per CTA
     tile_n: int  # key rows per mainloop iteration
     num_threads: int
+    # K/V smem stages. 1 is FA2's schedule; 2 give each load a whole block step to land: +0-9 % with
+    # 32-row warps on H200, -3 to -13 % at hdim 192/256 whose warps own 16 rows (perf/NOTES_sm80.md).
+    num_stages: int = 1
 
 
 # Ampere FA2 forward (kernels/fwd_sm80.py): warps split along the query rows, 16-bit inputs.
-# Smem = (tile_m + 2 * stages * tile_n) * hdim * 2 B (Q + K + V; stages in backends/sm80_fwd.py).
+# Smem = (tile_m + 2 * num_stages * tile_n) * hdim * 2 B (Q + K + V).
 # What matters on H100/H200 is query rows per warp (tile_m / warps): 32 rows halve the shared-memory
 # bytes per mma.sync against 16 rows (each K/V fragment feeds twice the MMAs), and 4-warp CTAs at
 # <= 255 regs run 2 per SM, so one CTA's barrier waits hide behind the other's math. Measured on H200,
@@ -25,23 +28,32 @@ class FwdTile:
 FWD_SM80_TILES: dict[int, FwdTile] = {
     # 128x64, 4 warps (32 rows each): S 64 + O 64 regs/thread, no spills; 1.11-1.37x FA2 at
     # seqlens 512-16k (8 warps 128x128: 0.86-1.04x; 4 warps 128x128 spills, 1.06-1.15x).
-    64: FwdTile(tile_m=128, tile_n=64, num_threads=128),
+    64: FwdTile(tile_m=128, tile_n=64, num_threads=128, num_stages=2),
     # 128x32, 4 warps: S 32 + O 96 regs/thread, no spills with any flag; 0.94-1.01x FA2 at 2k/8k.
     # 128x64 x 4 warps measures 1.06-1.07x but spills 10-30 registers causal or varlen on sm_90a.
-    96: FwdTile(tile_m=128, tile_n=32, num_threads=128),
+    96: FwdTile(tile_m=128, tile_n=32, num_threads=128, num_stages=2),
     # 128x32, 4 warps: S 32 + O 128 regs/thread, no spills dense; 1.03-1.20x FA2 (8 warps 128x64:
     # 0.85-1.05x; FA2's own 4-warp 128x64 spills in our kernel, 1.00-1.14x). Local/softcap/varlen
     # spill here and take 128x64 x 8 warps (backends/sm80_fwd.py, _FEATURE_TILES).
-    128: FwdTile(tile_m=128, tile_n=32, num_threads=128),
+    128: FwdTile(tile_m=128, tile_n=32, num_threads=128, num_stages=2),
     # 128x64, 8 warps (FA2's tile), 1 stage: S 32 + O 96 regs/thread; 1.03-1.06x FA2 at 2k/8k (2 stages
     # 1.00-1.04x; 128x32 x 8 warps 0.87-0.90x; 64x64 x 4 warps 0.87-1.00x).
-    192: FwdTile(tile_m=128, tile_n=64, num_threads=256),
+    192: FwdTile(tile_m=128, tile_n=64, num_threads=256, num_stages=1),
     # 64x64, 4 warps (16 rows each), 1 stage: S 32 + O 128 regs/thread, 96 KB smem, so 2 CTAs per SM;
     # 1.02-1.15x FA2 at 512-16k. FA2's 128x64 x 8 warps (1 CTA/SM) is 0.93-1.18x: ahead at long
     # non-causal, behind at short and causal. 32-row warps would need 256 O regs/thread.
-    256: FwdTile(tile_m=64, tile_n=64, num_threads=128),
+    256: FwdTile(tile_m=64, tile_n=64, num_threads=128, num_stages=1),
 }
 
+
+# Tiles for the sm80 forward's local / softcap / varlen variants where the table's tile spills: those
+# features keep a few more values in registers through the key loop (window bounds, softcap scale,
+# varlen offsets and lengths, which dense kernels read from the parameter bank). At hdim 128 the
+# 4-warp 128x32 tile then spills 5-42 registers on sm_90a (causal varlen on sm_80 too; ptxas of DSL
+# 4.8.1, 2026-11-21); 8 warps at 128x64 with 2 stages are spill-free, ~8 % slower dense on H200.
+FWD_SM80_FEATURE_TILES: dict[int, FwdTile] = {
+    128: FwdTile(tile_m=128, tile_n=64, num_threads=256, num_stages=2),
+}
 
 @dataclass(frozen=True)
 class FwdTileSm90:

@@ -24,16 +24,6 @@ from .common import (
 # A window side that is unbounded goes to the kernel as this many tokens (no int32 overflow in the
 # kernel's index math as long as sequences are shorter than 2**30).
 _UNBOUNDED_WINDOW = 1 << 30
-# cp.async stages of K and V per kernel head dim (1 = FA2's schedule). 2 stages give each load a
-# whole block step to land: +0-9 % at 4 warps with 32-row warps on H200; -3 to -13 % at hdim 192 and
-# 256, whose tiles are 16-row warps (perf/NOTES_sm80.md).
-_NUM_STAGES = {64: 2, 96: 2, 128: 2, 192: 1, 256: 1}
-# Tiles for local / softcap / varlen variants where the table's tile spills. Those features keep a
-# few more values in registers through the key loop (window bounds, softcap scale, varlen offsets
-# and lengths, which dense kernels read from the parameter bank); at hdim 128 the 4-warp 128x32 tile
-# then spills 5-42 registers on sm_90a (causal varlen on sm_80 too; ptxas of DSL 4.8.1,
-# 2026-11-21). The 8-warp 128x64 tile (2 stages) is spill-free there, ~8 % slower dense on H200.
-_FEATURE_TILES = {128: (configs.FwdTile(tile_m=128, tile_n=64, num_threads=256), 2)}
 
 
 @dataclass(frozen=True)
@@ -123,12 +113,12 @@ class FwdSm80:
         )
 
     def _key(self, arch: str, dtype: str, hdim: int, hdim_v: int, **flags: bool) -> FwdKey:
-        tile, stages = self.tiles[hdim], _NUM_STAGES.get(hdim, 1)
-        if hdim in _FEATURE_TILES and any(flags.get(f, False) for f in ("local", "softcap", "varlen")):
-            tile, stages = _FEATURE_TILES[hdim]
+        tile = self.tiles[hdim]
+        if hdim in configs.FWD_SM80_FEATURE_TILES and any(flags.get(f, False) for f in ("local", "softcap", "varlen")):
+            tile = configs.FWD_SM80_FEATURE_TILES[hdim]
         return FwdKey(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
-            tile_n=tile.tile_n, num_threads=tile.num_threads, num_stages=stages, **flags,
+            tile_n=tile.tile_n, num_threads=tile.num_threads, num_stages=tile.num_stages, **flags,
         )
 
     def all_keys(self, arch: str) -> list[FwdKey]:
