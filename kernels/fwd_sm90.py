@@ -1,25 +1,34 @@
 """FlashAttention-3 forward kernel for Hopper (sm90): ``FlashFwdSm90``.
 
 Purpose: ``O = softmax(Q K^T * softmax_scale) V`` and the natural-log LSE per query row, bf16/fp16
-inputs, fp32 accumulation, optional bottom-right-aligned causal masking, GQA/MQA (query head ``h``
-reads KV head ``h // (nheads // nheads_k)``, no K/V repeat), with the three FA3 techniques:
+inputs, fp32 accumulation, optional bottom-right-aligned causal or sliding-window (local) masking,
+softcap, GQA/MQA (query head ``h`` reads KV head ``h // (nheads // nheads_k)``, no K/V repeat) and
+variable-length (packed) batches, with the three FA3 techniques:
 warp specialisation (a TMA producer warp, MMA warpgroups with ``setmaxnreg``), intra-warpgroup
 overlap (the softmax of block ``j`` runs while the P.V GEMM of block ``j+1`` is in flight, see the
 class timeline) and inter-warpgroup ping-pong (named barriers serialise the GEMM issue of the MMA
 warpgroups so one warpgroup's softmax runs under the other's GEMMs).
 
 Constraints:
-- Q/K/V/O ``(batch, seqlen, nheads, head_dim)``, unit last stride, other strides multiples of 8
-  elements, 16-byte-aligned base pointers (TMA descriptors need 16-byte strides); LSE fp32
-  ``(batch, nheads, seqlen_q)``. All extents dynamic; the runtime head dim must equal the
-  compiled one (the launcher zero-pads), ``head_dim == head_dim_v``, a multiple of 16 up to 256.
-- Any ``seqlen_q, seqlen_k >= 1``: TMA zero-fills rows past the tensor, the first key block is
-  masked by ``seqlen_k``, O rows past ``seqlen_q`` are not stored.
-- ``softmax_scale > 0`` (``common/softmax.py``).
+- Dense: Q/K/V/O ``(batch, seqlen, nheads, head_dim)``, LSE fp32 ``(batch, nheads, seqlen_q)``.
+  Varlen (``cu_seqlens_q/k`` given): Q/K/V/O ``(total, nheads, head_dim)``, LSE
+  ``(nheads, total_q)``, ``cu_seqlens`` int32 ``(batch + 1,)``, optional ``seqused`` int32
+  ``(batch,)``. Unit last stride, other strides multiples of 8 elements, 16-byte-aligned base
+  pointers (TMA descriptors need 16-byte strides). All extents dynamic; the runtime head dim
+  must equal the compiled one (the launcher zero-pads), ``head_dim == head_dim_v``, a multiple
+  of 16 up to 256.
+- Any ``seqlen_q, seqlen_k >= 1`` (varlen: any per-sequence length >= 0): TMA zero-fills rows
+  past the tensor, and in a packed tensor reads rows of the next sequence, which the
+  ``seqlen_k`` mask of the first key block hides (P = 0 there); Q rows past ``seqlen_q`` are
+  computed but never stored. Dense O goes out by TMA (the unit clips rows past the tensor);
+  varlen O by row-predicated stores, so no tile writes into the next sequence (FA3's rule,
+  design doc pitfall 21). Rows past ``seqused_q`` are not written (the launcher zero-fills).
+- ``softmax_scale > 0``, ``softcap > 0`` when compiled in (``common/softmax.py``); window sides
+  are runtime ``Int32``, an unbounded side is a huge value (``2**30``); lengths < ``2**30``.
 
 Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
 ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); design doc
-``fa3_cute_design.md`` section 1.
+``fa3_cute_design.md`` sections 1 (1.9 masks, 1.10 epilogue, 1.14 varlen).
 """
 
 import enum
@@ -37,8 +46,11 @@ from cutlass.memory import SmemAllocator
 
 from .common.block_info import BlockInfo
 from .common.mask import AttentionMask
-from .common.sm90_utils import acc_to_frag_a_sm90, make_smem_layout_sm90, wgmma
-from .common.softmax import OnlineSoftmax
+from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from .common.sm90_utils import (
+    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
+)
+from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -70,14 +82,31 @@ class NamedBarrierFwd(enum.IntEnum):
 
 @dataclass(frozen=True)
 class TileCoord:
-    """Which tile this CTA computes and the key blocks it visits (``n_block_min <= n < max``)."""
+    """This CTA's query tile, its sequence's lengths and the key blocks it visits
+    (``n_block_min <= n < n_block_max``)."""
 
     m_block: Int32
-    head_idx: Int32
-    batch_idx: Int32
-    head_idx_kv: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
     n_block_min: Int32
     n_block_max: Int32
+
+
+@dataclass(frozen=True)
+class TmaAtoms:
+    """TMA copy atoms; ``o`` is None when O is stored with predicated stores (varlen)."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    o: cute.CopyAtom | None
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
 
 
 @dataclass(frozen=True)
@@ -96,7 +125,10 @@ class MmaParts:
 
 @dataclass(frozen=True)
 class BlockStep:
-    """What one key-block step needs besides the block index and its compile-time mask flags."""
+    """What one key-block step needs besides the block index and its compile-time mask flags.
+
+    ``softcap_scale`` is None unless softcap is compiled in.
+    """
 
     mma: MmaParts
     pipeline_k: pipeline.PipelineTmaAsync
@@ -105,13 +137,17 @@ class BlockStep:
     mask: AttentionMask
     m_block: Int32
     wg_idx: Int32  # MMA warpgroup index, 0-based
+    softcap_scale: Float32 | None
 
 
 class FlashFwdSm90:
     """FA3 forward on sm90, non-persistent: one CTA computes one ``(tile_m, head_dim_v)`` tile of O.
 
-    Grid ``(ceil(seqlen_q / tile_m), nheads, batch)``; with causal masking the m_blocks run in
-    reverse (the longest rows, at the bottom, start first). ``128 * (1 + tile_m / 64)`` threads:
+    Grid: dense ``(ceil(seqlen_q / tile_m), nheads, batch)``, with causal/local masking the
+    m_blocks in reverse (the longest rows, at the bottom, start first); varlen ``(upper bound of
+    tiles over all sequences, nheads, 1)``, each CTA finding its ``(batch, m_block)`` with a warp
+    scan of ``cu_seqlens_q`` (``common/seqlen.py``) and exiting if it has none.
+    ``128 * (1 + tile_m / 64)`` threads:
 
         | warpgroup | warps    | registers | role                                             |
         | WG0       | 0        | 24        | producer: TMA loads of Q, K[n], V[n]             |
@@ -126,9 +162,12 @@ class FlashFwdSm90:
         | pipeline_k | 2      | TMA K[n] -> every MMA warp  | tile_n * head_dim * 2     |
         | pipeline_v | 2      | TMA V[n] -> every MMA warp  | tile_n * head_dim_v * 2   |
 
-    Key blocks run right to left (``n_block_max - 1`` down to ``n_block_min``); the first is the
-    only one cut by ``seqlen_k``; with causal the next few carry the diagonal mask and the rest
-    none. Blocks above the diagonal are never loaded. Per MMA warpgroup, with intra-WG overlap::
+    Key blocks run right to left (``n_block_max - 1`` down to ``n_block_min``) in up to four
+    segments, each with its masking compiled in: the first block (``seqlen_k`` + causal/window
+    mask; the only one cut by ``seqlen_k``), blocks that may cross the diagonal / right window
+    edge, unmasked blocks, blocks that may cross the left window edge (local only). Blocks
+    outside the window are never loaded. Softcap (``tanh``) runs on S before any mask. Per MMA
+    warpgroup, with intra-WG overlap::
 
         first: wait K[n0]; S = Q K^T; mask; softmax; P = cvt(S)
         step j: wait K[j]; [sync own sched barrier] issue S = Q K[j]^T; wait V[j+1];
@@ -141,10 +180,11 @@ class FlashFwdSm90:
     scheduler barriers make the warpgroups take turns issuing their GEMM sections, so one
     warpgroup's softmax overlaps the other's tensor-core work (ping-pong). Epilogue: finalize
     (O / row_sum, LSE), 16-bit O into sO with ``stmatrix`` (sO aliases sQ, after a barrier over
-    all MMA threads guarantees every QK^T WGMMA has read sQ), LSE from registers, then one TMA
-    store issued by the first MMA warp (rows past ``seqlen_q`` are clipped by the TMA unit).
-    A CTA that sees no key (causal, ``seqlen_q > seqlen_k``) loads nothing and stores O = 0,
-    LSE = -inf.
+    all MMA threads guarantees every QK^T WGMMA has read sQ), LSE from registers, then dense:
+    one TMA store issued by the first MMA warp (rows past ``seqlen_q`` are clipped by the TMA
+    unit); varlen: every MMA thread copies 16-byte row chunks from sO to gmem, rows past the
+    sequence predicated off. A CTA that sees no key (causal/local, or ``seqlen_k = 0``) loads
+    nothing and stores O = 0, LSE = -inf.
     """
 
     def __init__(
@@ -155,11 +195,15 @@ class FlashFwdSm90:
         tile_m: int,
         tile_n: int,
         is_causal: bool,
+        is_local: bool = False,
+        has_softcap: bool = False,
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         num_stages: int = 2,
     ):
-        reason = self.can_implement(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages)
+        reason = self.can_implement(
+            dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local
+        )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -168,6 +212,8 @@ class FlashFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.is_causal = is_causal
+        self.is_local = is_local
+        self.has_softcap = has_softcap
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         self.num_mma_wg = tile_m // 64
@@ -183,7 +229,9 @@ class FlashFwdSm90:
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
 
     @staticmethod
-    def can_implement(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2) -> str | None:
+    def can_implement(
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False
+    ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
@@ -191,6 +239,8 @@ class FlashFwdSm90:
             return f"head_dim ({head_dim}) != head_dim_v ({head_dim_v}) is not implemented yet"
         if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if is_causal and is_local:
+            return "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
         if tile_m not in (64, 128, 192):
             return f"tile_m must be 64, 128 or 192 (64 rows per MMA warpgroup), got {tile_m}"
         if tile_n % 16 != 0 or not 16 <= tile_n <= 256:
@@ -262,12 +312,19 @@ class FlashFwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
-        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
-        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim_v)
-        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim_v), output
-        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32, output, natural log
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim_v) | varlen (total_k, ...)
+        mO: cute.Tensor,  # like mQ with head_dim_v, output
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) | varlen (nheads, total_q), fp32 output
         softmax_scale: Float32,
+        window_left: Int32,  # local only (else ignored); unbounded: a huge value
+        window_right: Int32,  # local only (else ignored); unbounded: a huge value
+        softcap: Float32,  # has_softcap only (else ignored)
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
+        mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
+        mSeqUsedK: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -277,14 +334,22 @@ class FlashFwdSm90:
             raise TypeError(f"Q/K/V/O must all be {self.dtype}")
         if const_expr(mLSE.element_type != Float32):
             raise TypeError("LSE must be Float32")
-        # Kernel-side views: (seqlen, head_dim, head, batch); LSE (seqlen_q, head, batch).
-        mQ, mK, mV, mO = [
-            select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)
+        varlen_q = const_expr(mCuSeqlensQ is not None)
+        varlen_k = const_expr(mCuSeqlensK is not None)
+        # Kernel-side views: (seqlen, head_dim, head[, batch]); LSE (seqlen_q, head[, batch]).
+        mQ, mO = [
+            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_q else [1, 3, 2, 0])
+            for t in (mQ, mO)
         ]
-        mLSE = select_modes(mLSE, [2, 1, 0])
+        mK, mV = [
+            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_k else [1, 3, 2, 0])
+            for t in (mK, mV)
+        ]
+        mLSE = select_modes(mLSE, [1, 0] if varlen_q else [2, 1, 0])
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
-        # 4-D TMA descriptors over the whole tensors; a CTA indexes (head, batch) at issue time.
-        # Boxes past seqlen (or a -1 tile) are zero-filled and still count their full bytes.
+        # TMA descriptors over the whole tensors (varlen: over all sequences); a CTA picks its
+        # (head[, batch]) and shifts to its sequence at issue time. Boxes past the tensor are
+        # zero-filled and still count their full bytes.
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, sQ_layout, (self.tile_m, self.head_dim)
@@ -300,12 +365,25 @@ class FlashFwdSm90:
         )
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
-        num_m_blocks = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
+        if const_expr(self.has_softcap):
+            softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
+        else:
+            softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
+        if const_expr(varlen_q):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            grid_x = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
+            grid_z = 1
+        else:
+            num_batch = mQ.shape[3]
+            grid_x = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
+            grid_z = num_batch
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale * LOG2_E, qhead_per_kvhead, SharedStorage,
+            tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
+            window_left, window_right, qhead_per_kvhead, num_batch,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
         ).launch(
-            grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]],
+            grid=[grid_x, mQ.shape[2], grid_z],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -317,40 +395,95 @@ class FlashFwdSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim, nheads, batch)
-        mK: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim, nheads_k, batch)
-        mV: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v, nheads_k, batch)
-        mO: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v, nheads, batch)
-        mLSE: cute.Tensor,  # (seqlen_q, nheads, batch)
+        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q | total_q, head_dim, nheads[, batch])
+        mK: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim, nheads_k[, batch])
+        mV: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim_v, nheads_k[, batch])
+        mO: cute.Tensor,  # dense: TMA coordinates of (seqlen_q, head_dim_v, nheads, batch);
+        #                   varlen: the tensor (total_q, head_dim_v, nheads)
+        mLSE: cute.Tensor,  # (seqlen_q, nheads, batch) | varlen (total_q, nheads)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
         tma_atom_O: cute.CopyAtom,
         scale_log2: Float32,
+        softcap_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
         qhead_per_kvhead: Int32,
+        num_batch: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
-        """Prologue (pipelines, smem views, block range), then role dispatch."""
+        """Tile coordinates, then (if this CTA has a tile) the attention tile."""
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        varlen_q = const_expr(mCuSeqlensQ is not None)
+        atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O)
+        seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        scalars = (scale_log2, softcap_scale, window_left, window_right)
+        if const_expr(varlen_q):
+            # Every warp scans cu_seqlens_q and reaches the same (batch, m_block): CTA-uniform.
+            batch_idx, m_block = varlen_tile_coord(
+                block_x, num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
+            )
+            if batch_idx >= 0:
+                self.attention_tile(
+                    mQ, mK, mV, mO, mLSE, atoms, scalars, seqlen_args, SharedStorage,
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
+                )
+        else:
+            m_block = block_x
+            if const_expr(self.is_causal or self.is_local):
+                # Longest-first: bottom tiles see the most keys under the causal mask.
+                m_block = cute.arch.grid_dim()[0] - 1 - block_x
+            self.attention_tile(
+                mQ, mK, mV, mO, mLSE, atoms, scalars, seqlen_args, SharedStorage,
+                m_block, head_idx, head_idx // qhead_per_kvhead, block_z,
+            )
+
+    @cute.jit
+    def attention_tile(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        atoms: TmaAtoms,
+        scalars: tuple,  # (scale_log2, softcap_scale, window_left, window_right)
+        seqlen_args: tuple,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK), each may be None
+        SharedStorage: cutlass.Constexpr,
+        m_block: Int32,
+        head_idx: Int32,
+        head_idx_kv: Int32,
+        batch_idx: Int32,
+    ):
+        """Prologue (pipelines, smem views, sequence views, block range), then role dispatch."""
+        scale_log2, softcap_scale, window_left, window_right = scalars
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+            for atom in (atoms.q, atoms.k, atoms.v, atoms.o):
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            num_stages=1, producer_group=producer, consumer_group=consumers,
-            tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True,
-        )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
-            tx_count=self.tx_bytes_k, barrier_storage=storage.mbar_k.data_ptr(), defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
-            tx_count=self.tx_bytes_v, barrier_storage=storage.mbar_v.data_ptr(), defer_sync=True,
+        pipes = Pipelines(
+            *(
+                pipeline.PipelineTmaAsync.create(
+                    num_stages=stages, producer_group=producer, consumer_group=consumers,
+                    tx_count=tx, barrier_storage=mbar.data_ptr(), defer_sync=True,
+                )
+                for stages, tx, mbar in (
+                    (1, self.tx_bytes_q, storage.mbar_q),
+                    (self.num_stages, self.tx_bytes_k, storage.mbar_k),
+                    (self.num_stages, self.tx_bytes_v, storage.mbar_v),
+                )
+            )
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
@@ -359,84 +492,76 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        m_block, head_idx, batch_idx = cute.arch.block_idx()
-        if const_expr(self.is_causal):
-            # Longest-first: bottom tiles see the most keys under the causal mask.
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        seqlen_q = mO.shape[0]
-        seqlen_k = mK.shape[0]
-        n_block_min, n_block_max = BlockInfo(self.tile_m, self.tile_n, self.is_causal).n_block_min_max(
-            seqlen_q, seqlen_k, m_block
+        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0], *seqlen_args)
+        # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the sequence).
+        mQ_cur = seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx)
+        mK_cur = seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx)
+        mV_cur = seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx)
+        mO_cur = seqlen.q_view(select_head(mO, head_idx, 2), batch_idx)
+        mLSE_cur = seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx)
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        block_info = BlockInfo(
+            self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r
         )
-        tile = TileCoord(
-            m_block, head_idx, batch_idx, head_idx // qhead_per_kvhead, n_block_min, n_block_max
+        n_block_min, n_block_max = block_info.n_block_min_max(
+            seqlen.seqlen_q, seqlen.seqlen_k, m_block
         )
+        tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(
-                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v, tile,
-                )
+                self.load(mQ_cur, mK_cur, mV_cur, sQ, sK, sV, atoms, pipes, tile)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
+            mask = AttentionMask(
+                self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k, window_l, window_r
+            )
             self.mma(
-                mO, mLSE, sQ, sK, sV, tma_atom_O, pipeline_q, pipeline_k, pipeline_v, tile,
-                scale_log2, seqlen_q, seqlen_k,
+                mO_cur, mLSE_cur, sQ, sK, sV, atoms.o, pipes, tile, block_info, mask, scale_log2,
+                softcap_scale if const_expr(self.has_softcap) else None,
             )
 
     @cute.jit
     def load(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
+        mQ_cur: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim) of this (batch, head)
+        mK_cur: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim) of this (batch, kv head)
+        mV_cur: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v)
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        pipeline_q: pipeline.PipelineTmaAsync,
-        pipeline_k: pipeline.PipelineTmaAsync,
-        pipeline_v: pipeline.PipelineTmaAsync,
+        atoms: TmaAtoms,
+        pipes: Pipelines,
         tile: TileCoord,
     ):
         """Producer warp: TMA Q once, K/V ring over the key blocks in the consumers' order."""
-        gQ = cute.local_tile(
-            mQ[None, None, tile.head_idx, tile.batch_idx], (self.tile_m, self.head_dim),
-            (tile.m_block, 0),
-        )
-        gK = cute.local_tile(
-            mK[None, None, tile.head_idx_kv, tile.batch_idx], (self.tile_n, self.head_dim), (None, 0)
-        )
-        gV = cute.local_tile(
-            mV[None, None, tile.head_idx_kv, tile.batch_idx], (self.tile_n, self.head_dim_v),
-            (None, 0),
-        )
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
         cta_layout = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cta_layout, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            atoms.q, 0, cta_layout, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
         # ((atom, rest), stage) and ((atom, rest), n_block)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            atoms.k, 0, cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            atoms.v, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
 
         if tile.n_block_max > tile.n_block_min:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
-            load_k = (tma_atom_K, tKgK, tKsK, pipeline_k)
-            load_v = (tma_atom_V, tVgV, tVsV, pipeline_v)
+            load_k = (atoms.k, tKgK, tKsK, pipes.k)
+            load_v = (atoms.v, tVgV, tVsV, pipes.v)
             self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            pipes.q.producer_acquire(q_state)
+            cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
             num_rest = tile.n_block_max - 1 - tile.n_block_min
             if const_expr(self.intra_wg_overlap):
                 # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
@@ -465,19 +590,18 @@ class FlashFwdSm90:
     @cute.jit
     def mma(
         self,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mO_cur: cute.Tensor,  # (seqlen_q, head_dim_v): TMA coordinates (dense) or the tensor
+        mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head)
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
-        pipeline_q: pipeline.PipelineTmaAsync,
-        pipeline_k: pipeline.PipelineTmaAsync,
-        pipeline_v: pipeline.PipelineTmaAsync,
+        tma_atom_O: cute.CopyAtom | None,
+        pipes: Pipelines,
         tile: TileCoord,
+        block_info: BlockInfo,
+        mask: AttentionMask,
         scale_log2: Float32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        softcap_scale: Float32 | None,
     ):
         """MMA warpgroups: main loop over key blocks, finalize, epilogue."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS  # 0 .. num_mma_threads - 1
@@ -503,8 +627,9 @@ class FlashFwdSm90:
             acc_O=acc_O,
         )
         softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k)
-        step = BlockStep(mma, pipeline_k, pipeline_v, softmax, mask, tile.m_block, wg_idx)
+        step = BlockStep(
+            mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale
+        )
 
         if const_expr(self.pingpong):
             # The first MMA warpgroup gets the first turn at the tensor cores.
@@ -516,15 +641,14 @@ class FlashFwdSm90:
 
         if tile.n_block_max > tile.n_block_min:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipeline_q.consumer_wait(q_state)
-            self.mainloop(step, pipeline_q, q_state, seqlen_q, seqlen_k, tile)
+            pipes.q.consumer_wait(q_state)
+            self.mainloop(step, pipes.q, q_state, block_info, tile)
 
         o_scale, lse = softmax.finalize()
         softmax.rescale_O(acc_O, o_scale)
         self.epilogue(
-            acc_O, lse, mO[None, None, tile.head_idx, tile.batch_idx],
-            mLSE[None, tile.head_idx, tile.batch_idx], sQ, tiled_mma_pv, tma_atom_O, tidx,
-            tile.m_block, seqlen_q,
+            acc_O, lse, mO_cur, mLSE_cur, sQ, tiled_mma_pv, tma_atom_O, tidx, tile.m_block,
+            tile.seqlen_q,
         )
 
     @cute.jit
@@ -533,49 +657,64 @@ class FlashFwdSm90:
         step: BlockStep,
         pipeline_q: pipeline.PipelineTmaAsync,
         q_state: pipeline.PipelineState,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        block_info: BlockInfo,
         tile: TileCoord,
     ):
-        """Key blocks right to left in up to three segments, each with its masking compiled in.
+        """Key blocks right to left in up to four segments, each with its masking compiled in.
 
         One loop body is the same GEMM/softmax sequence for every block; only the mask differs,
         so the mask flags are compile-time and the unmasked segment carries no masking code.
+        (One method: the segment bounds and their loops only make sense together.)
         """
+        seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         n_block_first = tile.n_block_max - 1
+        # 1. The rightmost block: the only one that can be cut by seqlen_k.
         if const_expr(self.intra_wg_overlap):
             kv_state = self.first_half_block(step, kv_state, n_block_first)
         else:
             kv_state = self.one_block(
                 step, kv_state, n_block_first, is_first=True, mask_seqlen=True,
-                mask_causal=self.is_causal,
+                mask_causal=self.is_causal, mask_local=self.is_local,
             )
-        # Causal: blocks that may still cross the diagonal.
+        # 2. Blocks that may still cross the diagonal / right window edge.
         n_block_unmasked_end = n_block_first
-        if const_expr(self.is_causal):
-            n_block_mask_min = BlockInfo(self.tile_m, self.tile_n, True).n_block_min_right_mask(
+        if const_expr(self.is_causal or self.is_local):
+            n_block_mask_min = block_info.n_block_min_right_mask(
                 seqlen_q, seqlen_k, tile.m_block, tile.n_block_min
             )
             n_block_unmasked_end = cutlass.min(n_block_unmasked_end, n_block_mask_min)
             for i in cutlass.range(n_block_first - n_block_unmasked_end, unroll=1):
                 kv_state = self.one_block(
                     step, kv_state, n_block_first - 1 - i, is_first=False, mask_seqlen=False,
-                    mask_causal=True,
+                    mask_causal=self.is_causal, mask_local=self.is_local,
                 )
-        # Everything left of the diagonal: no masking code at all.
-        for i in cutlass.range(n_block_unmasked_end - tile.n_block_min, unroll=1):
+        # 3. Blocks fully inside the window: no masking code at all.
+        n_block_unmasked_begin = tile.n_block_min
+        if const_expr(self.is_local):
+            n_block_unmasked_begin = cutlass.min(
+                block_info.n_block_max_left_mask(
+                    seqlen_q, seqlen_k, tile.m_block, tile.n_block_min
+                ),
+                n_block_unmasked_end,
+            )
+        for i in cutlass.range(n_block_unmasked_end - n_block_unmasked_begin, unroll=1):
             kv_state = self.one_block(
                 step, kv_state, n_block_unmasked_end - 1 - i, is_first=False, mask_seqlen=False,
-                mask_causal=False,
+                mask_causal=False, mask_local=False,
             )
+        # 4. Local: blocks that may cross the left window edge.
+        if const_expr(self.is_local):
+            for i in cutlass.range(n_block_unmasked_begin - tile.n_block_min, unroll=1):
+                kv_state = self.one_block(
+                    step, kv_state, n_block_unmasked_begin - 1 - i, is_first=False,
+                    mask_seqlen=False, mask_causal=False, mask_local=True,
+                )
+        # Every QK^T of this tile has completed: the producer may reuse sQ (it will not, the
+        # kernel is non-persistent, but the release keeps the pipeline balanced).
+        pipeline_q.consumer_release(q_state)
         if const_expr(self.intra_wg_overlap):
-            # Every QK^T of this tile has completed: the producer may reuse sQ (it will not,
-            # the kernel is non-persistent, but the release keeps the pipeline balanced).
-            pipeline_q.consumer_release(q_state)
             kv_state = self.last_half_block(step, kv_state)
-        else:
-            pipeline_q.consumer_release(q_state)
 
     @cute.jit
     def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
@@ -584,10 +723,7 @@ class FlashFwdSm90:
         step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
         acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
         step.pipeline_k.consumer_release(kv_state)
-        step.mask.apply(
-            acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=True,
-            mask_causal=self.is_causal,
-        )
+        self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
         step.softmax.update(acc_S, is_first=True)
         self._store_p(mma, acc_S)
         return kv_state
@@ -614,6 +750,7 @@ class FlashFwdSm90:
         is_first: cutlass.Constexpr[bool],
         mask_seqlen: cutlass.Constexpr[bool],
         mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool],
     ):
         """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together,
         softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
@@ -632,11 +769,7 @@ class FlashFwdSm90:
             self._scheduler_arrive(step.wg_idx)
             warpgroup.wait_group(1)  # S_j has landed; P.V may still run
             step.pipeline_k.consumer_release(kv_state)
-            if const_expr(mask_seqlen or mask_causal):
-                step.mask.apply(
-                    acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
-                    mask_causal=mask_causal,
-                )
+            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=False)
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
             step.pipeline_v.consumer_release(v_state)
@@ -646,11 +779,7 @@ class FlashFwdSm90:
             step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
             acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
             step.pipeline_k.consumer_release(kv_state)
-            if const_expr(mask_seqlen or mask_causal):
-                step.mask.apply(
-                    acc_S, mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
-                    mask_causal=mask_causal,
-                )
+            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=is_first)
             self._store_p(mma, acc_S)
             if const_expr(not is_first):
@@ -663,6 +792,25 @@ class FlashFwdSm90:
             step.pipeline_v.consumer_release(kv_state)
             kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _score_mods(
+        self,
+        step: BlockStep,
+        acc_S: cute.Tensor,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool],
+    ) -> None:
+        """Softcap (if compiled in), then the element masks this block needs (-inf)."""
+        if const_expr(step.softcap_scale is not None):
+            apply_softcap(acc_S, step.softcap_scale)
+        if const_expr(mask_seqlen or mask_causal or mask_local):
+            step.mask.apply(
+                acc_S, step.mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
+                mask_causal=mask_causal, mask_local=mask_local,
+            )
 
     def _qk_gemm(self, mma: MmaParts, stage: Int32, wg_wait: int) -> cute.Tensor:
         acc_S = cute.make_rmem_tensor(
@@ -700,19 +848,21 @@ class FlashFwdSm90:
         self,
         acc_O: cute.Tensor,
         lse: cute.Tensor,
-        mO_cur: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v) of this (batch, head)
+        mO_cur: cute.Tensor,  # (seqlen_q, head_dim_v): TMA coordinates (dense) or the tensor
         mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head)
         sO: cute.Tensor,
         tiled_mma_pv: cute.TiledMma,
-        tma_atom_O: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom | None,
         tidx: Int32,
         m_block: Int32,
         seqlen_q: Int32,
     ):
-        """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> one TMA store; LSE per row.
+        """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> gmem; LSE per row.
 
-        The TMA store clips rows past ``seqlen_q`` (they are outside the tensor), so no
-        predicates; LSE goes straight from registers (2 rows per thread, lane % 4 == 0).
+        Dense: one TMA store (it clips rows past the tensor, so no predicates). Varlen (no TMA
+        atom): 16-byte row chunks from sO, rows past ``seqlen_q`` predicated off so the next
+        sequence's rows are never touched. LSE goes straight from registers (2 rows per thread,
+        lane % 4 == 0).
         """
         rO = convert_to_16bit(acc_O, self.dtype)
         # sO is sQ: every warpgroup's last QK^T WGMMA must have read it (each waited on its own).
@@ -734,19 +884,27 @@ class FlashFwdSm90:
                 if row < seqlen_q:
                     mLSE_cur[row] = lse[r]
 
-        # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-        )
-        if tidx // 32 == 0:
-            gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
+        if const_expr(tma_atom_O is not None):
+            # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            # smem must outlive the bulk read; the CTA exits right after.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
+            if tidx // 32 == 0:
+                gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
+                )
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                # smem must outlive the bulk read; the CTA exits right after.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
+            )
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
+            store_rows_predicated(
+                sO, gO, tidx, seqlen_q - m_block * self.tile_m, self.dtype, self.num_mma_threads
+            )

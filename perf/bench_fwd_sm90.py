@@ -2,6 +2,7 @@
 
     python perf/bench_fwd_sm90.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384]
                                   [--causal off on] [--variants full overlap serial] [--no-baselines]
+    python perf/bench_fwd_sm90.py --features [--hdims 128]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
 - sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
@@ -10,6 +11,10 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events. FLOPs = 4*b*h*s^2*d (x1/2 causal).
 Prints a Markdown table of TFLOP/s and the ratio of ``full`` to cuDNN.
+
+``--features``: sliding window, softcap and varlen (16k tokens in sequences of mixed lengths) on
+sm90 against our sm80 kernel (the Hopper fallback before these features existed) and dense sm90;
+FLOPs count only the (query, key) pairs the mask leaves visible.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
     family = FwdSm90()
     tile = family.tiles[q.shape[-1]]
     key = dataclasses.replace(
-        family._key(target_arch(), "bf16" if q.dtype == torch.bfloat16 else "fp16", q.shape[-1], causal),
+        family._key(target_arch(), "bf16" if q.dtype == torch.bfloat16 else "fp16", q.shape[-1], causal=causal),
         intra_wg_overlap=overlap, pingpong=pingpong and tile.pingpong,
     )
     if tile_mn is not None:
@@ -47,7 +52,7 @@ def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
     stream = current_stream(q.device)
 
     def run():
-        compiled(*args, scale, stream)
+        compiled(*args, scale, 0, 0, 1.0, None, None, None, None, stream)
         return out
 
     return run
@@ -75,6 +80,69 @@ def make_timer():
         return timer
 
 
+def visible_pairs(s_q: int, s_k: int, causal: bool, window: tuple[int, int]) -> int:
+    """(query, key) pairs the causal/window mask leaves visible (bottom-right aligned)."""
+    left, right = window
+    right = 0 if causal else right
+    i = torch.arange(s_q, dtype=torch.int64)
+    hi = torch.clamp(i + s_k - s_q + (right if right >= 0 else s_k), max=s_k - 1)
+    lo = torch.clamp(i + s_k - s_q - (left if left >= 0 else s_k), min=0)
+    return int(torch.clamp(hi - lo + 1, min=0).sum())
+
+
+def bench_features(timer, hdims: list[int]) -> None:
+    """TFLOP/s of window / softcap / varlen on sm90 and sm80 (and the dense sm90 kernel)."""
+    from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
+
+    print("| hdim | case | sm90 | sm80 | sm90/sm80 |")
+    print("|---|---|---|---|---|")
+    for hdim in hdims:
+        nheads = 2048 // hdim
+        cases = [  # (name, seqlen, causal, window, softcap)
+            ("dense s=8k causal", 8192, True, (-1, -1), 0.0),
+            ("window (1024,0) s=8k", 8192, True, (1024, 0), 0.0),
+            ("window (512,512) s=8k", 8192, False, (512, 512), 0.0),
+            ("softcap 30 s=4k", 4096, False, (-1, -1), 30.0),
+            ("softcap 30 s=4k causal", 4096, True, (-1, -1), 30.0),
+        ]
+        for name, seqlen, causal, window, softcap in cases:
+            batch = max(16384 // seqlen, 1)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
+                       for _ in range(3))
+            flops = 4 * batch * nheads * hdim * visible_pairs(seqlen, seqlen, causal, window)
+            kw = dict(causal=causal, window_size=window, softcap=softcap)
+            res = {}
+            for backend in ("sm90", "sm80"):
+                try:
+                    res[backend] = flops / timer(lambda b=backend: flash_attn_func(q, k, v, backend=b, **kw)) / 1e9
+                except Exception as e:  # noqa: BLE001 (report and keep going)
+                    print(f"note: {backend} {name}: {e}", file=sys.stderr)
+            _feature_row(hdim, name, res)
+        gen = torch.Generator().manual_seed(0)
+        for causal in (False, True):
+            lens = [int(x) for x in torch.randint(256, 3840, (64,), generator=gen)]
+            lens = lens[: next(i for i in range(1, 65) if sum(lens[:i]) >= 16384)]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            total = int(cu[-1])
+            q, k, v = (torch.randn(total, nheads, hdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            flops = 4 * nheads * hdim * sum(visible_pairs(n, n, causal, (-1, -1)) for n in lens)
+            res = {}
+            args = (q, k, v, cu, cu, max(lens), max(lens))
+            for backend in ("sm90", "sm80"):
+                res[backend] = flops / timer(
+                    lambda b=backend: flash_attn_varlen_func(*args, causal=causal, backend=b)
+                ) / 1e9
+            _feature_row(hdim, f"varlen {len(lens)} seqs 256-3840 ({total} tok){' causal' if causal else ''}", res)
+
+
+def _feature_row(hdim: int, name: str, res: dict) -> None:
+    a, b = res.get("sm90"), res.get("sm80")
+    cells = [f"{x:.0f}" if x else "-" for x in (a, b)]
+    ratio = f"{a / b:.2f}" if a and b else "-"
+    print(f"| {hdim} | {name} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
@@ -84,7 +152,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="only the sm90 variants")
     ap.add_argument("--tiles", nargs="*", default=[], metavar="HDIM:MxN",
                     help="extra sm90-full columns with another tile, e.g. 64:192x128 128:128x176")
+    ap.add_argument("--features", action="store_true", help="window / softcap / varlen table instead")
     args = ap.parse_args(argv)
+    if args.features:
+        print(f"# fwd features, bf16, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+        bench_features(make_timer(), args.hdims)
+        return 0
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa

@@ -79,8 +79,16 @@ def test_auto_on_hopper_picks_the_sm90_kernels(fake_gpu, monkeypatch):
 
 def test_explicit_sm90_never_falls_back(fake_gpu):
     fake_gpu((9, 0))
-    with pytest.raises(NotImplementedError, match="softcap .* sm90 backend"):
-        dispatch.fwd_kernel_for(CUDA0, "sm90", problem(softcap=30.0))
+    with pytest.raises(NotImplementedError, match="head dims .* sm90 backend"):
+        dispatch.fwd_kernel_for(CUDA0, "sm90", problem(head_dim=320, head_dim_v=320))
+
+
+def test_auto_backward_on_hopper_falls_back_to_sm80(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(dispatch, "check_target_arch", lambda device: "sm_90a")
+    assert dispatch.bwd_kernel_for(CUDA0, None, problem(head_dim=64, head_dim_v=64), False).backend == "sm80"
+    with pytest.raises(NotImplementedError, match="sm90"):
+        dispatch.bwd_kernel_for(CUDA0, "sm90", problem(head_dim=64, head_dim_v=64), False)
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -138,9 +138,12 @@ def test_auto_backend_runs_on_this_gpu():
 
 @pytest.mark.sm90
 def test_explicit_sm90_does_not_fall_back():
-    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    """backend='sm90' runs the Hopper kernels or raises; it never quietly uses the sm80 ones (here: the
+    sm90 backward, which does not exist yet)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 16, 16, 2, 2, 64))
+    out = flash_attn_func(q, k, v, backend="sm90")
     with pytest.raises(NotImplementedError, match="sm90"):
-        flash_attn_func(q, k, v, backend="sm90", softcap=30.0)
+        out.sum().backward()
 
 
 def test_mixed_devices_named():

@@ -1,8 +1,12 @@
 """Hopper FA3 forward (backend='sm90') against the fp32 reference (GPU tier, Hopper only).
 
-Rule (flash-attn's): max|ours - ref_fp32| <= 2 * max|pytorch_same_dtype - ref_fp32| + atol, for out and lse.
-Covers dtypes x head dims the sm90 table serves (64, 128, 256 natively; others zero-padded) x causal x
-seqlens (tests/shapes.py) x MHA/GQA/MQA, NaN-poisoned output buffers, and bitwise determinism.
+Rule (flash-attn's): max|ours - ref_fp32| <= 2 * max|pytorch_same_dtype - ref_fp32| + atol, for out and lse
+(3x for softcap, whose tanh.approx differs from torch.tanh by a few ulp before the exponent amplifies it).
+Covers dtypes x head dims the sm90 table serves (64, 96, 128, 192, 256 natively; others zero-padded) x causal x
+seqlens (tests/shapes.py) x MHA/GQA/MQA; sliding windows (one- and two-sided, causal + left window),
+softcap, varlen (cu_seqlens, seqused, zero-length sequences, a 0-d tensor max_seqlen); NaN-poisoned
+output buffers and bitwise determinism. The fast subset runs in well under a minute; the full
+product is marked ``slow``.
 """
 
 from __future__ import annotations
@@ -10,16 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, validate
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
 from flashattn_hopper.api import _fwd
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref
+from flashattn_hopper.backends.common import VarlenArgs
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
 
 from .shapes import HEADS, SEQLENS_FAST, SEQLENS_SLOW
+from .test_fwd_sm80_features import VARLEN_LENS, WINDOWS, make_varlen
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS_SM90_FAST = [64, 128, 256]  # one per row of configs.FWD_SM90_TILES
-HEAD_DIMS_SM90_SLOW = [32, 64, 96, 128, 192, 256]  # 32/96/192 are padded up to a table row
+HEAD_DIMS_SM90_FAST = [64, 96, 128, 192, 256]  # one per row of configs.FWD_SM90_TILES
+HEAD_DIMS_SM90_SLOW = [32, 64, 80, 96, 128, 192, 256]  # 32/80 are padded up to a table row
 
 
 def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, seed=0):
@@ -87,7 +93,7 @@ def test_fwd_sm90_rows_with_no_keys_are_zero_with_minus_inf_lse():
     assert (out[:, :260] == 0).all() and torch.isneginf(lse[:, :, :260]).all()
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (96, 96), (192, 128)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (80, 80), (192, 128)])
 def test_fwd_sm90_padded_head_dims(head_dim, head_dim_v):
     q, k, v = make_qkv(2, 77, 150, 4, 4, head_dim, dv=head_dim_v)
     out, _ = check_parity(q, k, v, causal=False)
@@ -122,11 +128,162 @@ def test_fwd_sm90_agrees_with_sm80():
         torch.testing.assert_close(lse90, lse80, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(window_size=(16, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
-])
-def test_fwd_sm90_refuses_what_it_lacks(overrides, match):
-    q, k, v = make_qkv(1, 64, 64, 2, 2, 64)
-    with pytest.raises(NotImplementedError, match=match):
-        flash_attn_func(q, k, v, backend="sm90", **overrides)
+# ----------------------------------------------------------------------------- window, softcap, varlen
+
+
+def _check(name, out, lse, ref, pt, factor):
+    assert not torch.isnan(out).any(), f"{name}: NaN in out"
+    for what, ours, r, p, atol in (("out", out, ref[0], pt[0], 1e-5), ("lse", lse, ref[1], pt[1], 1e-4)):
+        ok, err, bound = max_err_check(ours, r, p, atol=atol, factor=factor)
+        assert ok, f"{name} {what}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e}"
+
+
+def check_features(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90", **kwargs)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    _check("dense", out, lse, attention_ref(q, k, v, **kwargs), attention_ref(q, k, v, upcast=False, **kwargs),
+           3.0 if softcap else 2.0)
+    return out, lse
+
+
+def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, causal=False, window=(-1, -1), softcap=0.0,
+                 max_seqlen_q=None):
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_seqlen_q, None, seqused_q=used_q, seqused_k=used_k, return_lse=True,
+        backend="sm90", **kwargs,
+    )
+    assert out.shape == (*q.shape[:2], v.shape[-1]) and lse.shape == (q.shape[1], q.shape[0])
+    ref_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k, **kwargs)
+    _check("varlen", out, lse, attention_ref(q, k, v, **ref_args), attention_ref(q, k, v, upcast=False, **ref_args),
+           3.0 if softcap else 2.0)
+    return out, lse
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_window(window, causal):
+    q, k, v = make_qkv(2, 239, 203, 4, 2, 128)
+    check_features(q, k, v, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("head_dim", [64, 192, 256])
+def test_fwd_sm90_window_long_other_head_dims(head_dim):
+    """Many key blocks: all four mainloop segments (first, right edge, unmasked, left edge) run."""
+    q, k, v = make_qkv(1, 1023, 1500, 4, 1, head_dim, dtype=torch.float16)
+    check_features(q, k, v, window=(300, 200))
+    check_features(q, k, v, causal=True, window=(257, 0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_softcap(head_dim, causal):
+    softcap = 15.0
+    q, k, v = make_qkv(2, 113, 203, 4, 4, head_dim)
+    check_features(q * softcap / 4, k, v, causal=causal, softcap=softcap)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=lambda h: f"h{h[0]}k{h[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_fwd_sm90_varlen(dtype, causal, heads):
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, *heads, 128, 128, dtype)
+    check_varlen(q, k, v, cu_q, cu_k, causal=causal, max_seqlen_q=300)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_varlen_seqused_and_tensor_max_seqlen(head_dim, causal):
+    q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, 4, 2, head_dim, head_dim, torch.bfloat16,
+                                                      slack_q=5, slack_k=9)
+    max_seqlen_q = torch.tensor(305, dtype=torch.int32, device="cuda")  # 0-d: never read on the host
+    out, lse = check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, max_seqlen_q=max_seqlen_q)
+    pad_rows = torch.cat([torch.arange(int(cu_q[i]) + int(used_q[i]), int(cu_q[i + 1])) for i in range(len(used_q))])
+    assert (out[pad_rows] == 0).all() and torch.isneginf(lse[:, pad_rows]).all()
+
+
+def test_fwd_sm90_varlen_window_softcap():
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, 6, 2, 128, 128, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, causal=True, window=(50, 0))
+    check_varlen(q * 2.5, k, v, cu_q, cu_k, softcap=10.0)
+
+
+def test_fwd_sm90_varlen_many_sequences():
+    """More than 32 sequences: the tile scan walks several warp-wide steps."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [(int(a), int(b)) for a, b in torch.randint(0, 400, (75, 2), generator=gen)]
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(lens, 2, 1, 64, 64, torch.float16)
+    check_varlen(q, k, v, cu_q, cu_k, causal=True)
+
+
+@pytest.mark.parametrize("mode", ["window", "softcap", "varlen_seqused"])
+def test_fwd_sm90_poisoned_feature_outputs_are_fully_overwritten(mode):
+    if mode in ("window", "softcap"):
+        q, k, v = make_qkv(2, 239, 113, 4, 2, 128)
+        window, softcap = ((20, 7), 0.0) if mode == "window" else ((-1, -1), 5.0)
+        p = validate.validate_dense(q, k, v, None, False, window, softcap)
+        varlen, refs = None, dict(window_size=window, softcap=softcap)
+        out = torch.full((2, 239, 4, 128), float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((2, 4, 239), float("nan"), dtype=torch.float32, device="cuda")
+    else:
+        q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, 4, 2, 128, 128, torch.bfloat16, 3, 2)
+        p = validate.validate_varlen(q, k, v, cu_q, cu_k, None, None, used_q, used_k, None, True, (-1, -1), 0.0)
+        varlen = VarlenArgs(cu_q, cu_k, used_q, used_k, None, None)
+        refs = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+        out = torch.full((q.shape[0], 4, 128), float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((4, q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
+    _fwd(q, k, v, p, "sm90", varlen, out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _check(mode, out, lse, attention_ref(q, k, v, **refs), attention_ref(q, k, v, upcast=False, **refs),
+           3.0 if mode == "softcap" else 2.0)
+
+
+def test_fwd_sm90_varlen_does_not_write_across_sequences():
+    """Sequences shorter than a tile, back to back: each tile's O rows stop at its sequence's end."""
+    lens = [(5, 7), (130, 64), (1, 300), (63, 63), (200, 1)]
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(lens, 4, 4, 64, 64, torch.bfloat16, seed=5)
+    check_varlen(q, k, v, cu_q, cu_k)
+    check_varlen(q, k, v, cu_q, cu_k, causal=True)
+
+
+def test_fwd_sm90_varlen_is_bitwise_deterministic_and_agrees_with_sm80():
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, 8, 2, 128, 128, torch.bfloat16, seed=4)
+    args = (q, k, v, cu_q, cu_k, None, None)
+    first, first_lse = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm90")
+    for _ in range(20):
+        out, lse = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm90")
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    out80, lse80 = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm80")
+    torch.testing.assert_close(first, out80, atol=2e-2, rtol=0)
+    torch.testing.assert_close(first_lse, lse80, atol=1e-3, rtol=0)
+
+
+# ----------------------------------------------------------------------------- full product of the features
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(-1, -1), *WINDOWS], ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["nocap", "cap"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (239, 77), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_window_softcap_full(dtype, head_dim, causal, window, softcap, seqlens, heads):
+    q, k, v = make_qkv(2, *seqlens, *heads, head_dim, dtype=dtype, seed=1)
+    check_features(q * (softcap / 4 if softcap else 1.0), k, v, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_SLOW)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(-1, -1), (32, 8)], ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("seqused", [False, True], ids=["cu", "seqused"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_varlen_full(dtype, head_dim, causal, window, seqused, heads):
+    slack = 7 if seqused else 0
+    q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, *heads, head_dim, head_dim, dtype, slack, slack,
+                                                      seed=3)
+    check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, window=window)

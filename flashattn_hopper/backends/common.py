@@ -13,6 +13,9 @@ from ..validate import AttnProblem
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MAX_GRID_YZ = 65535  # CUDA grid y/z limit
+# A window side that is unbounded goes to the kernel as this many tokens (no int32 overflow in the
+# kernel's index math as long as sequences are shorter than 2**30).
+UNBOUNDED_WINDOW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -122,3 +125,30 @@ def empty_result(q: torch.Tensor, p: AttnProblem) -> tuple[torch.Tensor, torch.T
     out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+def mask_flags(p: AttnProblem) -> tuple[bool, bool]:
+    """``(causal, local)`` as the kernel sees them: causal with a left window is local with
+    right = 0; a window ``(-1, 0)`` is causal; ``(-1, -1)`` is neither."""
+    left, right = p.window_left, p.window_right
+    if left < 0 and right < 0:
+        return p.causal, False
+    if left < 0 and right == 0:  # validate sets right = 0 for causal
+        return True, False
+    return False, True
+
+
+def window_args(p: AttnProblem) -> tuple[int, int]:
+    return tuple(w if w >= 0 else UNBOUNDED_WINDOW for w in (p.window_left, p.window_right))
+
+
+def int_ready(t: torch.Tensor) -> torch.Tensor:
+    """int32, contiguous: what the kernels read cu_seqlens / seqused as."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def int_to_cute(t: torch.Tensor) -> Any:
+    """A 1-D int32 tensor (cu_seqlens, seqused) as a dynamic-layout cute tensor."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=4).mark_layout_dynamic(leading_dim=0)

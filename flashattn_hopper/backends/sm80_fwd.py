@@ -17,13 +17,11 @@ from .. import configs
 from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
+    UNBOUNDED_WINDOW, int_ready, int_to_cute, mask_flags, window_args,
     DTYPE_NAMES, MAX_GRID_YZ, VarlenArgs, current_stream, cutlass_dtype, empty_result, fake_bshd, fake_f32,
     kernel_ready, pad_head_dim, to_cute,
 )
 
-# A window side that is unbounded goes to the kernel as this many tokens (no int32 overflow in the
-# kernel's index math as long as sequences are shorter than 2**30).
-_UNBOUNDED_WINDOW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -43,37 +41,12 @@ class FwdKey(KernelKey):
     seqused_k: bool = False
 
 
-def mask_flags(p: AttnProblem) -> tuple[bool, bool]:
-    """``(causal, local)`` as the kernel sees them: causal with a left window is local with
-    right = 0; a window ``(-1, 0)`` is causal; ``(-1, -1)`` is neither."""
-    left, right = p.window_left, p.window_right
-    if left < 0 and right < 0:
-        return p.causal, False
-    if left < 0 and right == 0:  # validate sets right = 0 for causal
-        return True, False
-    return False, True
-
-
-def _window_args(p: AttnProblem) -> tuple[int, int]:
-    return tuple(w if w >= 0 else _UNBOUNDED_WINDOW for w in (p.window_left, p.window_right))
-
-
 def _kernel_head_dims(tiles: dict, head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
     """(qk, v) kernel head dims: the table row holding both, and the smallest row holding v."""
     hdim = configs.kernel_head_dim(tiles, head_dim, head_dim_v)
     if hdim is None:
         return None
     return hdim, min(d for d in tiles if d >= head_dim_v)
-
-
-def _int_ready(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
-def _int_to_cute(t: torch.Tensor) -> Any:
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t.detach(), assumed_align=4).mark_layout_dynamic(leading_dim=0)
 
 
 class FwdSm80:
@@ -97,7 +70,7 @@ class FwdSm80:
             return f"nheads ({p.nheads}) must be <= {MAX_GRID_YZ} (CUDA grid y limit)"
         if not p.is_varlen and p.batch > MAX_GRID_YZ:
             return f"batch ({p.batch}) must be <= {MAX_GRID_YZ} (CUDA grid z limit); use the varlen API"
-        if max(p.seqlen_q, p.seqlen_k) >= _UNBOUNDED_WINDOW:
+        if max(p.seqlen_q, p.seqlen_k) >= UNBOUNDED_WINDOW:
             return f"seqlen_q/seqlen_k ({p.seqlen_q}, {p.seqlen_k}) must be < 2**30 on the sm80 backend"
         return None
 
@@ -195,11 +168,11 @@ class FwdSm80:
         if key.seqused_q:  # the kernel writes only rows < seqused_q of each sequence
             out.zero_()
             lse.fill_(float("-inf"))
-        window_left, window_right = _window_args(p) if key.local else (0, 0)
+        window_left, window_right = window_args(p) if key.local else (0, 0)
         softcap = p.softcap if key.softcap else 1.0
         if varlen is not None:
             ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
-            int_args = tuple(None if t is None else _int_to_cute(_int_ready(t)) for t in ints)
+            int_args = tuple(None if t is None else int_to_cute(int_ready(t)) for t in ints)
         else:
             int_args = (None, None, None, None)
         with torch.cuda.device(q.device):

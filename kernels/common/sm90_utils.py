@@ -1,7 +1,8 @@
 """Hopper (sm90) helpers: smem layouts for TMA + WGMMA, the WGMMA issue protocol, and the view of
 an S accumulator as the register A operand of the P.V WGMMA.
 
-Purpose: the small pieces the sm90 kernels need and the DSL does not ship in this form.
+Purpose: the small pieces the sm90 kernels need and the DSL does not ship in this form (plus
+``select_head``, a kernel-side view of one head, and ``store_rows_predicated``, the varlen O store).
 - ``make_smem_layout_sm90``: a row-major (K-major) tile, optionally staged, built from the widest
   WGMMA swizzle atom (128/64/32 B) the row holds. The same layout is legal for TMA (the DSL splits
   a row wider than one swizzle span into several TMA boxes) and for WGMMA descriptors; the
@@ -17,6 +18,8 @@ Constraints: 16-bit inputs with fp32 accumulators; N/8 even for the A-fragment v
 
 Paper: FlashAttention-3 (Shah et al., 2024) section 3.1 (WGMMA with P kept in registers).
 """
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -82,3 +85,47 @@ def acc_to_frag_a_layout_sm90(layout: cute.Layout) -> cute.Layout:
 def acc_to_frag_a_sm90(acc: cute.Tensor) -> cute.Tensor:
     """View an sm90 C fragment (e.g. P after conversion to 16 bits) as a WGMMA A fragment."""
     return cute.make_tensor(acc.iterator, acc_to_frag_a_layout_sm90(acc.layout))
+
+
+def select_head(mX: cute.Tensor, head_idx, mode: int) -> cute.Tensor:
+    """Fix mode ``mode`` (the head) of a kernel-side view, keeping the others in order:
+    ``(s, d, h[, b])`` with ``mode=2`` or LSE's ``(s, h[, b])`` with ``mode=1``. Works on TMA
+    coordinate tensors too."""
+    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
+
+
+@cute.jit
+def store_rows_predicated(
+    sO: cute.Tensor,  # (tile_m, head_dim_v) smem tile
+    gO: cute.Tensor,  # (tile_m, head_dim_v) gmem tile of the same rows
+    tidx: cutlass.Int32,
+    num_valid_rows: cutlass.Int32,  # rows of the tile inside the sequence; the rest are not written
+    dtype: cutlass.Constexpr,
+    num_threads: cutlass.Constexpr,
+):
+    """sO -> 128-bit loads -> 128-bit gmem stores of the rows below ``num_valid_rows`` only (the
+    varlen epilogue: a tile must never write into the next sequence, which a TMA store would).
+
+    Up to 8 threads share a row (one 128-byte swizzle span), so a warp's smem reads hit 4 full rows
+    without bank conflicts and its gmem stores are whole 16-byte sectors.
+    """
+    tile_m, head_dim_v = cute.size(sO.shape[0]), cute.size(sO.shape[1])
+    vec = 128 // dtype.width
+    threads_per_row = math.gcd(head_dim_v // vec, 8)
+    tiled_copy = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)),
+    )
+    thr_copy = tiled_copy.get_slice(tidx)
+    tOsO = thr_copy.partition_S(sO)
+    tOrO = cute.make_fragment_like(tOsO, dtype)
+    cute.autovec_copy(tOsO, tOrO)
+    tOgO = thr_copy.partition_D(gO)
+    cO = cute.make_identity_tensor((tile_m, head_dim_v))
+    tOcO = thr_copy.partition_S(cO)
+    t0OcO = tiled_copy.get_slice(0).partition_S(cO)
+    row_bound = num_valid_rows - tOcO[0][0]
+    for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+        if t0OcO[0, m, 0][0] < row_bound:
+            cute.copy(tiled_copy, tOrO[None, m, None], tOgO[None, m, None])
