@@ -75,6 +75,16 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
     # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
     128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    # 192x128 with 3 WGs would need S 64 + O 32 + P 32 + ... > the 128 accumulator registers of a
+    # 160-register thread, and FA3/FA4's 192x144 is an SS P.V (P through smem), which this kernel
+    # lacks; so 128x128 on 2 WGs as for 128: S 64 + O 48 + P 32 = 144 regs, smem 24 + 48 + 48 KB.
+    # Native instead of zero-padded to 128: 363-531 TFLOP/s non-causal at 512-8k vs ~325-482 padded;
+    # 192x96 on 3 WGs is +4 % at >= 2k but -7 % at 512 (H200, bf16, 2026-11-21, perf/NOTES.md).
+    96: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    # 128x112 (FA3/FA4 for d = dv = 192): S 56 + O 96 + P 28 = 180 regs; smem 48 + 84 + 84 = 216 KB
+    # (128x128 would need 240 KB). No ping-pong above 128 (FA3/FA4). Native instead of padded to 256:
+    # 448-680 TFLOP/s non-causal at 512-8k vs ~357-540 padded; 128x96 within -3..+7 % (H200, 2026-11-21).
+    192: FwdTileSm90(tile_m=128, tile_n=112, intra_wg_overlap=True, pingpong=False),
     # 128x80 (FA3/FA4): O takes 128 regs/thread, so S 40 + P 20 keep it under 240; smem 64 + 80 + 80
     # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
     256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False),
@@ -96,6 +106,7 @@ class BwdSm80Tile:
     atom_m_sdp: int  # warps along M of the S/dP GEMMs (the rest along N)
     atom_n_dkv: int  # warps along M (= keys) of the dK/dV GEMMs
     atom_m_dq: int  # warps along M of the dQ GEMM
+    num_stages: int = 2  # Q/dO smem buffers (2: the next block's loads overlap this one)
 
 
 # Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, Q/dO double-buffered, K/V once per CTA.
@@ -107,4 +118,14 @@ BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
     # 64x128, warps 2x4: FA2/FA3's sm80 bwd tile for d=128 (8 warps); 160 KiB smem; dK+dV 128 + S+dP 64
     # fp32 registers per thread. (FA2/FA3 use 64x64 for d=256.)
     128: BwdSm80Tile(tile_m=64, tile_n=128, num_threads=256, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2),
+    # 64x128, warps 2x4 / 4x2 / 4x2: FA2's sm80 bwd tile for d=96; 128 KiB smem; dK+dV 96 + S+dP 64
+    # fp32 registers per thread (rows of 12 16-byte chunks: 4 threads per 64-byte row segment).
+    96: BwdSm80Tile(tile_m=64, tile_n=128, num_threads=256, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4),
+    # 64x64, warps 4x2 / 2x4 / 2x4: FA2's sm80 bwd tile for d=192 (FA3 also has 64x80); 160 KiB smem
+    # with 2 Q/dO stages; dK+dV 96 + S+dP 32 fp32 registers per thread.
+    192: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2),
+    # 64x64 (FA2/FA3's d=256 tile), one Q/dO stage: 2 stages would need 208 KiB of smem (sm80 has
+    # 164); 144 KiB; dK+dV 128 + S+dP 32 fp32 registers per thread.
+    256: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2,
+                     num_stages=1),
 }

@@ -13,6 +13,11 @@ Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp
   kernel's dQ tiled MMA (same ``tile_m``, ``num_threads``, ``atom_m``), loads its fragment with
   coalesced 32-bit loads, and writes 16-bit rows through a swizzled smem tile (128-bit stores).
 
+Varlen (``cu_seqlens`` given): the output is ``(total, nheads, head_dim)``, the accumulator
+``(1, nheads, rows * head_dim)`` at the per-sequence padded offsets (``bwd_utils``); the grid
+covers an upper bound of tiles and each CTA finds its ``(sequence, block)``. Rows past the
+sequence's length (``seqused`` if given) are not written.
+
 Paper: FlashAttention-2 (Dao, 2023), Algorithm 2 (dQ accumulated in fp32 across key blocks).
 """
 
@@ -20,13 +25,15 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from cutlass.memory import SmemAllocator
 
 from .common.bwd_utils import (
-    SEQ_PAD, accum_tile, fragment_accum, tiled_copy_16b, tiled_mma_sm80,
+    SEQ_PAD, accum_tile, copy_threads_per_row, fragment_accum, scratch_offset, select_head,
+    tiled_copy_16b, tiled_mma_sm80,
 )
+from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.utils import (
     assume_strides_aligned, convert_to_16bit, select_modes, smem_layout_atom_sm80,
 )
@@ -58,7 +65,7 @@ class FlashBwdPostprocess:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
         if SEQ_PAD % tile_m != 0:
             return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
-        threads_per_row = head_dim // 4
+        threads_per_row = copy_threads_per_row(head_dim, 4, num_threads)
         if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
             return f"{num_threads} threads do not tile {tile_m} x {head_dim} in 4-value chunks"
         return None
@@ -66,32 +73,36 @@ class FlashBwdPostprocess:
     @cute.jit
     def __call__(
         self,
-        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim) fp32
-        mOut: cute.Tensor,  # (batch, seqlen, nheads, head_dim), output
+        mAccum: cute.Tensor,  # (batch | 1, nheads, seqlen_padded * head_dim) fp32
+        mOut: cute.Tensor,  # (batch, seqlen, nheads, head_dim) | varlen (total, nheads, head_dim)
         scale: Float32,
+        mCuSeqlens: cute.Tensor | None,  # (batch + 1,) int32
+        mSeqUsed: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
         if const_expr(mAccum.element_type != Float32 or mOut.element_type != self.dtype):
             raise TypeError(f"the accumulator must be Float32 and the output {self.dtype}")
+        varlen = const_expr(mCuSeqlens is not None)
         mAccum = assume_strides_aligned(mAccum)
-        mOut = select_modes(assume_strides_aligned(mOut), [1, 3, 2, 0])  # (s, d, h, b)
-        num_blocks = (mOut.shape[0] + (self.tile_m - 1)) // self.tile_m
-        grid = [num_blocks, mOut.shape[2], mOut.shape[3]]
-        if const_expr(self.atom_m is None):
-            self.kernel(mAccum, mOut, scale).launch(
-                grid=grid, block=[self.num_threads, 1, 1], stream=stream
-            )
+        # (s, d, h[, b])
+        mOut = select_modes(assume_strides_aligned(mOut), [0, 2, 1] if varlen else [1, 3, 2, 0])
+        if const_expr(varlen):
+            num_batch = mCuSeqlens.shape[0] - 1
+            grid = [num_varlen_tiles_upper_bound(mOut.shape[0], num_batch, self.tile_m), mOut.shape[2], 1]
         else:
-            sO_layout = self._smem_layout()
+            num_batch = mOut.shape[3]
+            grid = [(mOut.shape[0] + (self.tile_m - 1)) // self.tile_m, mOut.shape[2], num_batch]
+        sO_layout = self._smem_layout()
 
-            @cute.struct
-            class SharedStorage:
-                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+        @cute.struct
+        class SharedStorage:
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
-            self.kernel_fragment(mAccum, mOut, scale, SharedStorage).launch(
-                grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
-                stream=stream,
-            )
+        self.kernel(mAccum, mOut, scale, num_batch, mCuSeqlens, mSeqUsed, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes() if const_expr(self.atom_m is not None) else 0,
+            stream=stream,
+        )
 
     def _smem_layout(self):
         atom = smem_layout_atom_sm80(self.dtype, self.head_dim)
@@ -100,21 +111,71 @@ class FlashBwdPostprocess:
     @cute.kernel
     def kernel(
         self,
-        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim)
-        mOut: cute.Tensor,  # (seqlen, head_dim, nheads, batch)
+        mAccum: cute.Tensor,  # (batch | 1, nheads, seqlen_padded * head_dim)
+        mOut: cute.Tensor,  # (seqlen, head_dim, nheads[, batch])
         scale: Float32,
+        num_batch: Int32,
+        mCuSeqlens: cute.Tensor | None,
+        mSeqUsed: cute.Tensor | None,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        if const_expr(mCuSeqlens is not None):
+            batch_idx, m_block = varlen_tile_coord(
+                block_x, num_batch, self.tile_m, mCuSeqlens, mSeqUsed
+            )
+            if batch_idx >= 0:
+                self.tile(mAccum, mOut, scale, mCuSeqlens, mSeqUsed, SharedStorage, m_block,
+                          head_idx, batch_idx)
+        else:
+            self.tile(mAccum, mOut, scale, mCuSeqlens, mSeqUsed, SharedStorage, block_x,
+                      head_idx, block_z)
+
+    @cute.jit
+    def tile(
+        self,
+        mAccum: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        mCuSeqlens: cute.Tensor | None,
+        mSeqUsed: cute.Tensor | None,
+        SharedStorage: cutlass.Constexpr,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        """Rows ``m_block * tile_m ..`` of one (sequence, head): scale, convert, store."""
+        seqlen_info = SeqlenInfo.create(batch_idx, mOut.shape[0], Int32(0), mCuSeqlens, None, mSeqUsed)
+        varlen = const_expr(mCuSeqlens is not None)
+        pad_offset = scratch_offset(seqlen_info.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
+        mAccum_cur = mAccum[Int32(0) if const_expr(varlen) else batch_idx, head_idx, None]
+        mOut_cur = seqlen_info.q_view(select_head(mOut, head_idx, 2), batch_idx)
+        block = pad_offset // self.tile_m + m_block
+        if const_expr(self.atom_m is None):
+            self.tile_row_major(mAccum_cur, mOut_cur, scale, m_block, block, seqlen_info.seqlen_q)
+        else:
+            self.tile_fragment(
+                mAccum_cur, mOut_cur, scale, SharedStorage, m_block, block, seqlen_info.seqlen_q
+            )
+
+    @cute.jit
+    def tile_row_major(
+        self,
+        mAccum_cur: cute.Tensor,  # (seqlen_padded * head_dim,) of this (sequence, head)
+        mOut_cur: cute.Tensor,  # (seqlen, head_dim)
+        scale: Float32,
+        m_block: Int32,
+        block: Int32,  # m_block's tile in the accumulator
+        seqlen: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head_idx, batch_idx = cute.arch.block_idx()
-        seqlen = mOut.shape[0]
         tile = (self.tile_m, self.head_dim)
-
         # Same thread/value layout for both copies: 4 values per thread per copy.
         copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
         copy_out = tiled_copy_16b(
             self.dtype, self.num_threads, self.head_dim, is_async=False, copy_bits=64
         )
-        gAccum = accum_tile(mAccum[batch_idx, head_idx, None], self.tile_m, self.head_dim, m_block)
+        gAccum = accum_tile(mAccum_cur, self.tile_m, self.head_dim, block)
         tAgA = copy_f32.get_slice(tidx).partition_S(gAccum)
         rA = cute.make_fragment_like(tAgA)
         cute.copy(copy_f32, tAgA, rA)
@@ -122,7 +183,7 @@ class FlashBwdPostprocess:
         rOut = convert_to_16bit(rA, self.dtype)
 
         thr_out = copy_out.get_slice(tidx)
-        tOgO = thr_out.partition_D(cute.local_tile(mOut[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        tOgO = thr_out.partition_D(cute.local_tile(mOut_cur, tile, (m_block, 0)))
         cO = cute.make_identity_tensor(tile)
         tOcO = thr_out.partition_D(cO)
         t0OcO = copy_out.get_slice(0).partition_D(cO)
@@ -131,24 +192,24 @@ class FlashBwdPostprocess:
             if t0OcO[0, m, 0][0] < row_bound:
                 cute.copy(copy_out, rOut[None, m, None], tOgO[None, m, None])
 
-    @cute.kernel
-    def kernel_fragment(
+    @cute.jit
+    def tile_fragment(
         self,
-        mAccum: cute.Tensor,  # (batch, nheads, seqlen_padded * head_dim), fragment order
-        mOut: cute.Tensor,  # (seqlen, head_dim, nheads, batch)
+        mAccum_cur: cute.Tensor,  # (seqlen_padded * head_dim,), fragment order per tile
+        mOut_cur: cute.Tensor,  # (seqlen, head_dim)
         scale: Float32,
         SharedStorage: cutlass.Constexpr,
+        m_block: Int32,
+        block: Int32,
+        seqlen: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head_idx, batch_idx = cute.arch.block_idx()
-        seqlen = mOut.shape[0]
         tile = (self.tile_m, self.head_dim)
 
         tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
         gAcc = fragment_accum(
-            mAccum[batch_idx, head_idx, None], self.tile_m * self.head_dim, self.num_threads,
-            m_block, tidx,
+            mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx,
         )
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = gAcc[i] * scale
@@ -168,7 +229,7 @@ class FlashBwdPostprocess:
         tOsO = thr_copy.partition_S(sO)
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
-        tOgO = thr_copy.partition_D(cute.local_tile(mOut[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        tOgO = thr_copy.partition_D(cute.local_tile(mOut_cur, tile, (m_block, 0)))
         cO = cute.make_identity_tensor(tile)
         tOcO = thr_copy.partition_S(cO)
         t0OcO = tiled_copy.get_slice(0).partition_S(cO)

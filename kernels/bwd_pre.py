@@ -11,7 +11,10 @@ block, computed once (design doc 2.2), in fp32:
 
 Constraints: O/dO ``(batch, seqlen_q, nheads, head_dim)`` 16-bit with 16-byte rows and aligned
 strides; LSE fp32 ``(batch, nheads, seqlen_q)``; scratch shapes per ``common/bwd_utils.py``
-(``seqlen_q_padded`` a multiple of ``tile_m``). One CTA per ``tile_m`` padded rows, plain
+(``seqlen_q_padded`` a multiple of ``tile_m``). Varlen (``cu_seqlens_q`` given): O/dO
+``(total_q, nheads, head_dim)``, LSE ``(nheads, total_q)``, scratch ``(1, nheads, rows)`` at the
+per-sequence padded offsets; the grid covers an upper bound of tiles and each CTA finds its
+``(sequence, m_block)`` (``common/seqlen.py``). One CTA per ``tile_m`` padded rows, plain
 128-bit loads: this kernel is bandwidth-bound and reads O and dO exactly once.
 
 Paper: FlashAttention-2 (Dao, 2023), Algorithm 2 line 4 (``D_i = rowsum(dO_i * O_i)``).
@@ -21,9 +24,12 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
-from .common.bwd_utils import SEQ_PAD, accum_tile, tiled_copy_16b
+from .common.bwd_utils import (
+    SEQ_PAD, accum_tile, copy_threads_per_row, scratch_offset, select_head, tiled_copy_16b,
+)
+from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.utils import LOG2_E, assume_strides_aligned, select_modes
 
 
@@ -54,7 +60,7 @@ class FlashBwdPreprocess:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
         if SEQ_PAD % tile_m != 0:
             return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
-        threads_per_row = head_dim // 8
+        threads_per_row = copy_threads_per_row(head_dim, 8, num_threads)
         if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
             return f"{num_threads} threads do not tile {tile_m} x {head_dim} in 16-byte chunks"
         return None
@@ -62,12 +68,14 @@ class FlashBwdPreprocess:
     @cute.jit
     def __call__(
         self,
-        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
-        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
-        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32, natural log
-        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32, output
-        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32, output
-        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim) fp32, output (zeros)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
+        mdO: cute.Tensor,  # like mO
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) | varlen (nheads, total_q) fp32, natural log
+        mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32, output
+        mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32, output
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, output (zeros)
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
+        mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
@@ -75,34 +83,84 @@ class FlashBwdPreprocess:
         for t in (mLSE, mLSE_log2, mdPsum, mdQaccum):
             if const_expr(t.element_type != Float32):
                 raise TypeError("LSE, LSE_log2, dPsum and dQaccum must be Float32")
-        mO, mdO = [select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mO, mdO)]
+        varlen = const_expr(mCuSeqlensQ is not None)
+        # (s, d, h[, b]) and LSE (s, h[, b])
+        mO, mdO = [
+            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen else [1, 3, 2, 0])
+            for t in (mO, mdO)
+        ]
+        mLSE = select_modes(mLSE, [1, 0] if varlen else [2, 1, 0])
         mdQaccum = assume_strides_aligned(mdQaccum)
-        num_blocks = mLSE_log2.shape[2] // self.tile_m
-        self.kernel(mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum).launch(
-            grid=[num_blocks, mO.shape[2], mO.shape[3]],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-        )
+        if const_expr(varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            grid = [num_varlen_tiles_upper_bound(mO.shape[0], num_batch, self.tile_m), mO.shape[2], 1]
+        else:
+            num_batch = mO.shape[3]
+            grid = [mLSE_log2.shape[2] // self.tile_m, mO.shape[2], num_batch]
+        self.kernel(
+            mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
         self,
-        mO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
-        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
-        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q)
-        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
-        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
-        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim)
+        mO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mLSE: cute.Tensor,  # (seqlen_q, nheads[, batch])
+        mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
+        mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim)
+        num_batch: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
     ):
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        if const_expr(mCuSeqlensQ is not None):
+            batch_idx, m_block = varlen_tile_coord(
+                block_x, num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
+            )
+            if batch_idx >= 0:
+                self.row_block(
+                    mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, m_block,
+                    head_idx, batch_idx,
+                )
+        else:
+            self.row_block(
+                mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, block_x,
+                head_idx, block_z,
+            )
+
+    @cute.jit
+    def row_block(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mLSE_log2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        m_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        """The ``tile_m`` padded rows ``m_block`` of one (sequence, head)."""
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head_idx, batch_idx = cute.arch.block_idx()
-        seqlen_q = mO.shape[0]
+        seqlen = SeqlenInfo.create(batch_idx, mO.shape[0], Int32(0), mCuSeqlensQ, None, mSeqUsedQ)
+        seqlen_q = seqlen.seqlen_q
+        varlen = const_expr(mCuSeqlensQ is not None)
+        pad_offset = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
+        scratch_b = Int32(0) if const_expr(varlen) else batch_idx
+        mO_cur = seqlen.q_view(select_head(mO, head_idx, 2), batch_idx)
+        mdO_cur = seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx)
+        mLSE_cur = seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx)
 
         tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
         thr_copy = tiled_copy.get_slice(tidx)
         tile = (self.tile_m, self.head_dim)
-        tOgO = thr_copy.partition_S(cute.local_tile(mO[None, None, head_idx, batch_idx], tile, (m_block, 0)))
-        tOgdO = thr_copy.partition_S(cute.local_tile(mdO[None, None, head_idx, batch_idx], tile, (m_block, 0)))
+        tOgO = thr_copy.partition_S(cute.local_tile(mO_cur, tile, (m_block, 0)))
+        tOgdO = thr_copy.partition_S(cute.local_tile(mdO_cur, tile, (m_block, 0)))
         cO = cute.make_identity_tensor(tile)
         tOcO = thr_copy.partition_S(cO)
         t0OcO = tiled_copy.get_slice(0).partition_S(cO)
@@ -119,7 +177,9 @@ class FlashBwdPreprocess:
 
         prod = cute.make_rmem_tensor_like(rO, Float32)
         prod.store(rO.load().to(Float32) * rdO.load().to(Float32))
-        threads_per_row = self.head_dim // 8
+        threads_per_row = copy_threads_per_row(self.head_dim, 8, self.num_threads)
+        mLSE_log2_cur = mLSE_log2[scratch_b, head_idx, None]
+        mdPsum_cur = mdPsum[scratch_b, head_idx, None]
         for m in cutlass.range_constexpr(cute.size(prod.shape[1])):
             prod_row = prod[None, m, None]
             dot = Float32(0.0)
@@ -131,14 +191,17 @@ class FlashBwdPreprocess:
                 lse_log2 = Float32.inf
                 dpsum = Float32(0.0)
                 if row < seqlen_q:
-                    lse = mLSE[batch_idx, head_idx, row]
+                    lse = mLSE_cur[row]
                     lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
                     dpsum = dot
-                mLSE_log2[batch_idx, head_idx, row] = lse_log2
-                mdPsum[batch_idx, head_idx, row] = dpsum
+                mLSE_log2_cur[pad_offset + row] = lse_log2
+                mdPsum_cur[pad_offset + row] = dpsum
 
         copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
-        gdQaccum = accum_tile(mdQaccum[batch_idx, head_idx, None], self.tile_m, self.head_dim, m_block)
+        gdQaccum = accum_tile(
+            mdQaccum[scratch_b, head_idx, None], self.tile_m, self.head_dim,
+            pad_offset // self.tile_m + m_block,
+        )
         tQgQaccum = copy_f32.get_slice(tidx).partition_D(gdQaccum)
         zeros = cute.make_fragment_like(tQgQaccum)
         zeros.fill(0.0)

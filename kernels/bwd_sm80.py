@@ -7,10 +7,14 @@ Purpose: given Q, K, V, dO and the preprocess outputs (``LSE_log2``, ``dPsum``, 
     dP = dO V^T,  dS = P * (dP - dPsum)                   dK += dS^T Q   (times softmax_scale)
     dQaccum += dS K                                      (scaled by the postprocess)
 
-Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` with unit last stride,
+Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` (varlen: ``(total,
+nheads, head_dim)`` with ``cu_seqlens_q/k`` and optional ``seqused_q/k``) with unit last stride,
 other strides multiples of 8 elements, 16-byte aligned bases; ``head_dim == head_dim_v`` a
-multiple of 16 (the launcher zero-pads other head dims); any ``seqlen_q, seqlen_k >= 1``;
-``nheads % nheads_k == 0``. Scratch buffers as in ``common/bwd_utils.py``. Bottom-right causal.
+multiple of 16 (the launcher zero-pads other head dims); ``nheads % nheads_k == 0``. Scratch
+buffers as in ``common/bwd_utils.py``. Bottom-right causal; sliding window (``is_local``,
+runtime sides, unbounded = a huge value); softcap: ``s = softcap * tanh(x * scale / softcap)``
+is recomputed from ``x = Q K^T`` and ``dS_x = dS_s * (1 - tanh^2)`` (the scale stays outside, as
+without softcap), with the LSE in the capped units.
 
 Paper: FlashAttention-2 (Dao, 2023) section 3.2 / Algorithm 2 (backward, parallel over key
 blocks); design doc sections 2.1-2.9 and 3.2 (FA3's ``mainloop_bwd_sm80``).
@@ -26,12 +30,15 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 
+from .common.block_info import BlockInfo
 from .common.bwd_utils import (
-    SEQ_PAD, accum_tile, fragment_accum, red_add_tile, semaphore_signal, semaphore_wait,
-    tiled_copy_16b, tiled_mma_sm80,
+    SEQ_PAD, accum_tile, copy_threads_per_row, fragment_accum, m_block_min_max, red_add_tile,
+    scratch_offset, select_head, semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
 )
 from .common.gemm_sm80 import gemm_ss
 from .common.mask import AttentionMask
+from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from .common.softmax import apply_softcap, softcap_scale_log2
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -110,17 +117,20 @@ class MBlockStep:
     tdSsdS: cute.Tensor
     tScS_mn: cute.Tensor
     mask: AttentionMask
-    mLSE_log2: cute.Tensor  # (seqlen_q_padded,) of this (batch, head)
+    block_info: BlockInfo  # the m_block -> n_block ranges (deterministic turns)
+    # Scratch of this (batch, head); varlen: sequences start at row_offset.
+    mLSE_log2: cute.Tensor  # (seqlen_q_padded,)
     mdPsum: cute.Tensor  # (seqlen_q_padded,)
     mdQaccum: cute.Tensor  # (seqlen_q_padded * head_dim,)
     mdQ_sem: cute.Tensor  # (num_m_blocks,)
     acc_dK: cute.Tensor
     acc_dV: cute.Tensor
     n_block: Int32
-    num_n_blocks: Int32
     m_block_max: Int32
     seqlen_q: Int32
+    row_offset: Int32  # this sequence's first scratch row (varlen; 0 dense)
     scale_log2: Float32
+    softcap_scale: Float32 | None  # None: no softcap compiled in
     deterministic: Int32
 
 
@@ -175,10 +185,16 @@ class FlashBwdSm80:
         atom_m_dq: int,
         is_causal: bool,
         is_gqa: bool,
+        is_local: bool = False,
+        has_softcap: bool = False,
+        num_stages: int = 2,
     ):
         reason = self.can_implement(
-            dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq
+            dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
+            num_stages,
         )
+        if is_causal and is_local:
+            reason = "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
         if reason is not None:
             raise ValueError(f"FlashBwdSm80 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -192,11 +208,14 @@ class FlashBwdSm80:
         self.atom_m_dq = atom_m_dq
         self.is_causal = is_causal
         self.is_gqa = is_gqa
-        self.num_stages = 2
+        self.is_local = is_local
+        self.has_softcap = has_softcap
+        self.num_stages = num_stages
 
     @staticmethod
     def can_implement(
-        dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq
+        dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
+        num_stages=2,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -205,6 +224,8 @@ class FlashBwdSm80:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
         if num_threads <= 0 or num_threads % 32 != 0:
             return f"num_threads must be a positive multiple of 32, got {num_threads}"
+        if num_stages not in (1, 2):
+            return f"num_stages (Q/dO buffers) must be 1 or 2, got {num_stages}"
         for name, tile in (("tile_m", tile_m), ("tile_n", tile_n)):
             if tile <= 0 or SEQ_PAD % tile != 0 or tile % 16 != 0:
                 return f"{name} must be a multiple of 16 dividing {SEQ_PAD}, got {tile}"
@@ -219,7 +240,7 @@ class FlashBwdSm80:
             if m % (16 * atom) != 0 or n % (16 * (num_warps // atom)) != 0:
                 return f"{name} ({atom}): the {m} x {n} tile is not a whole number of warp tiles"
         for name, rows in (("Q/dO", tile_m), ("K/V", tile_n)):
-            threads_per_row = head_dim * dtype.width // 128
+            threads_per_row = copy_threads_per_row(head_dim, 128 // dtype.width, num_threads)
             if num_threads % threads_per_row or rows % (num_threads // threads_per_row):
                 return f"the {name} tile ({rows} x {head_dim}) is not covered by whole copy passes"
         acc_regs = (2 * tile_n * head_dim + 2 * tile_m * tile_n) // num_threads
@@ -227,7 +248,7 @@ class FlashBwdSm80:
             return f"accumulators need {acc_regs} fp32 registers per thread (> {_MAX_ACC_REGS_PER_THREAD})"
         elem = dtype.width // 8
         smem = (
-            4 * tile_m * head_dim * elem  # sQ, sdO: 2 stages each
+            2 * num_stages * tile_m * head_dim * elem  # sQ, sdO: num_stages each
             + 2 * tile_n * head_dim * elem  # sK, sV
             + 2 * tile_m * tile_n * elem  # sP, sdS
         )
@@ -278,19 +299,26 @@ class FlashBwdSm80:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
-        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
-        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim)
-        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim)
-        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32
-        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded) fp32
-        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim) fp32, zeroed
-        mdK: cute.Tensor,  # MHA: (batch, seqlen_k, nheads_k, head_dim) 16-bit output;
-        mdV: cute.Tensor,  # GQA: (batch, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
-        mdQ_sem: cute.Tensor,  # (batch, nheads, ceil(seqlen_q / tile_m)) int32, zeroed
-        mdKV_sem: cute.Tensor,  # (batch, nheads_k, ceil(seqlen_k / tile_n)) int32, zeroed
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
+        mdO: cute.Tensor,  # like mQ
+        mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
+        mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed
+        mdK: cute.Tensor,  # MHA: like mK, 16-bit output;
+        mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
+        mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed
+        mdKV_sem: cute.Tensor,  # (batch | 1, nheads_k, seqlen_k_padded / tile_n) int32, zeroed
         softmax_scale: Float32,
+        window_left: Int32,  # is_local only (else ignored); unbounded: a huge value
+        window_right: Int32,  # is_local only (else ignored); unbounded: a huge value
+        softcap: Float32,  # has_softcap only (else ignored)
         deterministic: Int32,  # 0 or 1; the semaphores are only touched when 1
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32; given iff mCuSeqlensK is
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
+        mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
+        mSeqUsedK: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -301,20 +329,33 @@ class FlashBwdSm80:
         acc_dtype = Float32 if const_expr(self.is_gqa) else self.dtype
         if const_expr(mdK.element_type != acc_dtype or mdV.element_type != acc_dtype):
             raise TypeError(f"dK/dV must be {acc_dtype}")
-        mQ, mK, mV, mdO = [
-            select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO)
-        ]
+        if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
+            raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
+        varlen = const_expr(mCuSeqlensQ is not None)
+        modes = [0, 2, 1] if varlen else [1, 3, 2, 0]  # -> (s, d, h[, b])
+        mQ, mK, mV, mdO = [select_modes(assume_strides_aligned(t), modes) for t in (mQ, mK, mV, mdO)]
         if const_expr(not self.is_gqa):
-            mdK, mdV = [select_modes(assume_strides_aligned(t), [1, 3, 2, 0]) for t in (mdK, mdV)]
+            mdK, mdV = [select_modes(assume_strides_aligned(t), modes) for t in (mdK, mdV)]
         layouts = self._smem_layouts()
         SharedStorage = self._shared_storage(layouts)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
-        num_n_blocks = (mK.shape[0] + (self.tile_n - 1)) // self.tile_n
+        if const_expr(self.has_softcap):
+            softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
+        else:
+            softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
+        if const_expr(varlen):
+            num_batch = mCuSeqlensK.shape[0] - 1
+            grid = [num_varlen_tiles_upper_bound(mK.shape[0], num_batch, self.tile_n), mQ.shape[2], 1]
+        else:
+            num_batch = mQ.shape[3]
+            grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
         self.kernel(
             mQ, mK, mV, mdO, mLSE_log2, mdPsum, mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem,
-            softmax_scale, softmax_scale * LOG2_E, qhead_per_kvhead, deterministic, SharedStorage,
+            softmax_scale, scale_log2, softcap_scale, window_left, window_right,
+            qhead_per_kvhead, deterministic, num_batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+            mSeqUsedK, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, mQ.shape[2], mQ.shape[3]],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -325,44 +366,105 @@ class FlashBwdSm80:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
-        mK: cute.Tensor,  # (seqlen_k, head_dim, nheads_k, batch)
-        mV: cute.Tensor,  # (seqlen_k, head_dim, nheads_k, batch)
-        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads, batch)
-        mLSE_log2: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
-        mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_padded)
-        mdQaccum: cute.Tensor,  # (batch, nheads, seqlen_q_padded * head_dim)
-        mdK: cute.Tensor,  # MHA (seqlen_k, head_dim, nheads_k, batch); GQA flat fp32
+        mQ: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mK: cute.Tensor,  # (seqlen_k, head_dim, nheads_k[, batch])
+        mV: cute.Tensor,  # (seqlen_k, head_dim, nheads_k[, batch])
+        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
+        mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim)
+        mdK: cute.Tensor,  # MHA (seqlen_k, head_dim, nheads_k[, batch]); GQA flat fp32
         mdV: cute.Tensor,
-        mdQ_sem: cute.Tensor,  # (batch, nheads, num_m_blocks)
-        mdKV_sem: cute.Tensor,  # (batch, nheads_k, num_n_blocks)
+        mdQ_sem: cute.Tensor,  # (batch | 1, nheads, num_m_blocks_padded)
+        mdKV_sem: cute.Tensor,  # (batch | 1, nheads_k, num_n_blocks_padded)
         softmax_scale: Float32,
         scale_log2: Float32,
+        softcap_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
         qhead_per_kvhead: Int32,
         deterministic: Int32,
+        num_batch: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
-        """Prologue (partitions, K/V and first Q/dO loads), loop over m_blocks, epilogue."""
+        """This CTA's (sequence, key block): a varlen CTA past the last tile exits."""
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        args = (
+            mQ, mK, mV, mdO, mLSE_log2, mdPsum, mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem,
+            softmax_scale, scale_log2, softcap_scale, window_left, window_right, qhead_per_kvhead,
+            deterministic, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
+        )
+        if const_expr(mCuSeqlensK is not None):
+            batch_idx, n_block = varlen_tile_coord(
+                block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK
+            )
+            if batch_idx >= 0:
+                self.key_block(*args, n_block, head_idx, batch_idx)
+        else:
+            self.key_block(*args, block_x, head_idx, block_z)
+
+    @cute.jit
+    def key_block(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE_log2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQ_sem: cute.Tensor,
+        mdKV_sem: cute.Tensor,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        softcap_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        qhead_per_kvhead: Int32,
+        deterministic: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        SharedStorage: cutlass.Constexpr,
+        n_block: Int32,
+        head_idx: Int32,
+        batch_idx: Int32,
+    ):
+        """Prologue (partitions, K/V and first Q/dO loads), loop over m_blocks, epilogue.
+
+        Arguments as ``kernel``'s (one method: the prologue's partitions feed every later step).
+        """
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_idx, batch_idx = cute.arch.block_idx()
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        varlen = const_expr(mCuSeqlensQ is not None)
+        seqlen = SeqlenInfo.create(
+            batch_idx, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+        )
+        seqlen_q, seqlen_k = seqlen.seqlen_q, seqlen.seqlen_k
+        # Scratch: (batch, head) rows in the dense layout, padded per-sequence offsets in varlen.
+        scratch_b = Int32(0) if const_expr(varlen) else batch_idx
+        row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
         head_idx_kv = head_idx // qhead_per_kvhead
         num_n_blocks = (seqlen_k + (self.tile_n - 1)) // self.tile_n
-        if const_expr(self.is_causal):
+        ordered_desc = const_expr(self.is_causal or self.is_local)
+        if const_expr(ordered_desc):
             if deterministic != 0:
                 # Shortest-first: the last key block (fewest query blocks) takes the lowest block
                 # index and the first turn on every m_block it visits (see compute_one_m_block).
                 n_block = num_n_blocks - 1 - n_block
 
-        m_block_max = (seqlen_q + (self.tile_m - 1)) // self.tile_m
-        m_block_min = Int32(0)
-        if const_expr(self.is_causal):
-            # Row i sees key j iff j <= i + seqlen_k - seqlen_q: the first row that sees this
-            # block's first key is n_block * tile_n + seqlen_q - seqlen_k (floor division).
-            m_block_min = cutlass.max(
-                (n_block * self.tile_n + seqlen_q - seqlen_k) // self.tile_m, Int32(0)
-            )
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        m_block_min, m_block_max = m_block_min_max(
+            self.tile_m, self.tile_n, n_block, seqlen_q, seqlen_k, self.is_causal, self.is_local,
+            window_left, window_right,
+        )
 
         layouts = self._smem_layouts()
         storage = SmemAllocator().allocate(SharedStorage)
@@ -374,10 +476,14 @@ class FlashBwdSm80:
         sdS = storage.sdS.get_tensor(layouts["sdS"])
 
         d = self.head_dim
-        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head_idx, batch_idx], (self.tile_m, d), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_idx_kv, batch_idx], (self.tile_n, d), (None, 0))
+        mQ_cur = seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx)
+        mdO_cur = seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx)
+        mK_cur = seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx)
+        mV_cur = seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx)
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(mdO_cur, (self.tile_m, d), (None, 0))
+        gK = cute.local_tile(mK_cur, (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, d), (None, 0))
         load_Q = self._staged_load(gQ, sQ, self.tile_m, tidx)
         load_dO = self._staged_load(gdO, sdO, self.tile_m, tidx)
         load_K = self._staged_load(gK, sK, self.tile_n, tidx)
@@ -416,18 +522,22 @@ class FlashBwdSm80:
             tPsP=r2s_PdS.partition_D(sP),
             tdSsdS=r2s_PdS.partition_D(sdS),
             tScS_mn=acc_rows_cols(thr_mma_sdp.partition_C(cS)),
-            mask=AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k),
-            mLSE_log2=mLSE_log2[batch_idx, head_idx, None],
-            mdPsum=mdPsum[batch_idx, head_idx, None],
-            mdQaccum=mdQaccum[batch_idx, head_idx, None],
-            mdQ_sem=mdQ_sem[batch_idx, head_idx, None],
+            mask=AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k, window_l, window_r),
+            block_info=BlockInfo(
+                self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r
+            ),
+            mLSE_log2=mLSE_log2[scratch_b, head_idx, None],
+            mdPsum=mdPsum[scratch_b, head_idx, None],
+            mdQaccum=mdQaccum[scratch_b, head_idx, None],
+            mdQ_sem=mdQ_sem[scratch_b, head_idx, None],
             acc_dK=acc_dK,
             acc_dV=acc_dV,
             n_block=n_block,
-            num_n_blocks=num_n_blocks,
             m_block_max=m_block_max,
             seqlen_q=seqlen_q,
+            row_offset=row_offset_q,
             scale_log2=scale_log2,
+            softcap_scale=softcap_scale if const_expr(self.has_softcap) else None,
             deterministic=deterministic,
         )
 
@@ -438,19 +548,25 @@ class FlashBwdSm80:
             load_dO(m_block_min, seqlen_q, Int32(0))
         cute.arch.cp_async_commit_group()
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            self.compute_one_m_block(m_block, (m_block - m_block_min) % 2, step)
+            stage = (m_block - m_block_min) % 2 if const_expr(self.num_stages == 2) else Int32(0)
+            self.compute_one_m_block(m_block, stage, step)
 
+        row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
         if const_expr(self.is_gqa):
             self.epilogue_gqa(
-                acc_dK, acc_dV, mdK, mdV, mdKV_sem, thr_mma_dkv, tidx, n_block, batch_idx,
-                head_idx, head_idx_kv, qhead_per_kvhead, deterministic,
+                acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None],
+                mdV[scratch_b, head_idx_kv, None], mdKV_sem[scratch_b, head_idx_kv, None],
+                thr_mma_dkv, tidx,
+                (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block,
+                head_idx, head_idx_kv,
+                qhead_per_kvhead, deterministic,
             )
         else:
             acc_dK.store(acc_dK.load() * softmax_scale)
             self.epilogue_mha(
-                acc_dK, acc_dV, mdK[None, None, head_idx_kv, batch_idx],
-                mdV[None, None, head_idx_kv, batch_idx], sK, sV, tiled_mma_dkv, tidx, n_block,
-                seqlen_k,
+                acc_dK, acc_dV, seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
+                seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx), sK, sV,
+                tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
             )
 
     def _staged_load(self, gX, sX, rows: int, tidx) -> StagedLoad:
@@ -496,20 +612,22 @@ class FlashBwdSm80:
     @cute.jit
     def compute_one_m_block(self, m_block: Int32, stage: Int32, step: MBlockStep):
         """One query block: recompute P, form dS, accumulate dV, dK and (atomically) dQ."""
+        two_stage = const_expr(self.num_stages == 2)
         # Q/dO[stage] (and K/V on the first block) have landed for every thread; every warp is
         # done with the previous block, so stage ^ 1, sP and sdS may be overwritten.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        if m_block + 1 < step.m_block_max:
-            step.load_Q(m_block + 1, step.seqlen_q, 1 - stage)
-            step.load_dO(m_block + 1, step.seqlen_q, 1 - stage)
-        cute.arch.cp_async_commit_group()
+        if const_expr(two_stage):
+            if m_block + 1 < step.m_block_max:
+                step.load_Q(m_block + 1, step.seqlen_q, 1 - stage)
+                step.load_dO(m_block + 1, step.seqlen_q, 1 - stage)
+            cute.arch.cp_async_commit_group()
 
         num_rows = cute.size(step.tScS_mn.shape[0])
         lse = cute.make_rmem_tensor((num_rows,), Float32)
         dpsum = cute.make_rmem_tensor((num_rows,), Float32)
         for r in cutlass.range_constexpr(num_rows):
-            row = m_block * self.tile_m + step.tScS_mn[r, 0][0]
+            row = step.row_offset + m_block * self.tile_m + step.tScS_mn[r, 0][0]
             lse[r] = step.mLSE_log2[row]
             dpsum[r] = step.mdPsum[row]
 
@@ -524,26 +642,23 @@ class FlashBwdSm80:
         acc_dP.fill(0.0)
         step.gemm_S(acc_S, stage)
         step.gemm_dP(acc_dP, stage)
-        # Keys past seqlen_k (zero-filled K rows: only the last block) and, causal, keys right
-        # of the diagonal (only where the block's last key is past the tile's first row's
-        # limit). A uniform branch: the mask code is traced once, most blocks skip it.
-        block_end = (step.n_block + 1) * self.tile_n
-        need_mask = block_end > step.mask.seqlen_k
-        if const_expr(self.is_causal):
-            first_row_limit = m_block * self.tile_m + step.mask.seqlen_k - step.seqlen_q
-            need_mask = need_mask | (first_row_limit < block_end - 1)
-        if need_mask:
-            step.mask.apply(
-                acc_S, thr_mma_sdp, m_block, step.n_block, mask_seqlen=True,
-                mask_causal=self.is_causal,
-            )
+        if const_expr(step.softcap_scale is not None):
+            apply_softcap(acc_S, step.softcap_scale)  # S = tanh(x * scale / softcap)
+        self._mask_block(acc_S, m_block, step)
         acc_S_mn = acc_rows_cols(acc_S)
         acc_dP_mn = acc_rows_cols(acc_dP)
         for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                p = cute.math.exp2(acc_S_mn[r, c] * step.scale_log2 - lse[r], fastmath=True)
+                s = acc_S_mn[r, c]
+                p = cute.math.exp2(s * step.scale_log2 - lse[r], fastmath=True)
                 acc_S_mn[r, c] = p
-                acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum[r])
+                ds = p * (acc_dP_mn[r, c] - dpsum[r])
+                if const_expr(step.softcap_scale is not None):
+                    # d tanh = 1 - tanh^2; a masked score is -inf (P = 0): clamp it to -1 so the
+                    # factor is 0, not -inf (0 * -inf = NaN).
+                    t = cute.arch.fmax(s, Float32(-1.0))
+                    ds = ds * (Float32(1.0) - t * t)
+                acc_dP_mn[r, c] = ds
         rP = convert_to_16bit(acc_S, self.dtype)
         rdS = convert_to_16bit(acc_dP, self.dtype)
         cute.copy(step.r2s_PdS, step.r2s_PdS.retile(rP), step.tPsP)
@@ -557,26 +672,59 @@ class FlashBwdSm80:
         acc_dQ.fill(0.0)
         step.gemm_dQ(acc_dQ)
         tidx = cute.arch.thread_idx()[0]
+        q_block = step.row_offset // self.tile_m + m_block  # m_block's tile in the scratch
         gdQaccum = fragment_accum(
-            step.mdQaccum, self.tile_m * self.head_dim, self.num_threads, m_block, tidx
+            step.mdQaccum, self.tile_m * self.head_dim, self.num_threads, q_block, tidx
         )
         if step.deterministic != 0:
             turn = step.n_block
-            if const_expr(self.is_causal):
-                # The key blocks visiting m_block are 0 .. n_block_max - 1 (a prefix); they add
-                # in descending order, each waiting only for a lower block index.
-                n_idx_end = (m_block + 1) * self.tile_m + step.mask.seqlen_k - step.seqlen_q
-                n_block_max = cutlass.min(
-                    (n_idx_end + (self.tile_n - 1)) // self.tile_n, step.num_n_blocks
+            if const_expr(self.is_causal or self.is_local):
+                # The key blocks visiting m_block are a range ending at n_block_max - 1; they
+                # add in descending order, each waiting only for a lower block index.
+                _, n_block_max = step.block_info.n_block_min_max(
+                    step.seqlen_q, step.mask.seqlen_k, m_block
                 )
                 turn = n_block_max - 1 - step.n_block
-            semaphore_wait(step.mdQ_sem, m_block, turn, tidx)
+            semaphore_wait(step.mdQ_sem, q_block, turn, tidx)
         red_add_tile(acc_dQ, gdQaccum)
         if step.deterministic != 0:
-            semaphore_signal(step.mdQ_sem, m_block, tidx)
+            semaphore_signal(step.mdQ_sem, q_block, tidx)
 
         step.gemm_dV(step.acc_dV, stage)
         step.gemm_dK(step.acc_dK, stage)
+        if const_expr(not two_stage):
+            # One Q/dO buffer: the next block's loads wait until every warp has read this one.
+            cute.arch.barrier()
+            if m_block + 1 < step.m_block_max:
+                step.load_Q(m_block + 1, step.seqlen_q, Int32(0))
+                step.load_dO(m_block + 1, step.seqlen_q, Int32(0))
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _mask_block(self, acc_S: cute.Tensor, m_block: Int32, step: MBlockStep):
+        """Mask S where needed: keys past seqlen_k (only the last key block), and with causal /
+        local the blocks that cross the right (diagonal) or left window edge. A uniform branch:
+        the mask code is traced once, most blocks skip it."""
+        mask = step.mask
+        block_start = step.n_block * self.tile_n
+        block_end = block_start + self.tile_n
+        need_mask = block_end > mask.seqlen_k
+        offset = mask.seqlen_k - step.seqlen_q
+        if const_expr(self.is_causal or self.is_local):
+            # The tile's first row sees keys up to first_row_limit: every later row sees more.
+            first_row_limit = m_block * self.tile_m + offset
+            if const_expr(self.is_local):
+                first_row_limit = first_row_limit + mask.window_right
+            need_mask = need_mask | (first_row_limit < block_end - 1)
+        if const_expr(self.is_local):
+            # The tile's last row sees keys from last_row_first: every earlier row sees more.
+            last_row_first = (m_block + 1) * self.tile_m - 1 + offset - mask.window_left
+            need_mask = need_mask | (last_row_first > block_start)
+        if need_mask:
+            mask.apply(
+                acc_S, step.gemm_S.thr_mma, m_block, step.n_block, mask_seqlen=True,
+                mask_causal=self.is_causal, mask_local=self.is_local,
+            )
 
     @cute.jit
     def epilogue_mha(
@@ -635,26 +783,24 @@ class FlashBwdSm80:
         self,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
-        mdKaccum: cute.Tensor,  # (batch, nheads_k, seqlen_k_padded * head_dim) fp32
+        mdKaccum: cute.Tensor,  # (seqlen_k_padded * head_dim,) fp32 of this (batch, kv head)
         mdVaccum: cute.Tensor,
-        mdKV_sem: cute.Tensor,  # (batch, nheads_k, num_n_blocks)
+        mdKV_sem: cute.Tensor,  # (seqlen_k_padded / tile_n,)
         thr_mma_dkv: cute.ThrMma,
         tidx: Int32,
-        n_block: Int32,
-        batch_idx: Int32,
+        k_block: Int32,  # this key block's tile in the scratch (padded offset + n_block)
         head_idx: Int32,
         head_idx_kv: Int32,
         qhead_per_kvhead: Int32,
         deterministic: Int32,
     ):
         """Reduce-add the fp32 dK (unscaled) and dV of this query head into the KV head's sums."""
-        gdK = accum_tile(mdKaccum[batch_idx, head_idx_kv, None], self.tile_n, self.head_dim, n_block)
-        gdV = accum_tile(mdVaccum[batch_idx, head_idx_kv, None], self.tile_n, self.head_dim, n_block)
-        sem = mdKV_sem[batch_idx, head_idx_kv, None]
+        gdK = accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block)
+        gdV = accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block)
         if deterministic != 0:
             # Turns in ascending query-head order: lower heads have lower block indices.
-            semaphore_wait(sem, n_block, head_idx - head_idx_kv * qhead_per_kvhead, tidx)
+            semaphore_wait(mdKV_sem, k_block, head_idx - head_idx_kv * qhead_per_kvhead, tidx)
         red_add_tile(acc_dV, thr_mma_dkv.partition_C(gdV))
         red_add_tile(acc_dK, thr_mma_dkv.partition_C(gdK))
         if deterministic != 0:
-            semaphore_signal(sem, n_block, tidx)
+            semaphore_signal(mdKV_sem, k_block, tidx)

@@ -3,13 +3,16 @@ and postprocess (kernels/bwd_post.py): keys, compile, launch.
 
 One backward call is 3 launches (MHA) or 5 (GQA/MQA: the postprocess also converts the fp32 dK/dV
 sums): pre (dPsum, LSE_log2, zero dQaccum) -> main (dK, dV; dQ reduce-added in fp32) -> post (dQ).
-Head dims below the kernel's are zero-padded in Python, like the forward. ``deterministic`` is a
-runtime flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
+Dense and varlen (packed ``(total, h, d)``; scratch buffers at per-sequence padded offsets, sized from
+``total + batch * SEQ_PAD``, so nothing here reads ``cu_seqlens``, ``seqused`` or ``max_seqlen``),
+causal / sliding window / softcap, GQA/MQA. Head dims are zero-padded in Python up to a row of
+``configs.BWD_SM80_TILES`` (both to the same row: 192/128 runs as 192). ``deterministic`` is a runtime
+flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,20 +21,29 @@ from .. import configs
 from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, MAX_GRID_YZ, VarlenArgs, current_stream, cutlass_dtype, fake_bshd, pad_head_dim, to_cute,
+    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, current_stream, cutlass_dtype, fake_bshd, int_ready,
+    int_to_cute, mask_flags, pad_head_dim, to_cute, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
-_PRE_TILE_M, _PRE_THREADS = 128, 128
+_PRE_TILE_M = 128
+
+
+def _pre_threads(head_dim: int) -> int:
+    """Preprocess threads: 128, or 256 above head dim 128 (128 threads would hold 256 values each of O
+    and dO at head dim 256 and spill ~25 registers; sm_80 and sm_90a, DSL 4.8.1)."""
+    return 128 if head_dim <= 128 else 256
 _POST_TILE_M, _POST_THREADS = 64, 128
 
 
 @dataclass(frozen=True)
 class BwdPreKey(KernelKey):
-    """bwd_pre_sm80: dPsum, LSE_log2, zeroed dQaccum; one per dtype and head dim."""
+    """bwd_pre_sm80: dPsum, LSE_log2, zeroed dQaccum; per dtype, head dim and varlen layout."""
 
     dtype: str
     head_dim: int
+    varlen: bool = False
+    seqused: bool = False  # seqused_q given (varlen only)
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,8 @@ class BwdPostKey(KernelKey):
     tile_m: int
     num_threads: int
     atom_m: int
+    varlen: bool = False
+    seqused: bool = False  # seqused_q (dQ) or seqused_k (dK/dV) given (varlen only)
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,12 @@ class BwdKey(KernelKey):
     atom_m_dq: int
     causal: bool
     gqa: bool  # nheads != nheads_k: dK/dV summed over query heads in fp32 scratch
+    num_stages: int = 2
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
+    seqused_q: bool = False
+    seqused_k: bool = False
 
 
 def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
@@ -69,12 +89,28 @@ def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
     return make_fake_tensor(dtype, shape, stride=(*strides, 1), assumed_align=16)
 
 
+def _fake_packed(dtype: Any, total: Any, heads: Any, dim: Any) -> Any:
+    """A fake varlen ``(total, heads, dim)`` tensor (strides multiples of 8, as ``_ready`` makes them)."""
+    return _fake(dtype, (total, heads, dim), 8)
+
+
+def _fake_ints(n: Any) -> Any:
+    import cutlass
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
+
+
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """Unit last stride, other strides non-zero multiples of 8, 16-byte aligned (dout may be expanded)."""
     strides = t.stride()
     if t.data_ptr() % 16 == 0 and strides[-1] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:-1]):
         return t
     return t.contiguous()
+
+
+def _int_arg(t: torch.Tensor | None) -> Any:
+    return None if t is None else int_to_cute(int_ready(t))
 
 
 class BwdSm80:
@@ -87,57 +123,83 @@ class BwdSm80:
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
         if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None:
             return (
-                f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented yet by the sm80 backward; "
+                f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm80 backward; "
                 f"supported: head dims up to {max(self.tiles)}"
             )
-        if p.is_varlen:
-            return "varlen (cu_seqlens_q/cu_seqlens_k) is not implemented yet by the sm80 backward"
-        if p.is_local and not (p.causal and p.window_left < 0):
-            return "window_size (sliding-window attention) is not implemented yet by the sm80 backward"
-        if p.softcap != 0.0:
-            return "softcap is not implemented yet by the sm80 backward"
-        if p.nheads > MAX_GRID_YZ or p.batch > MAX_GRID_YZ:
-            return f"nheads ({p.nheads}) and batch ({p.batch}) must each be <= {MAX_GRID_YZ} (CUDA grid y/z limit)"
+        if p.softcap < 0.0:
+            return f"softcap must be >= 0 (0 disables it), got {p.softcap}"
+        if p.nheads > MAX_GRID_YZ:
+            return f"nheads ({p.nheads}) must be <= {MAX_GRID_YZ} (CUDA grid y limit)"
+        if not p.is_varlen and p.batch > MAX_GRID_YZ:
+            return f"batch ({p.batch}) must be <= {MAX_GRID_YZ} (CUDA grid z limit); use the varlen API"
+        if max(p.seqlen_q, p.seqlen_k) >= UNBOUNDED_WINDOW:
+            return f"seqlen_q/seqlen_k ({p.seqlen_q}, {p.seqlen_k}) must be < 2**30 on the sm80 backward"
         return None
 
     # ------------------------------------------------------------------ keys
 
-    def keys(self, p: AttnProblem, arch: str) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
+    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None
+             ) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
         """(pre, main, post for dQ, post for the GQA dK/dV sums)."""
         hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
         assert hdim is not None, "can_implement() must accept the problem first"
         dtype = DTYPE_NAMES[p.dtype]
-        main = self._main_key(arch, dtype, hdim, p.causal, p.nheads != p.nheads_k)
-        return (BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim), main,
-                *self._post_keys(arch, dtype, hdim))
+        causal, local = mask_flags(p)
+        is_varlen = varlen is not None
+        su_q = is_varlen and varlen.seqused_q is not None
+        su_k = is_varlen and varlen.seqused_k is not None
+        main = self._main_key(
+            arch, dtype, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
+            varlen=is_varlen, seqused_q=su_q, seqused_k=su_k,
+        )
+        post_dq, post_kv = self._post_keys(arch, dtype, hdim, is_varlen)
+        return (
+            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, varlen=is_varlen, seqused=su_q),
+            main,
+            replace(post_dq, seqused=su_q),
+            replace(post_kv, seqused=su_k),
+        )
 
-    def _main_key(self, arch: str, dtype: str, hdim: int, causal: bool, gqa: bool) -> BwdKey:
+    def _main_key(self, arch: str, dtype: str, hdim: int, causal: bool, gqa: bool, **flags: bool) -> BwdKey:
         t = self.tiles[hdim]
         return BwdKey(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m, tile_n=t.tile_n,
             num_threads=t.num_threads, atom_m_sdp=t.atom_m_sdp, atom_n_dkv=t.atom_n_dkv, atom_m_dq=t.atom_m_dq,
-            causal=causal, gqa=gqa,
+            causal=causal, gqa=gqa, num_stages=t.num_stages, **flags,
         )
 
-    def _post_keys(self, arch: str, dtype: str, hdim: int) -> tuple[BwdPostKey, BwdPostKey]:
+    def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
         t = self.tiles[hdim]
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
-                       num_threads=t.num_threads, atom_m=t.atom_m_dq),
+                       num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen),
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
-                       num_threads=_POST_THREADS, atom_m=0),
+                       num_threads=_POST_THREADS, atom_m=0, varlen=varlen),
         )
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """Every variant, for precompile and the compile-only tests."""
+        """The variants users hit, for precompile and the compile-only tests (45 per arch): head dims 64
+        and 128 dense in both dtypes (causal or not, MHA or GQA); 96/192/256 bf16 dense MHA (causal or
+        not); bf16 d128 causal varlen (MHA), sliding window and causal softcap. Rarer ones (fp16
+        features, GQA at 96-256, seqused, varlen GQA, window + varlen, ...) compile on first use."""
         keys: list[KernelKey] = []
         for hdim in self.tiles:
-            for dtype in ("bf16", "fp16"):
+            common = hdim in (64, 128)
+            for dtype in ("bf16", "fp16") if common else ("bf16",):
                 keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim))
-                keys.extend(self._post_keys(arch, dtype, hdim))
+                post_dq, post_kv = self._post_keys(arch, dtype, hdim)
+                keys.extend((post_dq, post_kv) if common else (post_dq,))
                 for causal in (False, True):
-                    for gqa in (False, True):
+                    for gqa in (False, True) if common else (False,):
                         keys.append(self._main_key(arch, dtype, hdim, causal, gqa))
+        if 128 in self.tiles:
+            keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, varlen=True))
+            keys.append(self._post_keys(arch, "bf16", 128, varlen=True)[0])
+            # Causal only: non-causal varlen d128 spills 1 register on sm_80 (1 LDL + 1 STL; varlen seqlens
+            # live in registers, dense ones in the parameter bank); it compiles on first use.
+            keys.append(self._main_key(arch, "bf16", 128, True, False, varlen=True))
+            keys.append(self._main_key(arch, "bf16", 128, False, False, local=True))
+            keys.append(self._main_key(arch, "bf16", 128, True, False, softcap=True))
         return keys
 
     # ------------------------------------------------------------------ compile
@@ -149,27 +211,36 @@ class BwdSm80:
         kwargs = {"options": options} if options else {}
         dtype = cutlass_dtype(key.dtype)  # type: ignore[attr-defined]
         f32, i32 = cutlass.Float32, cutlass.Int32
+        varlen = getattr(key, "varlen", False)
         # Scratch buffers get their own symbols: a shared symbol asserts equal extents at run time.
-        b, s_q, s_k, h, h_k, d, s_pad, acc_len, acc_k = (cute.sym_int() for _ in range(9))
+        b, s_q, s_k, h, h_k, d, s_pad, acc_len, acc_k, b1, nb = (cute.sym_int() for _ in range(11))
         sem_q = tuple(cute.sym_int() for _ in range(3))
         sem_kv = tuple(cute.sym_int() for _ in range(3))
         stream = cute.runtime.make_fake_stream()
+
+        def qkv(seqlen: Any, heads: Any) -> Any:  # dense (b, s, h, d) or packed (total, h, d)
+            return _fake_packed(dtype, seqlen, heads, d) if varlen else fake_bshd(dtype, b, seqlen, heads, d)
+
         if key.kernel == "bwd_pre_sm80":
             from ..kernels.bwd_pre import FlashBwdPreprocess
 
-            kernel = FlashBwdPreprocess(dtype, key.head_dim, _PRE_TILE_M, _PRE_THREADS)  # type: ignore[attr-defined]
+            pre: BwdPreKey = key  # type: ignore[assignment]
+            kernel = FlashBwdPreprocess(dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim))
+            lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
-                fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_q, h, d), _fake(f32, (b, h, s_q)),
-                _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, acc_len), 4),
+                qkv(s_q, h), qkv(s_q, h), lse, _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, s_pad)),
+                _fake(f32, (b, h, acc_len), 4),
             )
-            return cute.compile(kernel, *fakes, stream, **kwargs)
+            ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
+            return cute.compile(kernel, *fakes, *ints, stream, **kwargs)
         if key.kernel == "bwd_post_sm80":
             from ..kernels.bwd_post import FlashBwdPostprocess
 
             pk: BwdPostKey = key  # type: ignore[assignment]
             kernel = FlashBwdPostprocess(dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None)
-            fakes = (_fake(f32, (b, h, acc_len), 4), fake_bshd(dtype, b, s_q, h, d))
-            return cute.compile(kernel, *fakes, f32(1.0), stream, **kwargs)
+            ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
+            fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))
+            return cute.compile(kernel, *fakes, f32(1.0), *ints, stream, **kwargs)
         if key.kernel != self.kind:
             raise ValueError(f"not a key of this family: {key.name}")
         from ..kernels.bwd_sm80 import FlashBwdSm80
@@ -177,18 +248,23 @@ class BwdSm80:
         k: BwdKey = key  # type: ignore[assignment]
         kernel = FlashBwdSm80(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
-            k.causal, k.gqa,
+            k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, num_stages=k.num_stages,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
         else:
-            dkv = (fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d))
+            dkv = (qkv(s_k, h_k), qkv(s_k, h_k))
         fakes = (
-            fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d),
-            fake_bshd(dtype, b, s_q, h, d), _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, s_pad)),
-            _fake(f32, (b, h, acc_len), 4), *dkv, _fake(i32, sem_q), _fake(i32, sem_kv),
+            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h), _fake(f32, (b, h, s_pad)),
+            _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, acc_len), 4), *dkv, _fake(i32, sem_q),
+            _fake(i32, sem_kv),
         )
-        return cute.compile(kernel, *fakes, f32(1.0), i32(0), stream, **kwargs)
+        ints = (
+            _fake_ints(b1) if varlen else None, _fake_ints(b1) if varlen else None,
+            _fake_ints(nb) if k.seqused_q else None, _fake_ints(nb) if k.seqused_k else None,
+        )
+        scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0))
+        return cute.compile(kernel, *fakes, *scalars, *ints, stream, **kwargs)
 
     # ------------------------------------------------------------------ launch
 
@@ -198,9 +274,9 @@ class BwdSm80:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv shaped like q, k, v."""
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
-            # No keys: out = 0 for every query, so every gradient is 0.
+            # No keys or no queries: every gradient is 0.
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch())
+        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen)
         pre = compile_cache.get(pre_key, self.compile)
         main = compile_cache.get(main_key, self.compile)
         post_dq = compile_cache.get(post_dq_key, self.compile)
@@ -210,39 +286,52 @@ class BwdSm80:
         lse_k = _ready(lse)
         b, s_q, s_k, h, h_k = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k
         dev, f32 = q.device, torch.float32
-        s_q_pad = -(-s_q // SEQ_PAD) * SEQ_PAD
-        s_k_pad = -(-s_k // SEQ_PAD) * SEQ_PAD
-        lse_log2 = torch.empty(b, h, s_q_pad, dtype=f32, device=dev)
-        dpsum = torch.empty(b, h, s_q_pad, dtype=f32, device=dev)
-        dq_accum = torch.empty(b, h, s_q_pad * d, dtype=f32, device=dev)
-        dq = torch.empty(b, s_q, h, d, dtype=q.dtype, device=dev)
-        dk = torch.empty(b, s_k, h_k, d, dtype=q.dtype, device=dev)
-        dv = torch.empty(b, s_k, h_k, d, dtype=q.dtype, device=dev)
+        if varlen is not None:
+            # One "batch" row of scratch; sequence i starts at its padded offset (kernels/common/bwd_utils.py).
+            b_scr = 1
+            s_q_pad = -(-(s_q + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
+            s_k_pad = -(-(s_k + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
+            q_shape, k_shape = (s_q, h, d), (s_k, h_k, d)
+            ints = tuple(_int_arg(t) for t in (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q,
+                                                  varlen.seqused_k))
+        else:
+            b_scr, s_q_pad, s_k_pad = b, -(-s_q // SEQ_PAD) * SEQ_PAD, -(-s_k // SEQ_PAD) * SEQ_PAD
+            q_shape, k_shape = (b, s_q, h, d), (b, s_k, h_k, d)
+            ints = (None, None, None, None)
+        lse_log2 = torch.empty(b_scr, h, s_q_pad, dtype=f32, device=dev)
+        dpsum = torch.empty(b_scr, h, s_q_pad, dtype=f32, device=dev)
+        dq_accum = torch.empty(b_scr, h, s_q_pad * d, dtype=f32, device=dev)
+        # Rows past seqused are never written by the kernels: they must read 0.
+        dq = (torch.zeros if main_key.seqused_q else torch.empty)(q_shape, dtype=q.dtype, device=dev)
+        dk = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
+        dv = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
         if main_key.gqa:
-            dk_main = torch.zeros(b, h_k, s_k_pad * d, dtype=f32, device=dev)
-            dv_main = torch.zeros(b, h_k, s_k_pad * d, dtype=f32, device=dev)
+            dk_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)
+            dv_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)
         else:
             dk_main, dv_main = dk, dv
         if deterministic:
-            num_m = -(-s_q // main_key.tile_m)
-            num_n = -(-s_k // main_key.tile_n)
-            sem_q = torch.zeros(b, h, num_m, dtype=torch.int32, device=dev)
-            sem_kv = torch.zeros(b, h_k, num_n, dtype=torch.int32, device=dev) if main_key.gqa else sem_q
+            sem_q = torch.zeros(b_scr, h, s_q_pad // main_key.tile_m, dtype=torch.int32, device=dev)
+            sem_kv = (torch.zeros(b_scr, h_k, s_k_pad // main_key.tile_n, dtype=torch.int32, device=dev)
+                      if main_key.gqa else sem_q)
         else:
             sem_q = sem_kv = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
         scale = p.softmax_scale
+        window_left, window_right = window_args(p) if main_key.local else (0, 0)
+        softcap = p.softcap if main_key.softcap else 1.0
+        cu_q, cu_k, su_q, su_k = ints
         with torch.cuda.device(dev):
             stream = current_stream(dev)
-            pre(*(to_cute(t) for t in (out_k, dout_k, lse_k, lse_log2, dpsum, dq_accum)), stream)
+            pre(*(to_cute(t) for t in (out_k, dout_k, lse_k, lse_log2, dpsum, dq_accum)), cu_q, su_q, stream)
             main(
                 *(to_cute(t) for t in (q_k, k_k, v_k, dout_k, lse_log2, dpsum, dq_accum, dk_main, dv_main,
                                        sem_q, sem_kv)),
-                scale, int(deterministic), stream,
+                scale, window_left, window_right, softcap, int(deterministic), cu_q, cu_k, su_q, su_k, stream,
             )
-            post_dq(to_cute(dq_accum), to_cute(dq), scale, stream)
+            post_dq(to_cute(dq_accum), to_cute(dq), scale, cu_q, su_q, stream)
             if post_kv is not None:
-                post_kv(to_cute(dk_main), to_cute(dk), scale, stream)
-                post_kv(to_cute(dv_main), to_cute(dv), 1.0, stream)
+                post_kv(to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
+                post_kv(to_cute(dv_main), to_cute(dv), 1.0, cu_k, su_k, stream)
         if d != p.head_dim:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d != p.head_dim_v:

@@ -11,7 +11,11 @@ through fp32 scratch buffers; they must agree on one padding rule and one layout
   FA2 does; the postprocess rebuilds the same tiled MMA to undo the order;
 - GQA ``dKaccum``/``dVaccum``: ``(batch, nheads_k, seqlen_k_padded * head_dim)``, row-major
   ``(seqlen_k_padded, head_dim)`` per head (added once per CTA, so order matters little);
-with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22).
+with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22). Varlen: the batch mode
+has extent 1 and sequence ``b`` starts at the padded row ``scratch_offset(cu_seqlens[b], b)``
+(a multiple of ``SEQ_PAD``; sequences never overlap, each keeps ``round_up(seqlen, SEQ_PAD)``
+rows), the buffers hold ``round_up(total + batch * SEQ_PAD, SEQ_PAD)`` rows; the deterministic
+semaphores use the same offsets divided by the tile.
 
 Deterministic mode (design doc 2.9): an int32 semaphore per (batch, head, block) holds whose turn
 it is; a CTA waits (thread 0 spins with ``ld.acquire.gpu``, then a CTA barrier) until the value
@@ -33,6 +37,58 @@ SEQ_PAD = 128
 
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def scratch_offset(offset: Int32, batch_idx: Int32) -> Int32:
+    """First scratch row of a varlen sequence whose packed rows start at ``offset``."""
+    return (offset + batch_idx * SEQ_PAD) // SEQ_PAD * SEQ_PAD
+
+
+def copy_threads_per_row(cols: int, elems: int, num_threads: int) -> int:
+    """Threads sharing a row in ``tiled_copy_16b``: all of the row's ``elems``-wide chunks when
+    their number is a power of two (a warp covers whole rows), else the largest power of two
+    <= 8 dividing it (rows of 96 or 192 16-bit elements: each thread takes several chunks)."""
+    chunks = cols // elems
+    if chunks & (chunks - 1) == 0 and chunks <= num_threads:
+        return chunks
+    return next(t for t in (8, 4, 2, 1) if chunks % t == 0)
+
+
+def select_head(mX: cute.Tensor, head_idx: Int32, mode: int) -> cute.Tensor:
+    """Fix the head mode ``mode`` of a kernel-side view, keeping the other modes in order."""
+    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
+
+
+@cute.jit
+def m_block_min_max(
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    is_causal: cutlass.Constexpr[bool],
+    is_local: cutlass.Constexpr[bool],
+    window_left: Int32,
+    window_right: Int32,
+):
+    """``(m_block_min, m_block_max)``: the query blocks that see some key of ``n_block``.
+
+    Transpose of ``BlockInfo.n_block_min_max`` (same bottom-right rule, same tile-extreme
+    conservatism, so ``m`` is in this range iff ``n_block`` is in m's range): the first row to
+    see the block's first key is ``n_block * tile_n - offset - window_right``; the last row to
+    see its last key is ``(n_block + 1) * tile_n - 1 - offset + window_left`` (offset =
+    ``seqlen_k - seqlen_q``; causal: right = 0, no left bound). Floor divisions; may be empty.
+    """
+    m_block_max = (seqlen_q + (tile_m - 1)) // tile_m
+    m_block_min = Int32(0)
+    if cutlass.const_expr(is_causal or is_local):
+        right = window_right if cutlass.const_expr(is_local) else Int32(0)
+        first_row = n_block * tile_n + seqlen_q - seqlen_k - right
+        m_block_min = cutlass.max(first_row // tile_m, Int32(0))
+    if cutlass.const_expr(is_local):
+        last_row = (n_block + 1) * tile_n - 1 + seqlen_q - seqlen_k + window_left
+        m_block_max = cutlass.min(m_block_max, last_row // tile_m + 1)
+    return m_block_min, m_block_max
 
 
 @cute.jit
@@ -85,16 +141,16 @@ def tiled_copy_16b(
 ) -> cute.TiledCopy:
     """``copy_bits`` per thread per copy, threads row-major over the chunks of a row.
 
-    With ``cols`` elements per row, ``cols * width / copy_bits`` threads share a row: a warp
-    covers whole rows (coalesced) and, with the swizzled smem atoms, distinct banks.
+    ``copy_threads_per_row`` threads share a row: a warp covers whole rows or whole 64/128-byte
+    row segments (coalesced) and, with the swizzled smem atoms, distinct banks.
     """
     from cutlass.cute.nvgpu import cpasync
 
     elems = copy_bits // dtype.width
     if cols % elems != 0:
         raise ValueError(f"rows of {cols} elements do not split into {copy_bits}-bit chunks")
-    threads_per_row = cols // elems
-    if threads_per_row > num_threads or num_threads % threads_per_row:
+    threads_per_row = copy_threads_per_row(cols, elems, num_threads)
+    if num_threads % threads_per_row:
         raise ValueError(f"{num_threads} threads cannot cover rows of {threads_per_row} chunks")
     op = (
         cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
