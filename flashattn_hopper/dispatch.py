@@ -13,6 +13,8 @@ function (fake tensors, no GPU needed), ``forward(...)`` launches it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .backends.common import BwdFamily, FwdFamily
@@ -34,15 +36,21 @@ BACKENDS_FOR_TARGET = {"sm_90a": ("sm90", "sm80"), "sm_80": ("sm80",)}
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+@functools.cache
+def _device_facts(index: int) -> tuple[tuple[int, int], str]:
+    """(compute capability, name) of a device; fixed for the process, read once (hot path)."""
+    return torch.cuda.get_device_capability(index), torch.cuda.get_device_name(index)
 
 
 def select_backend(device: torch.device, requested: str | None) -> tuple[str, bool]:
     """Returns (backend, explicit): the kernel family for ``device`` and whether the user forced it."""
     requested = requested if requested is not None else settings().backend
     major, minor = device_capability(device)
-    name = torch.cuda.get_device_name(device)
     if (major, minor) < (8, 0) or major > 9:
+        name = torch.cuda.get_device_name(device)
         raise RuntimeError(
             f"flashattn_hopper does not support {name} (compute capability {major}.{minor}); "
             f"supported: {SUPPORTED_ARCHS_TEXT}"
@@ -50,6 +58,7 @@ def select_backend(device: torch.device, requested: str | None) -> tuple[str, bo
     if requested is None:
         return ("sm90" if major == 9 else "sm80"), False
     if requested == "sm90" and major != 9:
+        name = torch.cuda.get_device_name(device)
         raise ValueError(
             f"backend='sm90' needs a Hopper GPU (compute capability 9.0), but {device} is {name} "
             f"(compute capability {major}.{minor}); use backend='sm80' or None"
@@ -94,12 +103,17 @@ def bwd_kernel_for(device: torch.device, requested: str | None, p: AttnProblem, 
 
 def check_target_arch(device: torch.device) -> str:
     """The DSL compiles for one arch per process; it must be the device's, or kernels fail to load."""
+    return _checked_target_arch(device_capability(device))
+
+
+@functools.cache
+def _checked_target_arch(capability: tuple[int, int]) -> str:
     arch = target_arch()
-    major, minor = device_capability(device)
+    major, minor = capability
     expected_prefix = f"sm_{major}{minor}"
     if not arch.startswith(expected_prefix):
         raise RuntimeError(
-            f"the CuTe DSL in this process compiles for {arch} (CUTE_DSL_ARCH), but {device} has compute "
+            f"the CuTe DSL in this process compiles for {arch} (CUTE_DSL_ARCH), but the GPU has compute "
             f"capability {major}.{minor}; unset CUTE_DSL_ARCH or set it to {expected_prefix}{'a' if major == 9 else ''}"
         )
     return arch

@@ -56,11 +56,10 @@ class KernelKey:
     arch: str
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, value in vars(self).items():  # (vars: dataclasses.fields() is slow on the hot path)
             if not isinstance(value, _PRIMITIVES):
                 raise TypeError(
-                    f"compile key field {f.name!r} must be a Python primitive, got {type(value).__name__} "
+                    f"compile key field {name!r} must be a Python primitive, got {type(value).__name__} "
                     "(a tensor in a compile key recompiles on every call)"
                 )
 

@@ -105,6 +105,7 @@ def test_sm80_refuses_what_it_lacks_with_a_reason(fake_gpu, overrides, match):
 def test_target_arch_mismatch_is_explained(fake_gpu, monkeypatch):
     fake_gpu((9, 0))
     monkeypatch.setattr(dispatch, "target_arch", lambda: "sm_80")
+    dispatch._checked_target_arch.cache_clear()
     with pytest.raises(RuntimeError, match="compiles for sm_80 .* set it to sm_90a"):
         dispatch.check_target_arch(CUDA0)
 
