@@ -18,6 +18,8 @@ from flashattn_hopper.api import _fwd
 from flashattn_hopper.testing import assert_close_to_ref, attention_ref
 
 from ._subprocess import subprocess_env
+from ._parity import check_parity as _check_parity
+from ._parity import make_qkv
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_FAST, SEQLENS_SLOW
 
 pytestmark = pytest.mark.gpu
@@ -25,25 +27,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 
-def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, device="cuda", seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dv = d if dv is None else dv
-    q = torch.randn(batch, s_q, h, d, dtype=dtype, device=device, generator=gen)
-    k = torch.randn(batch, s_k, h_k, d, dtype=dtype, device=device, generator=gen)
-    v = torch.randn(batch, s_k, h_k, dv, dtype=dtype, device=device, generator=gen)
-    return q, k, v
-
-
 def check_parity(q, k, v, causal, backend="sm80", **kwargs):
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend, **kwargs)
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, **kwargs)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False, **kwargs)
-    assert out.shape == out_ref.shape and out.dtype == q.dtype
-    assert lse.shape == lse_ref.shape and lse.dtype == torch.float32
-    assert not torch.isnan(out).any(), "NaN in out"
-    assert_close_to_ref("out", out, out_ref, out_pt)
-    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
-    return out, lse
+    return _check_parity(q, k, v, causal, backend, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

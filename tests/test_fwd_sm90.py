@@ -19,6 +19,8 @@ from flashattn_hopper.api import _fwd
 from flashattn_hopper.backends.common import VarlenArgs
 from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
 
+from ._parity import check_parity as _check_parity
+from ._parity import make_qkv
 from .shapes import HEADS, SEQLENS_FAST, SEQLENS_SLOW
 from .test_fwd_sm80_features import VARLEN_LENS, WINDOWS, make_varlen
 
@@ -28,25 +30,8 @@ HEAD_DIMS_SM90_FAST = [64, 96, 128, 192, 256]  # one per row of configs.FWD_SM90
 HEAD_DIMS_SM90_SLOW = [32, 64, 80, 96, 128, 192, 256]  # 32/80 are padded up to a table row
 
 
-def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dv = d if dv is None else dv
-    q = torch.randn(batch, s_q, h, d, dtype=dtype, device="cuda", generator=gen)
-    k = torch.randn(batch, s_k, h_k, d, dtype=dtype, device="cuda", generator=gen)
-    v = torch.randn(batch, s_k, h_k, dv, dtype=dtype, device="cuda", generator=gen)
-    return q, k, v
-
-
-def check_parity(q, k, v, causal, **kwargs):
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90", **kwargs)
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, **kwargs)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False, **kwargs)
-    assert out.shape == out_ref.shape and out.dtype == q.dtype
-    assert lse.shape == lse_ref.shape and lse.dtype == torch.float32
-    assert not torch.isnan(out).any(), "NaN in out"
-    assert_close_to_ref("out", out, out_ref, out_pt)
-    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
-    return out, lse
+def check_parity(q, k, v, causal, backend="sm90", **kwargs):
+    return _check_parity(q, k, v, causal, backend, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

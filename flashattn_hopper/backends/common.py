@@ -181,3 +181,72 @@ def int_ready(t: torch.Tensor) -> torch.Tensor:
 def int_to_cute(t: torch.Tensor) -> Any:
     """A 1-D int32 tensor (cu_seqlens, seqused) as a kernel argument (dynamic length, unit stride)."""
     return _TensorArg(t)
+
+
+def compile_forward(kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None) -> Any:
+    """``cute.compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
+    window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, stream)``;
+    absent varlen inputs are compiled as None (constants)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    h, h_k, d, d_v = (cute.sym_int() for _ in range(4))
+    if varlen:
+        total_q, total_k, b1, b = (cute.sym_int() for _ in range(4))
+
+        def packed(total: Any, heads: Any, dim: Any) -> Any:
+            strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
+            return make_fake_tensor(dtype, (total, heads, dim), stride=(*strides, 1), assumed_align=16)
+
+        def ints(n: Any) -> Any:
+            return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
+
+        tensors = (packed(total_q, h, d), packed(total_k, h_k, d), packed(total_k, h_k, d_v),
+                   packed(total_q, h, d_v), fake_f32((h, total_q)))
+        varlen_tensors = (ints(b1), ints(b1), ints(b) if seqused_q else None, ints(b) if seqused_k else None)
+    else:
+        b, s_q, s_k = (cute.sym_int() for _ in range(3))
+        tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
+                   fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
+        varlen_tensors = (None, None, None, None)
+    kwargs = {"options": options} if options else {}
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+    return cute.compile(kernel, *tensors, *scalars, *varlen_tensors, cute.runtime.make_fake_stream(), **kwargs)
+
+
+def launch_forward(
+    compiled: Any, key: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem,
+    varlen: VarlenArgs | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads and aligns the inputs, allocates out/lse (``out``/``lse`` given: tests pass NaN-poisoned
+    contiguous buffers with the kernel's padded head dim) and launches a ``compile_forward`` kernel
+    on the inputs' device and current stream. ``key`` carries head_dim(_v) and the feature flags."""
+    q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
+    v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
+    if key.varlen:
+        out_shape, lse_shape = (p.seqlen_q, p.nheads, key.head_dim_v), (p.nheads, p.seqlen_q)
+    else:
+        out_shape, lse_shape = (p.batch, p.seqlen_q, p.nheads, key.head_dim_v), (p.batch, p.nheads, p.seqlen_q)
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if key.seqused_q:  # the kernels write only rows < seqused_q of each sequence
+        out.zero_()
+        lse.fill_(float("-inf"))
+    window_left, window_right = window_args(p) if key.local else (0, 0)
+    softcap = p.softcap if key.softcap else 1.0
+    if varlen is not None:
+        ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
+        int_args = tuple(None if t is None else int_to_cute(int_ready(t)) for t in ints)
+    else:
+        int_args = (None, None, None, None)
+    with torch.cuda.device(q.device):
+        compiled(
+            *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, window_left, window_right, softcap,
+            *int_args, current_stream(q.device),
+        )
+    if key.head_dim_v != p.head_dim_v:
+        out = out[..., : p.head_dim_v]
+    return out, lse

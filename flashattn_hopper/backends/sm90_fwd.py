@@ -17,9 +17,8 @@ from .. import configs
 from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
-    UNBOUNDED_WINDOW, int_ready, int_to_cute, mask_flags, window_args,
-    DTYPE_NAMES, MAX_GRID_YZ, VarlenArgs, current_stream, cutlass_dtype, empty_result, fake_bshd, fake_f32,
-    kernel_ready, pad_head_dim, to_cute,
+    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, compile_forward, cutlass_dtype, empty_result,
+    launch_forward, mask_flags,
 )
 
 
@@ -98,10 +97,6 @@ class FwdSm90:
         return keys
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_tensor
-
         from ..kernels.fwd_sm90 import FlashFwdSm90
 
         dtype = cutlass_dtype(key.dtype)
@@ -109,28 +104,7 @@ class FwdSm90:
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
         )
-        h, h_k, d, d_v = (cute.sym_int() for _ in range(4))
-        if key.varlen:
-            total_q, total_k, b1, b = (cute.sym_int() for _ in range(4))
-
-            def packed(total: Any, heads: Any, dim: Any) -> Any:
-                strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
-                return make_fake_tensor(dtype, (total, heads, dim), stride=(*strides, 1), assumed_align=16)
-
-            def ints(n: Any) -> Any:
-                return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
-
-            tensors = (packed(total_q, h, d), packed(total_k, h_k, d), packed(total_k, h_k, d_v),
-                       packed(total_q, h, d_v), fake_f32((h, total_q)))
-            varlen_tensors = (ints(b1), ints(b1), ints(b) if key.seqused_q else None, ints(b) if key.seqused_k else None)
-        else:
-            b, s_q, s_k = (cute.sym_int() for _ in range(3))
-            tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
-                       fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
-            varlen_tensors = (None, None, None, None)
-        kwargs = {"options": options} if options else {}
-        scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
-        return cute.compile(kernel, *tensors, *scalars, *varlen_tensors, cute.runtime.make_fake_stream(), **kwargs)
+        return compile_forward(kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
@@ -142,30 +116,4 @@ class FwdSm90:
             return empty_result(q, p)
         key = self.key(p, target_arch(), varlen)
         compiled = compile_cache.get(key, self.compile)
-        q_k, k_k, v_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k, v))
-        if key.varlen:
-            out_shape, lse_shape = (p.seqlen_q, p.nheads, key.head_dim_v), (p.nheads, p.seqlen_q)
-        else:
-            out_shape, lse_shape = (p.batch, p.seqlen_q, p.nheads, key.head_dim_v), (p.batch, p.nheads, p.seqlen_q)
-        if out is None:
-            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        if lse is None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        if key.seqused_q:  # the kernel writes only rows < seqused_q of each sequence
-            out.zero_()
-            lse.fill_(float("-inf"))
-        window_left, window_right = window_args(p) if key.local else (0, 0)
-        softcap = p.softcap if key.softcap else 1.0
-        if varlen is not None:
-            ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
-            int_args = tuple(None if t is None else int_to_cute(int_ready(t)) for t in ints)
-        else:
-            int_args = (None, None, None, None)
-        with torch.cuda.device(q.device):
-            compiled(
-                *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, window_left, window_right, softcap,
-                *int_args, current_stream(q.device),
-            )
-        if key.head_dim_v != p.head_dim_v:
-            out = out[..., : p.head_dim_v]
-        return out, lse
+        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse)
