@@ -31,9 +31,6 @@ ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); de
 ``fa3_cute_design.md`` sections 1 (1.9 masks, 1.10 epilogue, 1.14 varlen).
 """
 
-import enum
-from dataclasses import dataclass
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -59,6 +56,7 @@ from .common.utils import (
     select_modes,
     transpose_view,
 )
+from .fwd_sm90_parts import BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TmaAtoms
 
 _SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
 _SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
@@ -69,75 +67,6 @@ _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 # fp32 accumulator registers (S + O) plus the 16-bit P (S / 2) one MMA thread may hold: the
 # rest of the budget is operand descriptors, softmax state and addresses (design doc 1.2).
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
-
-
-class NamedBarrierFwd(enum.IntEnum):
-    """Hardware named barriers of the forward kernel (id 0 is ``__syncthreads``)."""
-
-    EPILOGUE = 1  # all MMA threads: sQ no longer read by any WGMMA / sO complete
-    WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
-    WARP_SCHEDULER_WG2 = 3
-    WARP_SCHEDULER_WG3 = 4
-
-
-@dataclass(frozen=True)
-class TileCoord:
-    """This CTA's query tile, its sequence's lengths and the key blocks it visits
-    (``n_block_min <= n < n_block_max``)."""
-
-    m_block: Int32
-    seqlen_q: Int32
-    seqlen_k: Int32
-    n_block_min: Int32
-    n_block_max: Int32
-
-
-@dataclass(frozen=True)
-class TmaAtoms:
-    """TMA copy atoms; ``o`` is None when O is stored with predicated stores (varlen)."""
-
-    q: cute.CopyAtom
-    k: cute.CopyAtom
-    v: cute.CopyAtom
-    o: cute.CopyAtom | None
-
-
-@dataclass(frozen=True)
-class Pipelines:
-    q: pipeline.PipelineTmaAsync
-    k: pipeline.PipelineTmaAsync
-    v: pipeline.PipelineTmaAsync
-
-
-@dataclass(frozen=True)
-class MmaParts:
-    """One MMA thread's WGMMA fragments (descriptors for smem operands) and accumulator."""
-
-    tiled_mma_qk: cute.TiledMma
-    tiled_mma_pv: cute.TiledMma
-    thr_mma_qk: cute.ThrMma  # this thread's slice (coordinates for masking)
-    tSrQ: cute.Tensor
-    tSrK: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
-    tOrVt: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
-    tOrP: cute.Tensor  # 16-bit A fragment of P
-    acc_O: cute.Tensor
-
-
-@dataclass(frozen=True)
-class BlockStep:
-    """What one key-block step needs besides the block index and its compile-time mask flags.
-
-    ``softcap_scale`` is None unless softcap is compiled in.
-    """
-
-    mma: MmaParts
-    pipeline_k: pipeline.PipelineTmaAsync
-    pipeline_v: pipeline.PipelineTmaAsync
-    softmax: OnlineSoftmax
-    mask: AttentionMask
-    m_block: Int32
-    wg_idx: Int32  # MMA warpgroup index, 0-based
-    softcap_scale: Float32 | None
 
 
 class FlashFwdSm90:

@@ -1,0 +1,84 @@
+"""Argument bundles and named barriers of the Hopper forward kernel (kernels/fwd_sm90.py).
+
+Split out of the kernel module to keep it readable: frozen dataclasses that group what the device
+methods pass around (so none takes more than ~12 parameters), and the barrier ids as an IntEnum.
+"""
+
+import enum
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+
+from .common.mask import AttentionMask
+from .common.softmax import OnlineSoftmax
+
+
+class NamedBarrierFwd(enum.IntEnum):
+    """Hardware named barriers of the forward kernel (id 0 is ``__syncthreads``)."""
+
+    EPILOGUE = 1  # all MMA threads: sQ no longer read by any WGMMA / sO complete
+    WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
+    WARP_SCHEDULER_WG2 = 3
+    WARP_SCHEDULER_WG3 = 4
+
+
+@dataclass(frozen=True)
+class TileCoord:
+    """This CTA's query tile, its sequence's lengths and the key blocks it visits
+    (``n_block_min <= n < n_block_max``)."""
+
+    m_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    n_block_min: Int32
+    n_block_max: Int32
+
+
+@dataclass(frozen=True)
+class TmaAtoms:
+    """TMA copy atoms; ``o`` is None when O is stored with predicated stores (varlen)."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    o: cute.CopyAtom | None
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
+
+
+@dataclass(frozen=True)
+class MmaParts:
+    """One MMA thread's WGMMA fragments (descriptors for smem operands) and accumulator."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    thr_mma_qk: cute.ThrMma  # this thread's slice (coordinates for masking)
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
+    tOrVt: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
+    tOrP: cute.Tensor  # 16-bit A fragment of P
+    acc_O: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """What one key-block step needs besides the block index and its compile-time mask flags.
+
+    ``softcap_scale`` is None unless softcap is compiled in.
+    """
+
+    mma: MmaParts
+    pipeline_k: pipeline.PipelineTmaAsync
+    pipeline_v: pipeline.PipelineTmaAsync
+    softmax: OnlineSoftmax
+    mask: AttentionMask
+    m_block: Int32
+    wg_idx: Int32  # MMA warpgroup index, 0-based
+    softcap_scale: Float32 | None
