@@ -211,7 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=tuple(DTYPES), default="bf16", help="input dtype (default bf16)")
     a("--gqa", type=_positive_int, nargs="+", metavar="G", help="query heads per KV head (default 1)")
     a("--backends", choices=BACKENDS, nargs="+",
-      help="ours: sm90 sm80; baselines (PyTorch SDPA): cudnn flash efficient (default all)")
+      help="ours: auto (backend=None: what users get) sm90 sm80; baselines (PyTorch SDPA): cudnn flash efficient "
+           "(default all)")
     a("--tokens", type=_positive_int, default=TOKENS, help=f"batch x seqlen (default {TOKENS})")
     a("--hidden", type=_positive_int, default=HIDDEN, help=f"nheads x hdim (default {HIDDEN})")
     a("--out", type=Path, metavar="DIR", help="results folder (default perf/results/<gpu>-<date>[-quick])")

@@ -22,7 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-OURS = ("sm90", "sm80")
+# "auto": backend=None, what users get (sm90 kernels where they exist, e.g. the sm90 forward with the
+# sm80 backward in training); "sm90"/"sm80": one kernel family forced.
+OURS = ("auto", "sm90", "sm80")
 BASELINES = ("cudnn", "flash", "efficient")
 BACKENDS = OURS + BASELINES
 
@@ -71,13 +73,13 @@ class ShapeInputs:
 
 
 class OursRunner:
-    """`flash_attn_func(q, k, v, causal=..., backend=name)` on BSHD inputs."""
+    """`flash_attn_func(q, k, v, causal=..., backend=name)` on BSHD inputs (``auto``: backend=None)."""
 
     def __init__(self, name: str, inputs: ShapeInputs, causal: bool, attn_fn: Callable):
         self.name = name
         self.leaves = (inputs.q, inputs.k, inputs.v)
         self.dout = inputs.dout
-        self._call = functools.partial(attn_fn, causal=causal, backend=name)
+        self._call = functools.partial(attn_fn, causal=causal, backend=None if name == "auto" else name)
 
     def context(self):
         return contextlib.nullcontext()

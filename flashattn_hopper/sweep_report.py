@@ -121,7 +121,7 @@ def table_layout(results: Iterable[Result]) -> tuple[list[str], list[tuple[str, 
 
 
 def ours_for_ratio(cells: dict[str, Result]) -> Result | None:
-    """The live table's 'ours': sm90, or sm80 where sm90 did not run."""
+    """The live table's 'ours': auto (what users get), else sm90, else sm80 -- the first that ran."""
     return next((cells[o] for o in OURS if o in cells and cells[o].status == "ok"), None)
 
 
@@ -167,7 +167,7 @@ class LiveTable:
 
     def header(self) -> None:
         self._print("TFLOP/s per backend (causal counts half the FLOPs)"
-                    + ("; ours/x = our TFLOP/s over x's, ours = sm90, or sm80 where sm90 did not run"
+                    + ("; ours/x = our TFLOP/s over x's, ours = auto (backend=None), else sm90, else sm80"
                        if self.baselines else ""))
         self._print(" " * self._counter_width + " " + " ".join(h.rjust(w) for h, w in self._columns))
 

@@ -50,7 +50,7 @@ def test_defaults_are_the_full_sweep():
     assert cfg.causal == (False, True)
     assert cfg.passes == ("fwd", "bwd", "fwdbwd")
     assert cfg.gqa == (1,)
-    assert cfg.backends == ("sm90", "sm80", "cudnn", "flash", "efficient")
+    assert cfg.backends == ("auto", "sm90", "sm80", "cudnn", "flash", "efficient")
     assert (cfg.dtype, cfg.tokens, cfg.hidden, cfg.plots, cfg.quick, cfg.out) == ("bf16", 16384, 2048, True, False, None)
 
 
@@ -350,7 +350,7 @@ def test_sweep_checks_before_timing_and_records_every_cell(tmp_path, capsys):
     cfg = _tiny("--gqa", "2", "--causal", "on")
     outcome, cells = _run(cfg, tmp_path, stand_in)
     assert outcome.aborted is None
-    assert len(outcome.results) == 2 * 3 * 5  # seqlens x passes x backends
+    assert len(outcome.results) == 2 * 3 * 6  # seqlens x passes x backends (auto, sm90, sm80 + 3 SDPA)
     sm80_fwd = cells[(64, True, "fwd", "sm80")]
     shape = sweep.make_shape(32, 64, 2, tokens=128, hidden=64)
     flops = sweep.attention_flops(shape.batch, shape.nheads, 64, 64, 32, causal=True)
