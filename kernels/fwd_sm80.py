@@ -40,10 +40,9 @@ from .common.utils import (
     LOG2_E,
     acc_rows_cols,
     acc_to_frag_a_sm80,
-    assume_strides_aligned,
+    attention_kernel_views,
     convert_to_16bit,
     copy_predicate,
-    select_modes,
     smem_layout_atom_sm80,
     transpose_view,
 )
@@ -337,26 +336,9 @@ class FlashFwdSm80:
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
-        if const_expr(
-            not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)
-            or mQ.element_type != self.dtype
-        ):
-            raise TypeError(f"Q/K/V/O must all be {self.dtype}")
-        if const_expr(mLSE.element_type != Float32):
-            raise TypeError("LSE must be Float32")
         varlen_q = const_expr(mCuSeqlensQ is not None)
         varlen_k = const_expr(mCuSeqlensK is not None)
-        # Kernel-side views: sequence first, head dim second, then head[, batch]: (s, d, h[, b]).
-        mQ, mO = [
-            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_q else [1, 3, 2, 0])
-            for t in (mQ, mO)
-        ]
-        mK, mV = [
-            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_k else [1, 3, 2, 0])
-            for t in (mK, mV)
-        ]
-        # (seqlen_q, nheads[, batch])
-        mLSE = select_modes(mLSE, [1, 0] if varlen_q else [2, 1, 0])
+        mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         SharedStorage = self._shared_storage(*self._smem_layouts())
         if const_expr(self.has_softcap):

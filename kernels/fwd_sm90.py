@@ -51,9 +51,8 @@ from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
-    assume_strides_aligned,
+    attention_kernel_views,
     convert_to_16bit,
-    select_modes,
     transpose_view,
 )
 from .fwd_sm90_parts import BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TmaAtoms
@@ -256,25 +255,9 @@ class FlashFwdSm90:
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32
         stream: cuda.CUstream,
     ):
-        if const_expr(
-            not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)
-            or mQ.element_type != self.dtype
-        ):
-            raise TypeError(f"Q/K/V/O must all be {self.dtype}")
-        if const_expr(mLSE.element_type != Float32):
-            raise TypeError("LSE must be Float32")
         varlen_q = const_expr(mCuSeqlensQ is not None)
         varlen_k = const_expr(mCuSeqlensK is not None)
-        # Kernel-side views: (seqlen, head_dim, head[, batch]); LSE (seqlen_q, head[, batch]).
-        mQ, mO = [
-            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_q else [1, 3, 2, 0])
-            for t in (mQ, mO)
-        ]
-        mK, mV = [
-            select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_k else [1, 3, 2, 0])
-            for t in (mK, mV)
-        ]
-        mLSE = select_modes(mLSE, [1, 0] if varlen_q else [2, 1, 0])
+        mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
         # TMA descriptors over the whole tensors (varlen: over all sequences); a CTA picks its
         # (head[, batch]) and shifts to its sequence at issue time. Boxes past the tensor are

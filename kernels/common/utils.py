@@ -46,6 +46,30 @@ def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
+def attention_kernel_views(
+    mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+    dtype: type[cutlass.Numeric], varlen_q: bool, varlen_k: bool,
+) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor]:
+    """The forward kernels' views of the API tensors, after checking their element types.
+
+    Q/K/V/O ``(b, s, h, d)`` (varlen ``(total, h, d)``) become ``(s, d, h[, b])`` with their
+    16-byte stride alignment re-stated; LSE ``(b, h, s_q)`` (varlen ``(h, total_q)``) becomes
+    ``(s_q, h[, b])``. Sequence first and head dim second is how every tile is cut (design doc 0.2).
+    """
+    if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == dtype):
+        raise TypeError(f"Q/K/V/O must all be {dtype}")
+    if mLSE.element_type != cutlass.Float32:
+        raise TypeError("LSE must be Float32")
+    mQ, mO = [
+        select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_q else [1, 3, 2, 0]) for t in (mQ, mO)
+    ]
+    mK, mV = [
+        select_modes(assume_strides_aligned(t), [0, 2, 1] if varlen_k else [1, 3, 2, 0]) for t in (mK, mV)
+    ]
+    mLSE = select_modes(mLSE, [1, 0] if varlen_q else [2, 1, 0])
+    return mQ, mK, mV, mO, mLSE
+
+
 def smem_layout_atom_sm80(dtype: type[cutlass.Numeric], cols: int) -> cute.ComposedLayout:
     """Swizzled 8-row smem atom for a row-major tile whose rows hold ``cols`` elements.
 
