@@ -30,8 +30,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 from .common.bwd_utils import (
-    SEQ_PAD, accum_tile, copy_threads_per_row, fragment_accum, scratch_offset, select_head,
-    tiled_copy_16b, tiled_mma_sm80,
+    accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, select_head, tiled_copy_16b,
+    tiled_mma_sm80,
 )
 from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.utils import (
@@ -59,16 +59,7 @@ class FlashBwdPostprocess:
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return f"dtype must be BFloat16 or Float16, got {dtype}"
-        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
-            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
-        if SEQ_PAD % tile_m != 0:
-            return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
-        threads_per_row = copy_threads_per_row(head_dim, 4, num_threads)
-        if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
-            return f"{num_threads} threads do not tile {tile_m} x {head_dim} in 4-value chunks"
-        return None
+        return scratch_tile_reason(dtype, head_dim, tile_m, num_threads, 4, "4-value")
 
     @cute.jit
     def __call__(

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..jit import KernelKey
+from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -250,3 +250,20 @@ def launch_forward(
     if key.head_dim_v != p.head_dim_v:
         out = out[..., : p.head_dim_v]
     return out, lse
+
+
+class FwdLauncher:
+    """The ``forward`` both forward families share: empty problems need no launch; otherwise key,
+    compile-or-cache, launch. Subclasses provide ``key(problem, arch, varlen)`` and ``compile``."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous, with the
+        kernel's padded head dim."""
+        if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+            return empty_result(q, p)
+        key = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
+        compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
+        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse)

@@ -11,14 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .. import configs
-from ..jit import KernelKey, compile_cache, target_arch
+from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, compile_forward, cutlass_dtype, empty_result,
-    launch_forward, mask_flags,
+    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
+    mask_flags,
 )
 
 
@@ -39,7 +37,7 @@ class FwdSm90Key(KernelKey):
     seqused_k: bool = False
 
 
-class FwdSm90:
+class FwdSm90(FwdLauncher):
     """FA3 forward: TMA + WGMMA, producer warp + MMA warpgroups, intra-WG overlap, ping-pong."""
 
     backend = "sm90"
@@ -105,15 +103,3 @@ class FwdSm90:
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
         )
         return compile_forward(kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
-        out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous, with the
-        kernel's padded head dim."""
-        if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
-            return empty_result(q, p)
-        key = self.key(p, target_arch(), varlen)
-        compiled = compile_cache.get(key, self.compile)
-        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse)

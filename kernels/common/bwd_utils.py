@@ -54,6 +54,21 @@ def copy_threads_per_row(cols: int, elems: int, num_threads: int) -> int:
     return next(t for t in (8, 4, 2, 1) if chunks % t == 0)
 
 
+def scratch_tile_reason(dtype, head_dim: int, tile_m: int, num_threads: int, elems: int, chunk: str) -> str | None:
+    """``can_implement`` of the pre/postprocess kernels: None, or why ``num_threads`` threads copying
+    ``elems``-wide chunks cannot walk a ``tile_m x head_dim`` tile of the padded scratch buffers."""
+    if dtype not in (cutlass.BFloat16, cutlass.Float16):
+        return f"dtype must be BFloat16 or Float16, got {dtype}"
+    if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
+        return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+    if SEQ_PAD % tile_m != 0:
+        return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
+    threads_per_row = copy_threads_per_row(head_dim, elems, num_threads)
+    if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
+        return f"{num_threads} threads do not tile {tile_m} x {head_dim} in {chunk} chunks"
+    return None
+
+
 def select_head(mX: cute.Tensor, head_idx: Int32, mode: int) -> cute.Tensor:
     """Fix the head mode ``mode`` of a kernel-side view, keeping the other modes in order."""
     return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
