@@ -61,33 +61,38 @@ class FwdTileSm90:
     tile_n: int  # key rows per mainloop iteration
     intra_wg_overlap: bool  # issue S_{j} = Q K_j^T before the softmax of the previous block ends
     pingpong: bool  # named-barrier ping-pong between the MMA warpgroups
+    persistent: bool = False  # one CTA per SM walking the tiles (kernels/common/tile_scheduler.py)
 
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
-# Smem = (tile_m + 2 * 2 * tile_n) * hdim * 2 B; MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
+# Smem = (tile_m + 2 * 2 * tile_n) * hdim * 2 B (+ tile_m * hdim * 2 B for a persistent kernel's own sO
+# when that fits, hdim <= 128); MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
+# Every row is persistent (one CTA per SM; static schedule non-causal, atomic-counter dynamic schedule
+# causal/local): vs one CTA per tile, H200 bf16 16k tokens 2026-11-21, +19-24 % at s = 512, +9-14 % at
+# 1k, +2-9 % at 2k-4k, -1..+7 % at 16k over hdim 64/128/256 (perf/NOTES.md, "Persistent tile schedulers").
 FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # 192x128, 3 MMA WGs at 160 regs (FA4's tile): S 64 + O 32 + P 32 = 128 regs/thread, smem 88 KB.
     # Measured vs 128x128 with 2 WGs (H200, bf16, 16k tokens, 2026-11-21): +7..23% at every seqlen
     # 512-16k non-causal (519 vs 423 TFLOP/s at 16k); causal -1..+8% at >= 2k but -9% at 512-1k
     # (more diagonal waste per 192-row tile). Numbers in perf/NOTES.md.
-    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     # 128x128, 2 MMA WGs (FA4's tile): smem 160 KB, regs S 64 + O 64 + P 32 = 160 of the 240 each MMA
     # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
     # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
-    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     # 192x128 with 3 WGs would need S 64 + O 32 + P 32 + ... > the 128 accumulator registers of a
     # 160-register thread, and FA3/FA4's 192x144 is an SS P.V (P through smem), which this kernel
     # lacks; so 128x128 on 2 WGs as for 128: S 64 + O 48 + P 32 = 144 regs, smem 24 + 48 + 48 KB.
     # Native instead of zero-padded to 128: 363-531 TFLOP/s non-causal at 512-8k vs ~325-482 padded;
     # 192x96 on 3 WGs is +4 % at >= 2k but -7 % at 512 (H200, bf16, 2026-11-21, perf/NOTES.md).
-    96: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True),
+    96: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     # 128x112 (FA3/FA4 for d = dv = 192): S 56 + O 96 + P 28 = 180 regs; smem 48 + 84 + 84 = 216 KB
     # (128x128 would need 240 KB). No ping-pong above 128 (FA3/FA4). Native instead of padded to 256:
     # 448-680 TFLOP/s non-causal at 512-8k vs ~357-540 padded; 128x96 within -3..+7 % (H200, 2026-11-21).
-    192: FwdTileSm90(tile_m=128, tile_n=112, intra_wg_overlap=True, pingpong=False),
+    192: FwdTileSm90(tile_m=128, tile_n=112, intra_wg_overlap=True, pingpong=False, persistent=True),
     # 128x80 (FA3/FA4): O takes 128 regs/thread, so S 40 + P 20 keep it under 240; smem 64 + 80 + 80
     # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
-    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False),
+    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
 
 

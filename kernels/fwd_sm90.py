@@ -48,6 +48,7 @@ from .common.sm90_utils import (
     acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
+from .common.tile_scheduler import TileHandoff, TileScheduler
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -55,7 +56,9 @@ from .common.utils import (
     convert_to_16bit,
     transpose_view,
 )
-from .fwd_sm90_parts import BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TmaAtoms
+from .fwd_sm90_parts import (
+    BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk, TmaAtoms,
+)
 
 _SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
 _SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
@@ -128,6 +131,7 @@ class FlashFwdSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         num_stages: int = 2,
+        persistent: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local
@@ -152,6 +156,19 @@ class FlashFwdSm90:
         # (too few registers left for it to pay; design doc 1.8).
         self.pingpong = pingpong and intra_wg_overlap and self.num_mma_wg >= 2 and head_dim <= 128
         elem_bytes = dtype.width // 8
+        # Persistent CTAs: one per SM walks tiles (common/tile_scheduler.py). sO gets its own
+        # buffer when shared memory has room (hdim <= 128), so the next tile's Q loads during
+        # this tile's epilogue and the TMA store's read of sO is waited for only before the
+        # next epilogue writes it; else sO is sQ and Q is released after the epilogue.
+        self.persistent = persistent
+        # Causal/local tiles differ in cost: CTAs take the next tile from an atomic counter.
+        self.dynamic_schedule = persistent and (is_causal or is_local)
+        self.o_aliases_q = not (
+            persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
+            <= _SMEM_CAPACITY
+        )
+        self.release_q_after_epilogue = persistent and self.o_aliases_q
+        self.defer_store_wait = persistent and not self.o_aliases_q
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
         self.tx_bytes_k = tile_n * head_dim * elem_bytes
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
@@ -183,20 +200,25 @@ class FlashFwdSm90:
                 f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[num_wg]} "
                 f"with {num_wg} MMA warpgroups); use a smaller tile_n"
             )
+        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, False)
+        if smem > _SMEM_CAPACITY:
+            return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
+        return None
+
+    @staticmethod
+    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool) -> int:
+        """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
         elem_bytes = dtype.width // 8
 
         def buf(n: int) -> int:
             return (n * elem_bytes + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
 
-        smem = (
-            buf(tile_m * head_dim)
+        return (
+            buf(tile_m * head_dim) * (2 if own_sO else 1)
             + buf(tile_n * head_dim * num_stages)
             + buf(tile_n * head_dim_v * num_stages)
             + _SMEM_ALIGN  # mbarriers
         )
-        if smem > _SMEM_CAPACITY:
-            return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
-        return None
 
     # ------------------------------------------------------------------ static building blocks
 
@@ -229,11 +251,22 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: buffer(cute.cosize(sQ_layout))  # sO reuses it (head_dim == head_dim_v)
+            next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
+            sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
             sK: buffer(cute.cosize(sK_layout))
             sV: buffer(cute.cosize(sV_layout))
 
-        return SharedStorage
+        if const_expr(self.o_aliases_q):
+            return SharedStorage
+
+        # A persistent CTA's own sO (head_dim == head_dim_v: sQ's layout): the next tile's Q
+        # loads while this tile's O is still being stored.
+        @cute.struct
+        class SharedStorageWithO:
+            base: SharedStorage
+            sO: buffer(cute.cosize(sQ_layout))
+
+        return SharedStorageWithO
 
     # ------------------------------------------------------------------ host entry point
 
@@ -249,6 +282,8 @@ class FlashFwdSm90:
         window_left: Int32,  # local only (else ignored); unbounded: a huge value
         window_right: Int32,  # local only (else ignored); unbounded: a huge value
         softcap: Float32,  # has_softcap only (else ignored)
+        max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
+        mTileCounter: cute.Tensor | None,  # (1,) int32, zeroed: dynamic_schedule only
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -281,25 +316,36 @@ class FlashFwdSm90:
             softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
         else:
             softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
-        if const_expr(varlen_q):
-            num_batch = mCuSeqlensQ.shape[0] - 1
-            grid_x = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
-            grid_z = 1
-        else:
-            num_batch = mQ.shape[3]
-            grid_x = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
-            grid_z = num_batch
+        num_batch = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen_q) else mQ.shape[3]
+        scheduler = self._scheduler(mQ, num_batch, varlen_q, mTileCounter)
         self.kernel(
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, SharedStorage,
         ).launch(
-            grid=[grid_x, mQ.shape[2], grid_z],
+            grid=[TileScheduler.grid_size(scheduler.num_tiles, max_ctas, self.persistent), 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+        )
+
+    def _scheduler(
+        self, mQ: cute.Tensor, num_batch: Int32, varlen_q: bool, mTileCounter: cute.Tensor | None
+    ) -> TileScheduler:
+        """Dense: ``ceil(seqlen_q / tile_m)`` tiles per (batch, head). Varlen: an upper bound of
+        tiles over all sequences per head (``num_batch`` of the scheduler is 1)."""
+        if const_expr(varlen_q):
+            num_m_blocks = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
+            scheduler_batch = Int32(1)
+        else:
+            num_m_blocks = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
+            scheduler_batch = num_batch
+        return TileScheduler.create(
+            num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent,
+            longest_first=self.is_causal or self.is_local,
+            mTileCounter=mTileCounter if const_expr(self.dynamic_schedule) else None,
         )
 
     # ------------------------------------------------------------------ device code
@@ -327,53 +373,13 @@ class FlashFwdSm90:
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mTileCounter: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
-        """Tile coordinates, then (if this CTA has a tile) the attention tile."""
-        block_x, head_idx, block_z = cute.arch.block_idx()
+        """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
+        this CTA's tiles in the scheduler's order."""
         varlen_q = const_expr(mCuSeqlensQ is not None)
         atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O)
-        seqlen_args = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        scalars = (scale_log2, softcap_scale, window_left, window_right)
-        if const_expr(varlen_q):
-            # Every warp scans cu_seqlens_q and reaches the same (batch, m_block): CTA-uniform.
-            batch_idx, m_block = varlen_tile_coord(
-                block_x, num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
-            )
-            if batch_idx >= 0:
-                self.attention_tile(
-                    mQ, mK, mV, mO, mLSE, atoms, scalars, seqlen_args, SharedStorage,
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
-                )
-        else:
-            m_block = block_x
-            if const_expr(self.is_causal or self.is_local):
-                # Longest-first: bottom tiles see the most keys under the causal mask.
-                m_block = cute.arch.grid_dim()[0] - 1 - block_x
-            self.attention_tile(
-                mQ, mK, mV, mO, mLSE, atoms, scalars, seqlen_args, SharedStorage,
-                m_block, head_idx, head_idx // qhead_per_kvhead, block_z,
-            )
-
-    @cute.jit
-    def attention_tile(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        atoms: TmaAtoms,
-        scalars: tuple,  # (scale_log2, softcap_scale, window_left, window_right)
-        seqlen_args: tuple,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK), each may be None
-        SharedStorage: cutlass.Constexpr,
-        m_block: Int32,
-        head_idx: Int32,
-        head_idx_kv: Int32,
-        batch_idx: Int32,
-    ):
-        """Prologue (pipelines, smem views, sequence views, block range), then role dispatch."""
-        scale_log2, softcap_scale, window_left, window_right = scalars
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (atoms.q, atoms.k, atoms.v, atoms.o):
@@ -381,6 +387,9 @@ class FlashFwdSm90:
                     cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
+        sO_storage = None
+        if const_expr(not self.o_aliases_q):
+            storage, sO_storage = storage.base, storage.sO
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
@@ -403,41 +412,99 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = sQ
+        if const_expr(not self.o_aliases_q):
+            sO = sO_storage.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
-        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0], *seqlen_args)
-        # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the sequence).
-        mQ_cur = seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx)
-        mK_cur = seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx)
-        mV_cur = seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx)
-        mO_cur = seqlen.q_view(select_head(mO, head_idx, 2), batch_idx)
-        mLSE_cur = seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx)
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
-        block_info = BlockInfo(
-            self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r
+        walk = TileWalk(
+            scheduler=self._scheduler(mQ, num_batch, varlen_q, mTileCounter),
+            handoff=TileHandoff(
+                storage.next_tile.get_tensor(cute.make_layout(1)),
+                int(NamedBarrierFwd.TILE_FULL), int(NamedBarrierFwd.TILE_EMPTY),
+                self.num_mma_threads + 32,
+            ) if const_expr(self.dynamic_schedule) else None,
+            block_info=BlockInfo(
+                self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r
+            ),
+            seqlen_args=(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK),
+            num_batch=num_batch,
+            qhead_per_kvhead=qhead_per_kvhead,
+            seqlen_q_static=mQ.shape[0],
+            seqlen_k_static=mK.shape[0],
         )
-        n_block_min, n_block_max = block_info.n_block_min_max(
-            seqlen.seqlen_q, seqlen.seqlen_k, m_block
-        )
-        tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ_cur, mK_cur, mV_cur, sQ, sK, sV, atoms, pipes, tile)
+                self.load(mQ, mK, mV, sQ, sK, sV, atoms, pipes, walk)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            mask = AttentionMask(
-                self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k, window_l, window_r
-            )
             self.mma(
-                mO_cur, mLSE_cur, sQ, sK, sV, atoms.o, pipes, tile, block_info, mask, scale_log2,
+                mO, mLSE, sQ, sK, sV, sO, atoms.o, pipes, walk, scale_log2,
                 softcap_scale if const_expr(self.has_softcap) else None,
             )
 
     @cute.jit
+    def tile_work(self, walk: TileWalk, tile_idx: Int32):
+        """``(has_tile, batch_idx, head_idx, seqlen, tile)`` of tile ``tile_idx``; varlen tiles past
+        the last sequence's have none (``has_tile`` is a compile-time True when dense)."""
+        m_block, head_idx, batch_idx = walk.scheduler.coords(tile_idx)
+        has_tile = True
+        mCuSeqlensQ, _, mSeqUsedQ, _ = walk.seqlen_args
+        if const_expr(mCuSeqlensQ is not None):
+            # Every warp scans cu_seqlens_q and reaches the same (batch, m_block): CTA-uniform.
+            batch_idx, m_block = varlen_tile_coord(
+                m_block, walk.num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
+            )
+            has_tile = batch_idx >= 0
+        seqlen = SeqlenInfo.create(
+            cutlass.max(batch_idx, 0), walk.seqlen_q_static, walk.seqlen_k_static, *walk.seqlen_args
+        )
+        n_block_min, n_block_max = walk.block_info.n_block_min_max(
+            seqlen.seqlen_q, seqlen.seqlen_k, m_block
+        )
+        tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
+        return has_tile, batch_idx, head_idx, seqlen, tile
+
+    @cute.jit
     def load(
+        self,
+        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q | total_q, head_dim, nheads[, batch])
+        mK: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim, nheads_k[, batch])
+        mV: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim_v, nheads_k[, batch])
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        atoms: TmaAtoms,
+        pipes: Pipelines,
+        walk: TileWalk,
+    ):
+        """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
+        blocks in the consumers' order. The pipeline states run on across tiles."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tile_idx = walk.scheduler.first_tile()
+        while tile_idx < walk.scheduler.num_tiles:
+            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+            if has_tile:
+                if tile.n_block_max > tile.n_block_min:
+                    head_idx_kv = head_idx // walk.qhead_per_kvhead
+                    # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the sequence).
+                    # (Assigned, not just passed: the DSL carries a loop's state through
+                    # the names the body assigns or calls methods on.)
+                    q_state, kv_state = self.load_tile(
+                        seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx),
+                        seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx),
+                        seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
+                        sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
+                    )
+            tile_idx = walk.scheduler.next_tile_producer(tile_idx, walk.handoff)
+
+    @cute.jit
+    def load_tile(
         self,
         mQ_cur: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim) of this (batch, head)
         mK_cur: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim) of this (batch, kv head)
@@ -448,8 +515,10 @@ class FlashFwdSm90:
         atoms: TmaAtoms,
         pipes: Pipelines,
         tile: TileCoord,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
     ):
-        """Producer warp: TMA Q once, K/V ring over the key blocks in the consumers' order."""
+        """One tile's loads (at least one key block); returns both states advanced past them."""
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
         gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
@@ -464,32 +533,32 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             atoms.v, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-
-        if tile.n_block_max > tile.n_block_min:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
-            load_k = (atoms.k, tKgK, tKsK, pipes.k)
-            load_v = (atoms.v, tVgV, tVsV, pipes.v)
-            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
-            pipes.q.producer_acquire(q_state)
-            cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
-            num_rest = tile.n_block_max - 1 - tile.n_block_min
-            if const_expr(self.intra_wg_overlap):
-                # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
-                for i in cutlass.range(num_rest, unroll=1):
-                    n_block_prev = tile.n_block_max - 1 - i
-                    state_prev = kv_state.clone()
-                    kv_state.advance()
-                    self._load_kv(*load_k, n_block_prev - 1, kv_state)
-                    self._load_kv(*load_v, n_block_prev, state_prev)
-                self._load_kv(*load_v, tile.n_block_min, kv_state)
-            else:
-                self._load_kv(*load_v, tile.n_block_max - 1, kv_state)
-                for i in cutlass.range(num_rest, unroll=1):
-                    kv_state.advance()
-                    self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state)
-                    self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
+        # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
+        # (Persistent: K of this tile may land while the previous tile's epilogue still owns sQ.)
+        load_k = (atoms.k, tKgK, tKsK, pipes.k)
+        load_v = (atoms.v, tVgV, tVsV, pipes.v)
+        self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
+        pipes.q.producer_acquire(q_state)
+        cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+        q_state.advance()
+        num_rest = tile.n_block_max - 1 - tile.n_block_min
+        if const_expr(self.intra_wg_overlap):
+            # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
+            for i in cutlass.range(num_rest, unroll=1):
+                n_block_prev = tile.n_block_max - 1 - i
+                state_prev = kv_state.clone()
+                kv_state.advance()
+                self._load_kv(*load_k, n_block_prev - 1, kv_state)
+                self._load_kv(*load_v, n_block_prev, state_prev)
+            self._load_kv(*load_v, tile.n_block_min, kv_state)
+        else:
+            self._load_kv(*load_v, tile.n_block_max - 1, kv_state)
+            for i in cutlass.range(num_rest, unroll=1):
+                kv_state.advance()
+                self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state)
+                self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
+        kv_state.advance()
+        return q_state, kv_state
 
     def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
         """Wait for a free stage, expect its bytes, issue the TMA of key block ``n_block`` into it."""
@@ -502,20 +571,21 @@ class FlashFwdSm90:
     @cute.jit
     def mma(
         self,
-        mO_cur: cute.Tensor,  # (seqlen_q, head_dim_v): TMA coordinates (dense) or the tensor
-        mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head)
+        mO: cute.Tensor,  # dense: TMA coordinates of (seqlen_q, head_dim_v, nheads, batch);
+        #                   varlen: the tensor (total_q, head_dim_v, nheads)
+        mLSE: cute.Tensor,  # (seqlen_q, nheads, batch) | varlen (total_q, nheads)
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sO: cute.Tensor,  # sQ itself unless the kernel has its own O buffer
         tma_atom_O: cute.CopyAtom | None,
         pipes: Pipelines,
-        tile: TileCoord,
-        block_info: BlockInfo,
-        mask: AttentionMask,
+        walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
     ):
-        """MMA warpgroups: main loop over key blocks, finalize, epilogue."""
+        """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
+        epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS  # 0 .. num_mma_threads - 1
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -525,7 +595,6 @@ class FlashFwdSm90:
         acc_O = cute.make_rmem_tensor(
             tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
         )
-        acc_O.fill(0.0)
         mma = MmaParts(
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_pv=tiled_mma_pv,
@@ -538,30 +607,53 @@ class FlashFwdSm90:
             ),
             acc_O=acc_O,
         )
-        softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
-        step = BlockStep(
-            mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale
-        )
-
         if const_expr(self.pingpong):
-            # The first MMA warpgroup gets the first turn at the tensor cores.
+            # The first MMA warpgroup gets the first turn at the tensor cores. Each tile then
+            # hands the turn round as many times as every warpgroup takes it, so the token
+            # carries over from tile to tile.
             if wg_idx == 0:
                 cute.arch.barrier_arrive(
                     barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1),
                     number_of_threads=2 * _WG_THREADS,
                 )
-
-        if tile.n_block_max > tile.n_block_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipes.q.consumer_wait(q_state)
-            self.mainloop(step, pipes.q, q_state, block_info, tile)
-
-        o_scale, lse = softmax.finalize()
-        softmax.rescale_O(acc_O, o_scale)
-        self.epilogue(
-            acc_O, lse, mO_cur, mLSE_cur, sQ, tiled_mma_pv, tma_atom_O, tidx, tile.m_block,
-            tile.seqlen_q,
-        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        walk.scheduler.consumer_start(walk.handoff)
+        tile_idx = walk.scheduler.first_tile()
+        while tile_idx < walk.scheduler.num_tiles:
+            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+            if has_tile:
+                acc_O.fill(0.0)
+                softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
+                mask = AttentionMask(
+                    self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
+                    walk.block_info.window_left, walk.block_info.window_right,
+                )
+                step = BlockStep(
+                    mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale
+                )
+                has_keys = tile.n_block_max > tile.n_block_min
+                if has_keys:
+                    pipes.q.consumer_wait(q_state)
+                    kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
+                o_scale, lse = softmax.finalize()
+                softmax.rescale_O(acc_O, o_scale)
+                self.epilogue(
+                    acc_O, lse, seqlen.q_view(select_head(mO, head_idx, 2), batch_idx),
+                    seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
+                    tma_atom_O, tidx, tile.m_block, tile.seqlen_q,
+                )
+                if has_keys:
+                    if const_expr(self.release_q_after_epilogue):
+                        # sO (= sQ) has been read out; order this warp's generic-proxy smem
+                        # accesses before the next tile's TMA (async-proxy) write of sQ.
+                        cute.arch.fence_view_async_shared()
+                        pipes.q.consumer_release(q_state)
+                    q_state.advance()
+            tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff)
+        if const_expr(self.defer_store_wait and tma_atom_O is not None):
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the last store
 
     @cute.jit
     def mainloop(
@@ -571,15 +663,16 @@ class FlashFwdSm90:
         q_state: pipeline.PipelineState,
         block_info: BlockInfo,
         tile: TileCoord,
+        kv_state: pipeline.PipelineState,
     ):
         """Key blocks right to left in up to four segments, each with its masking compiled in.
 
         One loop body is the same GEMM/softmax sequence for every block; only the mask differs,
         so the mask flags are compile-time and the unmasked segment carries no masking code.
-        (One method: the segment bounds and their loops only make sense together.)
+        (One method: the segment bounds and their loops only make sense together.) Returns the
+        K/V consumer state past this tile's blocks.
         """
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         n_block_first = tile.n_block_max - 1
         # 1. The rightmost block: the only one that can be cut by seqlen_k.
         if const_expr(self.intra_wg_overlap):
@@ -622,11 +715,13 @@ class FlashFwdSm90:
                     step, kv_state, n_block_unmasked_begin - 1 - i, is_first=False,
                     mask_seqlen=False, mask_causal=False, mask_local=True,
                 )
-        # Every QK^T of this tile has completed: the producer may reuse sQ (it will not, the
-        # kernel is non-persistent, but the release keeps the pipeline balanced).
-        pipeline_q.consumer_release(q_state)
+        # Every QK^T of this tile has completed: the producer may load the next tile's Q into
+        # sQ under the last P.V and the epilogue (unless sO is sQ: released after the epilogue).
+        if const_expr(not self.release_q_after_epilogue):
+            pipeline_q.consumer_release(q_state)
         if const_expr(self.intra_wg_overlap):
             kv_state = self.last_half_block(step, kv_state)
+        return kv_state
 
     @cute.jit
     def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
@@ -777,7 +872,12 @@ class FlashFwdSm90:
         lane % 4 == 0).
         """
         rO = convert_to_16bit(acc_O, self.dtype)
+        if const_expr(self.defer_store_wait and tma_atom_O is not None):
+            if tidx // 32 == 0:
+                # The previous tile's TMA store must have read sO before anyone overwrites it.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         # sO is sQ: every warpgroup's last QK^T WGMMA must have read it (each waited on its own).
+        # Own sO: the previous tile's store has read it (the wait above) or been copied out.
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
         )
@@ -810,8 +910,9 @@ class FlashFwdSm90:
                 )
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
-                # smem must outlive the bulk read; the CTA exits right after.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.defer_store_wait):
+                    # sO must outlive the bulk read: the CTA exits, or sO is the next tile's sQ.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads

@@ -11,8 +11,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
+from .common.block_info import BlockInfo
 from .common.mask import AttentionMask
 from .common.softmax import OnlineSoftmax
+from .common.tile_scheduler import TileHandoff, TileScheduler
 
 
 class NamedBarrierFwd(enum.IntEnum):
@@ -22,6 +24,8 @@ class NamedBarrierFwd(enum.IntEnum):
     WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
     WARP_SCHEDULER_WG2 = 3
     WARP_SCHEDULER_WG3 = 4
+    TILE_FULL = 5  # dynamic scheduler: the producer published the next tile index
+    TILE_EMPTY = 6  # dynamic scheduler: every MMA thread has read it
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,20 @@ class TileCoord:
     seqlen_k: Int32
     n_block_min: Int32
     n_block_max: Int32
+
+
+@dataclass(frozen=True)
+class TileWalk:
+    """What both roles need to walk this CTA's tiles and find each one's sequence and key blocks."""
+
+    scheduler: TileScheduler
+    block_info: BlockInfo
+    seqlen_args: tuple  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK), each may be None
+    num_batch: Int32
+    qhead_per_kvhead: Int32
+    seqlen_q_static: Int32  # dense seqlen_q | varlen total_q
+    seqlen_k_static: Int32  # dense seqlen_k | varlen total_k
+    handoff: TileHandoff | None  # dynamic scheduler only
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
 - sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
-  ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence);
+  ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence),
+  ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events. FLOPs = 4*b*h*s^2*d (x1/2 causal).
-Prints a Markdown table of TFLOP/s and the ratio of ``full`` to cuDNN.
+Prints a Markdown table of TFLOP/s and the ratio of the first sm90 column to cuDNN.
 
 ``--features``: sliding window, softcap and varlen (16k tokens in sequences of mixed lengths) on
 sm90 against our sm80 kernel (the Hopper fallback before these features existed) and dense sm90;
@@ -25,10 +26,14 @@ import sys
 
 import torch
 
-VARIANTS = {"full": (True, True), "overlap": (True, False), "serial": (False, False)}
+# name: (intra-WG overlap, ping-pong, persistent); persistent None = the configs.FWD_SM90_TILES row
+VARIANTS = {
+    "full": (True, True, None), "overlap": (True, False, None), "serial": (False, False, None),
+    "persistent": (True, True, True), "nonpersistent": (True, True, False),
+}
 
 
-def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
+def sm90_variant_fn(q, k, v, causal, overlap, pingpong, persistent=None, tile_mn=None):
     """A callable running kernels/fwd_sm90.py with the given technique flags (compiled once);
     ``tile_mn`` = (tile_m, tile_n) overrides the configs.FWD_SM90_TILES row."""
     from flashattn_hopper.backends.common import current_stream, to_cute
@@ -40,6 +45,7 @@ def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
     key = dataclasses.replace(
         family._key(target_arch(), "bf16" if q.dtype == torch.bfloat16 else "fp16", q.shape[-1], causal=causal),
         intra_wg_overlap=overlap, pingpong=pingpong and tile.pingpong,
+        persistent=tile.persistent if persistent is None else persistent,
     )
     if tile_mn is not None:
         key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
@@ -51,8 +57,8 @@ def sm90_variant_fn(q, k, v, causal, overlap, pingpong, tile_mn=None):
     scale = d**-0.5
     stream = current_stream(q.device)
 
-    def run():
-        compiled(*args, scale, 0, 0, 1.0, None, None, None, None, stream)
+    def run():  # extra_args: the CTA count and (causal) a freshly zeroed tile counter, as the API does
+        compiled(*args, scale, 0, 0, 1.0, *family.extra_args(key, q.device), None, None, None, None, stream)
         return out
 
     return run
@@ -174,7 +180,7 @@ def main(argv: list[str]) -> int:
     extra_cols = sorted({f"sm90-{m}x{n}" for tiles in extra_tiles.values() for m, n in tiles})
     cols = [f"sm90-{v}" for v in args.variants] + extra_cols
     cols += [] if args.no_baselines else ["sm80", "cudnn", "flash"]
-    print("| hdim | seqlen | causal | " + " | ".join(cols) + " | full/cudnn |")
+    print("| hdim | seqlen | causal | " + " | ".join(cols) + f" | {cols[0]}/cudnn |")
     print("|" + "---|" * (len(cols) + 4))
     for hdim in args.hdims:
         for seqlen in args.seqlens:
@@ -189,7 +195,7 @@ def main(argv: list[str]) -> int:
                 flops = 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
                 fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, *VARIANTS[name]) for name in args.variants}
                 for m, n in extra_tiles.get(hdim, []):
-                    fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, True, True, (m, n))
+                    fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, True, True, None, (m, n))
                 if not args.no_baselines:
                     fns["sm80"] = lambda: flash_attn_func(q, k, v, causal=causal, backend="sm80")
 
@@ -218,7 +224,7 @@ def main(argv: list[str]) -> int:
                         print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
                 cells = [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-"))
                          for c in cols]
-                full, cud = tflops.get("sm90-full"), tflops.get("cudnn")
+                full, cud = tflops.get(cols[0]), tflops.get("cudnn")
                 ratio = f"{full / cud:.2f}" if isinstance(full, float) and isinstance(cud, float) else "-"
                 print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells) + f" | {ratio} |",
                       flush=True)

@@ -96,6 +96,18 @@ def test_fwd_sm90_long_causal_many_blocks():
     check_parity(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):
+    # 3 * ceil(1041 / tile_m) * 16 >= 288 tiles: a persistent CTA walks several tiles (states,
+    # ping-pong turns and the O buffer carry over), a non-persistent grid runs several waves.
+    q, k, v = make_qkv(3, 1041, 1041, 16, 4, head_dim)
+    check_parity(q, k, v, causal)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+    out2, lse2 = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 def test_fwd_sm90_is_bitwise_deterministic():
     q, k, v = make_qkv(2, 1000, 1500, 8, 2, 128)
     first, first_lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend="sm90")

@@ -183,10 +183,15 @@ def int_to_cute(t: torch.Tensor) -> Any:
     return _TensorArg(t)
 
 
-def compile_forward(kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None) -> Any:
+def compile_forward(
+    kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None,
+    extra_args: tuple[Any, ...] = (),
+) -> Any:
     """``cute.compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
-    window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, stream)``;
-    absent varlen inputs are compiled as None (constants)."""
+    window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
+    arguments as compile-time stand-ins (the sm90 kernel's CTA count and tile counter); the family's
+    ``extra_args`` gives their call-time values to ``launch_forward``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -212,12 +217,13 @@ def compile_forward(kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, sequ
         varlen_tensors = (None, None, None, None)
     kwargs = {"options": options} if options else {}
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+    scalars += tuple(extra_args)
     return cute.compile(kernel, *tensors, *scalars, *varlen_tensors, cute.runtime.make_fake_stream(), **kwargs)
 
 
 def launch_forward(
     compiled: Any, key: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem,
-    varlen: VarlenArgs | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+    varlen: VarlenArgs | None, out: torch.Tensor | None, lse: torch.Tensor | None, extra_args: tuple[Any, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pads and aligns the inputs, allocates out/lse (``out``/``lse`` given: tests pass NaN-poisoned
     contiguous buffers with the kernel's padded head dim) and launches a ``compile_forward`` kernel
@@ -245,7 +251,7 @@ def launch_forward(
     with torch.cuda.device(q.device):
         compiled(
             *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, window_left, window_right, softcap,
-            *int_args, current_stream(q.device),
+            *extra_args, *int_args, current_stream(q.device),
         )
     if key.head_dim_v != p.head_dim_v:
         out = out[..., : p.head_dim_v]
@@ -266,4 +272,14 @@ class FwdLauncher:
             return empty_result(q, p)
         key = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
         compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
-        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse)
+        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse, self.extra_args(key, q.device))
+
+    def extra_args(self, key: Any, device: torch.device) -> tuple[Any, ...]:
+        """A family's own call-time kernel arguments (see ``compile_forward``); none by default."""
+        return ()
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a GPU (cached: a device property query costs microseconds)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

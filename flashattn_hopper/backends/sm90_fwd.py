@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    mask_flags,
+    int_to_cute, mask_flags, num_sms,
 )
 
 
@@ -35,6 +37,7 @@ class FwdSm90Key(KernelKey):
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
+    persistent: bool = False  # one CTA per SM walking tiles (else one CTA per tile)
 
 
 class FwdSm90(FwdLauncher):
@@ -64,7 +67,8 @@ class FwdSm90(FwdLauncher):
         tile = self.tiles[hdim]
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
-            tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong, **flags,
+            tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
+            persistent=tile.persistent, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -101,5 +105,24 @@ class FwdSm90(FwdLauncher):
         kernel = FlashFwdSm90(
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
+            persistent=key.persistent,
         )
-        return compile_forward(kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options)
+        import cutlass
+        from cutlass.cute.runtime import make_fake_tensor
+
+        counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) if _dynamic(key) else None
+        return compile_forward(
+            kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options, extra_args=(cutlass.Int32(1), counter)
+        )
+
+    def extra_args(self, key: FwdSm90Key, device: torch.device) -> tuple[Any, ...]:
+        """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time) and, for the dynamic
+        schedule, a zeroed tile counter."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        counter = int_to_cute(torch.zeros(1, dtype=torch.int32, device=device)) if _dynamic(key) else None
+        return num_sms(index), counter
+
+
+def _dynamic(key: FwdSm90Key) -> bool:
+    """Persistent causal/local kernels take tiles from an atomic counter (costs differ per tile)."""
+    return key.persistent and (key.causal or key.local)

@@ -1,0 +1,138 @@
+"""Which output tiles ``(m_block, head, batch)`` a CTA computes, and in what order.
+
+Purpose: one 1-D tile index space over every query tile of a launch, walked in one of three ways:
+- one tile per CTA (``persistent=False``): a grid of ``num_tiles`` CTAs, handed out in index
+  order by the hardware block scheduler as SMs free up;
+- static persistent: at most one CTA per SM, CTA ``c`` takes tiles ``c, c + G, c + 2G, ...``
+  (``G`` = grid size). Right when every tile costs the same (no causal/local mask);
+- dynamic persistent: CTA ``c`` starts with tile ``c``, then takes ``G + atomicAdd(counter, 1)``
+  (the counter zeroed before the launch): the hardware's greedy order without its per-CTA
+  prologue, for causal/local tiles whose costs differ.
+Persistent CTAs (FA3 section 3.1) pay the prologue (barrier init, descriptor prefetch) once and
+overlap the next tile's loads with this tile's epilogue.
+
+Index order: ``m_block`` fastest, then head, then batch, so CTAs running together share one
+(batch, head)'s K/V in L2; with ``longest_first`` (causal/local) the m_blocks of a (batch, head)
+run bottom-up, since the bottom tiles see the most keys. (Measured on H200, 2026-11-21: a static
+schedule over tiles sorted by cost across all heads balanced the CTAs but lost 5-15 % causal,
+K/V of 132 different heads at once no longer fitting in L2; perf/NOTES.md.)
+
+Varlen: ``num_batch = 1`` and ``num_m_blocks`` an upper bound of tiles over all sequences; the
+kernel maps the ``m_block`` it gets to ``(sequence, m_block)`` with ``seqlen.varlen_tile_coord``.
+
+Dynamic handoff: one producer warp fetches the next index and publishes it through a shared
+memory slot to the consumer threads with two named barriers (``full``: the slot holds the next
+index; ``empty``: every consumer has read it). Consumers arrive on ``empty`` once before their
+first tile, so the producer's every publish can wait on it.
+
+Constraints: ``num_tiles < 2**31``; every thread of a CTA walks the same tile sequence.
+
+Paper: FlashAttention-3 (Shah et al., 2024) section 3.1 (persistent kernels, tile scheduling);
+design doc ``fa3_cute_design.md`` 1.11 (tile schedulers).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class TileHandoff:
+    """The shared-memory slot and named barriers of the dynamic scheduler's producer -> consumers
+    handoff; ``num_threads`` = the producer warp + every consumer thread."""
+
+    sNextTile: cute.Tensor  # (1,) Int32 in shared memory
+    barrier_full: int
+    barrier_empty: int
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class TileScheduler:
+    num_m_blocks: Int32  # query tiles per (batch, head)
+    num_heads: Int32
+    num_batch: Int32
+    num_tiles: Int32
+    persistent: bool
+    longest_first: bool
+    mTileCounter: cute.Tensor | None  # (1,) Int32 in gmem, zeroed per launch: dynamic schedule
+
+    @staticmethod
+    def create(
+        num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, persistent: bool,
+        longest_first: bool, mTileCounter: cute.Tensor | None = None,
+    ) -> "TileScheduler":
+        return TileScheduler(
+            num_m_blocks, num_heads, num_batch, num_m_blocks * num_heads * num_batch,
+            persistent, longest_first, mTileCounter,
+        )
+
+    @staticmethod
+    def grid_size(num_tiles: Int32, max_ctas: Int32, persistent: bool) -> Int32:
+        """CTAs to launch: one per tile, or (persistent) at most ``max_ctas`` (one per SM)."""
+        if persistent:
+            return cutlass.min(num_tiles, max_ctas)
+        return num_tiles
+
+    @property
+    def dynamic(self) -> bool:
+        return self.persistent and self.mTileCounter is not None
+
+    def first_tile(self) -> Int32:
+        return cute.arch.block_idx()[0]
+
+    @cute.jit
+    def next_tile_producer(self, tile_idx: Int32, handoff: TileHandoff | None) -> Int32:
+        """The producer warp's next tile (dynamic: fetched, then published to the consumers);
+        ``>= num_tiles`` when the CTA has none left. All 32 lanes call it."""
+        next_idx = tile_idx + self.num_tiles
+        if cutlass.const_expr(self.dynamic):
+            fetched = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                fetched = cute.arch.atomic_add(
+                    self.mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu"
+                )
+            next_idx = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(fetched, 0)
+            cute.arch.barrier(barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads)
+            if cute.arch.lane_idx() == 0:
+                handoff.sNextTile[0] = next_idx
+            cute.arch.barrier_arrive(
+                barrier_id=handoff.barrier_full, number_of_threads=handoff.num_threads
+            )
+        elif cutlass.const_expr(self.persistent):
+            next_idx = tile_idx + cute.arch.grid_dim()[0]
+        return next_idx
+
+    @cute.jit
+    def next_tile_consumer(self, tile_idx: Int32, handoff: TileHandoff | None) -> Int32:
+        """A consumer thread's next tile (dynamic: the one the producer published)."""
+        next_idx = tile_idx + self.num_tiles
+        if cutlass.const_expr(self.dynamic):
+            cute.arch.barrier(barrier_id=handoff.barrier_full, number_of_threads=handoff.num_threads)
+            next_idx = handoff.sNextTile[0]
+            cute.arch.barrier_arrive(
+                barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads
+            )
+        elif cutlass.const_expr(self.persistent):
+            next_idx = tile_idx + cute.arch.grid_dim()[0]
+        return next_idx
+
+    def consumer_start(self, handoff: TileHandoff | None) -> None:
+        """Consumers, once before their first tile: the handoff slot starts empty."""
+        if cutlass.const_expr(self.dynamic):
+            cute.arch.barrier_arrive(
+                barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads
+            )
+
+    @cute.jit
+    def coords(self, tile_idx: Int32):
+        """``(m_block, head, batch)`` of tile ``tile_idx`` (``0 <= tile_idx < num_tiles``)."""
+        bh = tile_idx // self.num_m_blocks
+        m_block = tile_idx - bh * self.num_m_blocks
+        batch = bh // self.num_heads
+        head = bh - batch * self.num_heads
+        if cutlass.const_expr(self.longest_first):
+            m_block = self.num_m_blocks - 1 - m_block
+        return m_block, head, batch
