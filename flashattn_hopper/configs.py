@@ -96,6 +96,28 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
 }
 
 
+# Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
+# tall causal tile; too few key blocks per tile to amortise a wide one). Applied when seqlen_q is at most
+# the bound (and, for causal_only rows, only with a causal mask). Measured persistent, H200, bf16, 16k
+# tokens, 2026-11-21 (perf/NOTES.md "Short-sequence tiles"):
+FWD_SM90_SHORT_TILES: dict[int, tuple[int, bool, FwdTileSm90]] = {
+    # hdim 64 causal: 128x128 on 2 WGs vs 192x128 on 3: 245 vs 208 TFLOP/s at 512, 324 vs 279 at 1k,
+    # 381 vs 385 at 2k (non-causal: equal at <= 1k, -10 % at 2k, so causal only).
+    64: (1536, True, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True)),
+    # hdim 256, s <= 512: 128x64 vs 128x80: 511 vs 494 non-causal, 326 vs 307 causal (fewer padded keys
+    # in the last block of 512); at 1k it is -7 % non-causal.
+    256: (768, False, FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True)),
+}
+
+
+def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None) -> FwdTileSm90:
+    """The sm90 forward tile for a kernel head dim (``seqlen_q`` None: the table row)."""
+    short = FWD_SM90_SHORT_TILES.get(hdim)
+    if short is not None and seqlen_q is not None and seqlen_q <= short[0] and (causal or not short[1]):
+        return short[2]
+    return FWD_SM90_TILES[hdim]
+
+
 def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -> int | None:
     """Smallest compiled head dim that holds both head dims, or None if the table has none."""
     need = max(head_dim, head_dim_v)

@@ -43,6 +43,7 @@ from cutlass.memory import SmemAllocator
 
 from .common.block_info import BlockInfo
 from .common.mask import AttentionMask
+from .common.pack_gqa import pack_gqa_view
 from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.sm90_utils import (
     acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
@@ -72,13 +73,15 @@ _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
 class FlashFwdSm90:
-    """FA3 forward on sm90, non-persistent: one CTA computes one ``(tile_m, head_dim_v)`` tile of O.
+    """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
-    Grid: dense ``(ceil(seqlen_q / tile_m), nheads, batch)``, with causal/local masking the
-    m_blocks in reverse (the longest rows, at the bottom, start first); varlen ``(upper bound of
-    tiles over all sequences, nheads, 1)``, each CTA finding its ``(batch, m_block)`` with a warp
-    scan of ``cu_seqlens_q`` (``common/seqlen.py``) and exiting if it has none.
-    ``128 * (1 + tile_m / 64)`` threads:
+    Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
+    fastest (reversed with causal/local: the bottom tiles see the most keys); varlen tiles over an
+    upper bound per head, mapped to ``(sequence, m_block)`` by a warp scan of ``cu_seqlens_q``
+    (``common/seqlen.py``). ``persistent``: one CTA per SM walks tiles (static stride, or an
+    atomic counter for causal/local), the pipeline states and ping-pong turn carrying over; else
+    one CTA per tile. ``pack_gqa = g``: a tile's rows are the g query heads of one KV head
+    (``common/pack_gqa.py``). ``128 * (1 + tile_m / 64)`` threads:
 
         | warpgroup | warps    | registers | role                                             |
         | WG0       | 0        | 24        | producer: TMA loads of Q, K[n], V[n]             |
@@ -110,8 +113,9 @@ class FlashFwdSm90:
     and the producer issues ``K[n0], Q, {K[j], V[j+1]}..., V[n_min]`` in that order. The
     scheduler barriers make the warpgroups take turns issuing their GEMM sections, so one
     warpgroup's softmax overlaps the other's tensor-core work (ping-pong). Epilogue: finalize
-    (O / row_sum, LSE), 16-bit O into sO with ``stmatrix`` (sO aliases sQ, after a barrier over
-    all MMA threads guarantees every QK^T WGMMA has read sQ), LSE from registers, then dense:
+    (O / row_sum, LSE), 16-bit O into sO with ``stmatrix`` (sO aliases sQ unless a persistent
+    kernel has room for its own; a barrier over all MMA threads first guarantees every QK^T WGMMA
+    has read sQ / the previous store has read sO), LSE from registers, then dense:
     one TMA store issued by the first MMA warp (rows past ``seqlen_q`` are clipped by the TMA
     unit); varlen: every MMA thread copies 16-byte row chunks from sO to gmem, rows past the
     sequence predicated off. A CTA that sees no key (causal/local, or ``seqlen_k = 0``) loads
@@ -132,9 +136,10 @@ class FlashFwdSm90:
         pingpong: bool = True,
         num_stages: int = 2,
         persistent: bool = False,
+        pack_gqa: int = 1,
     ):
         reason = self.can_implement(
-            dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local
+            dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -161,6 +166,8 @@ class FlashFwdSm90:
         # this tile's epilogue and the TMA store's read of sO is waited for only before the
         # next epilogue writes it; else sO is sQ and Q is released after the epilogue.
         self.persistent = persistent
+        # Pack GQA (common/pack_gqa.py): a tile's rows are the pack_gqa query heads of one KV head.
+        self.pack_gqa = pack_gqa
         # Causal/local tiles differ in cost: CTAs take the next tile from an atomic counter.
         self.dynamic_schedule = persistent and (is_causal or is_local)
         self.o_aliases_q = not (
@@ -175,7 +182,8 @@ class FlashFwdSm90:
 
     @staticmethod
     def can_implement(
-        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
+        pack_gqa=1,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -192,6 +200,8 @@ class FlashFwdSm90:
             return f"tile_n must be a multiple of 16 in [16, 256] (P as k16 A fragments), got {tile_n}"
         if num_stages < 1:
             return f"num_stages must be >= 1, got {num_stages}"
+        if pack_gqa < 1 or tile_m % pack_gqa != 0:
+            return f"pack_gqa ({pack_gqa}) must divide tile_m ({tile_m}) (a tile holds whole queries)"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -293,6 +303,13 @@ class FlashFwdSm90:
         varlen_q = const_expr(mCuSeqlensQ is not None)
         varlen_k = const_expr(mCuSeqlensK is not None)
         mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        if const_expr(self.pack_gqa > 1):
+            if const_expr(varlen_q):
+                raise ValueError("pack_gqa is implemented for dense layouts only")
+            mQ, mO = (pack_gqa_view(t, self.pack_gqa, head_mode=2) for t in (mQ, mO))
+            mLSE = pack_gqa_view(mLSE, self.pack_gqa, head_mode=1)
+            qhead_per_kvhead = 1  # a packed tile's head index is its KV head
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
         # TMA descriptors over the whole tensors (varlen: over all sequences); a CTA picks its
         # (head[, batch]) and shifts to its sequence at issue time. Boxes past the tensor are
@@ -310,7 +327,6 @@ class FlashFwdSm90:
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim_v)
         )
-        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
         if const_expr(self.has_softcap):
             softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
@@ -340,7 +356,7 @@ class FlashFwdSm90:
             num_m_blocks = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
             scheduler_batch = Int32(1)
         else:
-            num_m_blocks = (mQ.shape[0] + (self.tile_m - 1)) // self.tile_m
+            num_m_blocks = (cute.size(mQ, mode=[0]) + (self.tile_m - 1)) // self.tile_m
             scheduler_batch = num_batch
         return TileScheduler.create(
             num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent,
@@ -426,12 +442,13 @@ class FlashFwdSm90:
                 self.num_mma_threads + 32,
             ) if const_expr(self.dynamic_schedule) else None,
             block_info=BlockInfo(
-                self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r
+                self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r,
+                self.pack_gqa,
             ),
             seqlen_args=(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK),
             num_batch=num_batch,
             qhead_per_kvhead=qhead_per_kvhead,
-            seqlen_q_static=mQ.shape[0],
+            seqlen_q_static=mQ.shape[0][1] if const_expr(self.pack_gqa > 1) else mQ.shape[0],
             seqlen_k_static=mK.shape[0],
         )
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
@@ -627,7 +644,7 @@ class FlashFwdSm90:
                 softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
-                    walk.block_info.window_left, walk.block_info.window_right,
+                    walk.block_info.window_left, walk.block_info.window_right, self.pack_gqa,
                 )
                 step = BlockStep(
                     mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale
@@ -641,7 +658,7 @@ class FlashFwdSm90:
                 self.epilogue(
                     acc_O, lse, seqlen.q_view(select_head(mO, head_idx, 2), batch_idx),
                     seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
-                    tma_atom_O, tidx, tile.m_block, tile.seqlen_q,
+                    tma_atom_O, tidx, tile.m_block, tile.seqlen_q * self.pack_gqa,
                 )
                 if has_keys:
                     if const_expr(self.release_q_after_epilogue):

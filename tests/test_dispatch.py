@@ -142,3 +142,21 @@ def test_all_keys_cover_every_variant():
                 for varlen in (False, True):
                     assert any(k.head_dim == hdim and k.dtype == dtype and k.causal == causal and k.varlen == varlen
                                for k in keys), (hdim, dtype, causal, varlen)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,nheads,nheads_k,varlen,expected",
+    [
+        (1, 32, 4, False, 8),  # decode: one query of 8 heads fills 8 rows instead of 1
+        (17, 16, 4, False, 4),
+        (1024, 32, 4, False, 1),  # full tiles already
+        (1, 32, 32, False, 1),  # MHA: nothing to pack
+        (1, 12, 4, False, 1),  # g = 3 does not divide 128 rows
+        (1, 32, 4, True, 1),  # varlen keeps one head per tile
+    ],
+)
+def test_sm90_pack_gqa_choice(seqlen_q, nheads, nheads_k, varlen, expected):
+    from flashattn_hopper.backends.sm90_fwd import pack_gqa_factor
+
+    p = problem(seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k)
+    assert pack_gqa_factor(p, 128, varlen) == expected

@@ -284,3 +284,61 @@ def test_fwd_sm90_varlen_full(dtype, head_dim, causal, window, seqused, heads):
     q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, *heads, head_dim, head_dim, dtype, slack, slack,
                                                       seed=3)
     check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, window=window)
+
+
+# ---- pack GQA: the g query heads of a KV head share one tile's rows (kernels/common/pack_gqa.py)
+
+PACK_SEQLENS = [(1, 1), (1, 1023), (17, 203), (113, 1023), (239, 1)]  # decode to short prefill
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", PACK_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(16, 2), (8, 2), (6, 3)], ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_pack_gqa_decode_shapes(head_dim, causal, seqlens, heads):
+    """Short seqlen_q with GQA: the launcher packs (g = 8, 4; g = 2 at (6, 3))."""
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v = make_qkv(3, s_q, s_k, h, h_k, head_dim)
+    check_parity(q, k, v, causal)
+
+
+@pytest.fixture
+def always_pack(monkeypatch):
+    """Force pack_gqa whenever the kernel can pack (g > 1 dividing tile_m, dense)."""
+    from flashattn_hopper.backends import sm90_fwd
+
+    def pack_when_possible(p, tile_m, varlen):
+        g = p.nheads // p.nheads_k
+        return g if g > 1 and not varlen and tile_m % g == 0 else 1
+
+    monkeypatch.setattr(sm90_fwd, "pack_gqa_factor", pack_when_possible)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_pack_gqa_forced_many_tiles(always_pack, head_dim, causal):
+    """Packed tiles over long sequences: masks by query = row // g, several tiles per CTA."""
+    q, k, v = make_qkv(2, 1041, 1500, 16, 4, head_dim)
+    check_parity(q, k, v, causal)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 37)], ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_fwd_sm90_pack_gqa_forced_window_softcap(always_pack, window):
+    q, k, v = make_qkv(2, 333, 517, 8, 2, 128)
+    check_features(q, k, v, window=window)
+    check_features(q, k, v, causal=True, softcap=30.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_pack_gqa_poisoned_outputs(always_pack, causal):
+    """Every (query, head) row of a packed tile is written, including the partial last tile."""
+    q, k, v = make_qkv(2, 77, 300, 8, 1, 128)
+    out = torch.full((2, 77, 8, 128), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((2, 8, 77), float("nan"), dtype=torch.float32, device="cuda")
+    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
+    _fwd(q, k, v, p, "sm90", None, out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
+    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)

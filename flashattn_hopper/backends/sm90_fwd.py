@@ -17,7 +17,7 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
+    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
     int_to_cute, mask_flags, num_sms,
 )
 
@@ -38,6 +38,7 @@ class FwdSm90Key(KernelKey):
     seqused_q: bool = False
     seqused_k: bool = False
     persistent: bool = False  # one CTA per SM walking tiles (else one CTA per tile)
+    pack_gqa: int = 1  # query heads per KV head packed into one tile's rows (1: not packed)
 
 
 class FwdSm90(FwdLauncher):
@@ -55,16 +56,17 @@ class FwdSm90(FwdLauncher):
             )
         if p.softcap < 0.0:
             return f"softcap must be >= 0 (0 disables it), got {p.softcap}"
-        if p.nheads > MAX_GRID_YZ:
-            return f"nheads ({p.nheads}) must be <= {MAX_GRID_YZ} (CUDA grid y limit)"
-        if not p.is_varlen and p.batch > MAX_GRID_YZ:
-            return f"batch ({p.batch}) must be <= {MAX_GRID_YZ} (CUDA grid z limit); use the varlen API"
+        # The grid is 1-D over every query tile (kernels/common/tile_scheduler.py).
+        tile_m = self.tiles[configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)].tile_m
+        seqlen_tiles = (p.seqlen_q + p.batch * (tile_m - 1)) // tile_m + 1 if p.is_varlen else -(-p.seqlen_q // tile_m)
+        if seqlen_tiles * p.nheads * (1 if p.is_varlen else p.batch) >= 2**31:
+            return f"batch * seqlen_q * nheads / {tile_m} query tiles must be < 2**31 on the sm90 backend"
         if max(p.seqlen_q, p.seqlen_k) >= UNBOUNDED_WINDOW:
             return f"seqlen_q/seqlen_k ({p.seqlen_q}, {p.seqlen_k}) must be < 2**30 on the sm90 backend"
         return None
 
-    def _key(self, arch: str, dtype: str, hdim: int, **flags: bool) -> FwdSm90Key:
-        tile = self.tiles[hdim]
+    def _key(self, arch: str, dtype: str, hdim: int, seqlen_q: int | None = None, **flags: Any) -> FwdSm90Key:
+        tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q)
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
@@ -75,8 +77,12 @@ class FwdSm90(FwdLauncher):
         hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
         assert hdim is not None, "can_implement() must accept the problem first"
         causal, local = mask_flags(p)
+        # Varlen: seqlen_q is the total of all sequences, which says nothing about each one's length.
+        seqlen_q = None if varlen is not None else p.seqlen_q
+        tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q)
         return self._key(
-            arch, DTYPE_NAMES[p.dtype], hdim, causal=causal, local=local, softcap=p.softcap > 0.0,
+            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, causal=causal, local=local, softcap=p.softcap > 0.0,
+            pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None,
             seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
@@ -85,8 +91,10 @@ class FwdSm90(FwdLauncher):
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
-        softcap at 128 (35 keys). Rarer combinations (local/softcap at other head dims or with varlen,
-        seqused, varlen at 96/192) compile on first use."""
+        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal) and the short-sequence
+        tiles (43 keys).
+        Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
+        other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
             return []
         keys = [
@@ -96,6 +104,13 @@ class FwdSm90(FwdLauncher):
         ]
         keys.append(self._key(arch, "bf16", 128, causal=False, local=True))
         keys += [self._key(arch, "bf16", 128, causal=causal, softcap=True) for causal in (False, True)]
+        keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
+        # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
+        keys += [
+            self._key(arch, dtype, hdim, bound, causal=causal)
+            for hdim, (bound, causal_only, _) in configs.FWD_SM90_SHORT_TILES.items()
+            for dtype in ("bf16", "fp16") for causal in ((True,) if causal_only else (False, True))
+        ]
         return keys
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -105,7 +120,7 @@ class FwdSm90(FwdLauncher):
         kernel = FlashFwdSm90(
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
-            persistent=key.persistent,
+            persistent=key.persistent, pack_gqa=key.pack_gqa,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor
@@ -121,6 +136,21 @@ class FwdSm90(FwdLauncher):
         index = device.index if device.index is not None else torch.cuda.current_device()
         counter = int_to_cute(torch.zeros(1, dtype=torch.int32, device=device)) if _dynamic(key) else None
         return num_sms(index), counter
+
+
+def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:
+    """Query heads per KV head to pack into one tile's rows (1: none), FA3's rule in our words: pack
+    when the query tiles of one head would be less than 90 % as full as packed ones (short seqlen_q:
+    decode, chunked prefill). Packed tiles also read each K/V block once for all g heads. Needs a
+    dense layout and g dividing tile_m (a tile holds whole queries)."""
+    g = p.nheads // p.nheads_k
+    if g == 1 or varlen or tile_m % g != 0:
+        return 1
+
+    def fill(rows: int) -> float:
+        return rows / (-(-rows // tile_m) * tile_m)
+
+    return g if fill(p.seqlen_q) < 0.9 * fill(p.seqlen_q * g) else 1
 
 
 def _dynamic(key: FwdSm90Key) -> bool:

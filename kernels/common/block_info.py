@@ -30,6 +30,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .pack_gqa import packed_row_to_query
+
 
 @dataclass(frozen=True)
 class BlockInfo:
@@ -39,6 +41,18 @@ class BlockInfo:
     is_local: bool = False
     window_left: Int32 | None = None
     window_right: Int32 | None = None
+    # Pack GQA (common/pack_gqa.py): tile rows are (query, head) pairs, g heads per query.
+    qhead_per_kvhead: int = 1
+
+    def _first_query(self, m_block: Int32):
+        """Query index of the tile's first row."""
+        return packed_row_to_query(m_block * self.tile_m, self.qhead_per_kvhead)
+
+    def _end_query(self, m_block: Int32):
+        """One past the query index of the tile's last row."""
+        if self.qhead_per_kvhead == 1:
+            return (m_block + 1) * self.tile_m
+        return packed_row_to_query((m_block + 1) * self.tile_m - 1, self.qhead_per_kvhead) + 1
 
     def _right_bound_offset(self, seqlen_q: Int32, seqlen_k: Int32):
         """``offset + window_right``: the last visible key of row ``i`` is ``i`` plus this."""
@@ -59,13 +73,13 @@ class BlockInfo:
         n_block_max = (seqlen_k + (self.tile_n - 1)) // self.tile_n
         if cutlass.const_expr(self._has_right_bound()):
             # Keys visible to the tile's last row: [0, last_row + offset + 1).
-            n_idx_end = (m_block + 1) * self.tile_m + self._right_bound_offset(seqlen_q, seqlen_k)
+            n_idx_end = self._end_query(m_block) + self._right_bound_offset(seqlen_q, seqlen_k)
             n_block_end = (n_idx_end + (self.tile_n - 1)) // self.tile_n
             n_block_max = cutlass.max(cutlass.min(n_block_max, n_block_end), Int32(0))
         n_block_min = Int32(0)
         if cutlass.const_expr(self._has_left_bound()):
             # First key visible to the tile's first row.
-            n_idx_begin = m_block * self.tile_m + (seqlen_k - seqlen_q) - self.window_left
+            n_idx_begin = self._first_query(m_block) + (seqlen_k - seqlen_q) - self.window_left
             n_block_min = cutlass.max(n_idx_begin // self.tile_n, Int32(0))
         return n_block_min, n_block_max
 
@@ -79,7 +93,7 @@ class BlockInfo:
         first row; ``floor((first_row + offset) / tile_n)`` is a conservative (never too high)
         bound for that.
         """
-        n_idx = m_block * self.tile_m + self._right_bound_offset(seqlen_q, seqlen_k)
+        n_idx = self._first_query(m_block) + self._right_bound_offset(seqlen_q, seqlen_k)
         return cutlass.max(n_block_min, n_idx // self.tile_n)
 
     @cute.jit
@@ -91,5 +105,5 @@ class BlockInfo:
         Block ``n`` is safe iff its first key ``n * tile_n`` is visible to the tile's last row,
         i.e. ``n * tile_n >= last_row + offset - window_left``; the ceil below is conservative.
         """
-        n_idx = (m_block + 1) * self.tile_m + (seqlen_k - seqlen_q) - self.window_left
+        n_idx = self._end_query(m_block) + (seqlen_k - seqlen_q) - self.window_left
         return cutlass.max(n_block_min, (n_idx + (self.tile_n - 1)) // self.tile_n)

@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .pack_gqa import packed_row_to_query
 from .utils import acc_rows_cols
 
 
@@ -37,6 +38,8 @@ class AttentionMask:
     seqlen_k: Int32
     window_left: Int32 | None = None
     window_right: Int32 | None = None
+    # Pack GQA (common/pack_gqa.py): row r of a tile is query r // g; seqlen_q counts queries.
+    qhead_per_kvhead: int = 1
 
     @cute.jit
     def apply(
@@ -71,7 +74,7 @@ class AttentionMask:
             diag_offset = self.seqlen_k - self.seqlen_q - col_base
             row_base = m_block * self.tile_m
             for r in cutlass.range_constexpr(num_rows):
-                row_idx = row_base + tScS_mn[r, 0][0]
+                row_idx = packed_row_to_query(row_base + tScS_mn[r, 0][0], self.qhead_per_kvhead)
                 col_limit_right = row_idx + diag_offset + 1
                 if cutlass.const_expr(mask_local):
                     col_limit_right = (
