@@ -133,11 +133,17 @@ class BwdSm80Tile:
     atom_m_sdp: int  # warps along M of the S/dP GEMMs (the rest along N)
     atom_n_dkv: int  # warps along M (= keys) of the dK/dV GEMMs
     atom_m_dq: int  # warps along M of the dQ GEMM
-    num_stages: int = 2  # Q/dO smem buffers (2: the next block's loads overlap this one)
+    # Q / dO smem buffers. 2: the next block's load is issued at the top of a block and lands
+    # during all of it; 1: issued behind a barrier after the operand's last GEMM (dO after dV,
+    # Q after dK; with 1 + 1, both after dK: measured 1-5 % faster than refilling dO early).
+    stages_q: int = 2
+    stages_do: int = 2
+    dv_first: bool = False  # dV GEMM before dQ (FA2's order) instead of dQ, dV, dK
 
 
-# Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, Q/dO double-buffered, K/V once per CTA.
-# Smem = (4 * tile_m + 2 * tile_n) * hdim * 2 B + 2 * tile_m * tile_n * 2 B (Q, dO x2; K, V; P, dS).
+# Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, K/V once per CTA.
+# Smem = ((stages_q + stages_do) * tile_m + 2 * tile_n) * hdim * 2 B + 2 * tile_m * tile_n * 2 B
+# (Q, dO; K, V; P, dS); sm80 allows 164 KiB per CTA, sm90 227 KiB (BWD_SM80_TILES_SM90).
 BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
     # 128x128, warps 4x2 for every GEMM: FA2/FA3's sm80 bwd tile for d=64 (8 warps); 160 KiB smem;
     # accumulators dK+dV 64 + S+dP 128 fp32 registers per thread.
@@ -151,8 +157,33 @@ BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
     # 64x64, warps 4x2 / 2x4 / 2x4: FA2's sm80 bwd tile for d=192 (FA3 also has 64x80); 160 KiB smem
     # with 2 Q/dO stages; dK+dV 96 + S+dP 32 fp32 registers per thread.
     192: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2),
-    # 64x64 (FA2/FA3's d=256 tile), one Q/dO stage: 2 stages would need 208 KiB of smem (sm80 has
-    # 164); 144 KiB; dK+dV 128 + S+dP 32 fp32 registers per thread.
+    # 64x64 (FA2/FA3's d=256 tile), one Q/dO stage (FA2's A100 schedule): two would need 208 KiB of
+    # smem (sm80 has 164); 144 KiB; dK+dV 128 + S+dP 32 fp32 registers per thread.
     256: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2,
-                     num_stages=1),
+                     stages_q=1, stages_do=1),
 }
+
+
+# Rows that replace BWD_SM80_TILES when the sm80 backward is compiled for sm_90a (H100/H200): the
+# same mma.sync kernel with Hopper's 227 KiB of smem per CTA.
+BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
+    # 128x64, warps 4x2 / 2x4 / 2x4, 2 Q + 1 dO stages (224 KiB), dV GEMM first so the dO refill
+    # overlaps the dQ and dK GEMMs (dQ first, dO refill overlapping dK only: within +-1.5 %):
+    # 32-row warps in the S/dP GEMMs read fewer smem bytes per MMA than 64x64's 16-row ones.
+    # dK+dV 96 + S+dP 64 fp32 registers per thread, no spills. 1.07-1.38x FA2 at 512-16k vs
+    # 0.91-1.27x for 64x64 with 2 + 2 stages (H200, 2026-11-21, perf/NOTES_sm80_bwd.md).
+    192: BwdSm80Tile(tile_m=128, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2,
+                     stages_q=2, stages_do=1, dv_first=True),
+    # 64x64, 2 Q + 2 dO stages (208 KiB), so every Q/dO load overlaps a whole block, dV GEMM first
+    # (FA2's order). H200 vs FA2: 1 + 1 stages 0.83-0.89x at 8k-16k; 2 + 2 stages 0.94-0.99x
+    # (0.97-1.22x at 512-4k); dV first on top +4 %: 0.98-1.02x at 8k-16k (perf/NOTES_sm80_bwd.md).
+    256: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2,
+                     dv_first=True),
+}
+
+
+def bwd_sm80_tiles(arch: str) -> dict[int, BwdSm80Tile]:
+    """BWD_SM80_TILES with the rows of BWD_SM80_TILES_SM90 on sm_90 targets."""
+    if arch.startswith("sm_90"):
+        return {**BWD_SM80_TILES, **BWD_SM80_TILES_SM90}
+    return BWD_SM80_TILES

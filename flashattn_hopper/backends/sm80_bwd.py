@@ -6,7 +6,8 @@ sums): pre (dPsum, LSE_log2, zero dQaccum) -> main (dK, dV; dQ reduce-added in f
 Dense and varlen (packed ``(total, h, d)``; scratch buffers at per-sequence padded offsets, sized from
 ``total + batch * SEQ_PAD``, so nothing here reads ``cu_seqlens``, ``seqused`` or ``max_seqlen``),
 causal / sliding window / softcap, GQA/MQA. Head dims are zero-padded in Python up to a row of
-``configs.BWD_SM80_TILES`` (both to the same row: 192/128 runs as 192). ``deterministic`` is a runtime
+``configs.bwd_sm80_tiles(arch)`` (both to the same row: 192/128 runs as 192; sm_90a targets get the
+larger-smem rows of ``BWD_SM80_TILES_SM90``). ``deterministic`` is a runtime
 flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
 """
 
@@ -72,7 +73,9 @@ class BwdKey(KernelKey):
     atom_m_dq: int
     causal: bool
     gqa: bool  # nheads != nheads_k: dK/dV summed over query heads in fp32 scratch
-    num_stages: int = 2
+    stages_q: int = 2
+    stages_do: int = 2
+    dv_first: bool = False
     local: bool = False
     softcap: bool = False
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
@@ -161,15 +164,16 @@ class BwdSm80:
         )
 
     def _main_key(self, arch: str, dtype: str, hdim: int, causal: bool, gqa: bool, **flags: bool) -> BwdKey:
-        t = self.tiles[hdim]
+        t = configs.bwd_sm80_tiles(arch)[hdim]
         return BwdKey(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m, tile_n=t.tile_n,
             num_threads=t.num_threads, atom_m_sdp=t.atom_m_sdp, atom_n_dkv=t.atom_n_dkv, atom_m_dq=t.atom_m_dq,
-            causal=causal, gqa=gqa, num_stages=t.num_stages, **flags,
+            causal=causal, gqa=gqa, stages_q=t.stages_q, stages_do=t.stages_do,
+            dv_first=t.dv_first, **flags,
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
-        t = self.tiles[hdim]
+        t = configs.bwd_sm80_tiles(arch)[hdim]
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                        num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen),
@@ -248,7 +252,8 @@ class BwdSm80:
         k: BwdKey = key  # type: ignore[assignment]
         kernel = FlashBwdSm80(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
-            k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, num_stages=k.num_stages,
+            k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, stages_q=k.stages_q,
+            stages_do=k.stages_do, dv_first=k.dv_first, arch=k.arch,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
