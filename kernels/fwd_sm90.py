@@ -38,7 +38,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .common.block_info import BlockInfo
@@ -46,7 +46,7 @@ from .common.mask import AttentionMask
 from .common.pack_gqa import pack_gqa_view
 from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.sm90_utils import (
-    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
+    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
 from .common.tile_scheduler import TileHandoff, TileScheduler
@@ -57,6 +57,7 @@ from .common.utils import (
     convert_to_16bit,
     transpose_view,
 )
+from .fwd_sm90_epilogue import FwdSm90Epilogue
 from .fwd_sm90_parts import (
     BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk, TmaAtoms,
 )
@@ -72,7 +73,7 @@ _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(FwdSm90Epilogue):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -865,76 +866,4 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + next_wg,
                 number_of_threads=2 * _WG_THREADS,
-            )
-
-    @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        lse: cute.Tensor,
-        mO_cur: cute.Tensor,  # (seqlen_q, head_dim_v): TMA coordinates (dense) or the tensor
-        mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head)
-        sO: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        tma_atom_O: cute.CopyAtom | None,
-        tidx: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> gmem; LSE per row.
-
-        Dense: one TMA store (it clips rows past the tensor, so no predicates). Varlen (no TMA
-        atom): 16-byte row chunks from sO, rows past ``seqlen_q`` predicated off so the next
-        sequence's rows are never touched. LSE goes straight from registers (2 rows per thread,
-        lane % 4 == 0).
-        """
-        rO = convert_to_16bit(acc_O, self.dtype)
-        if const_expr(self.defer_store_wait and tma_atom_O is not None):
-            if tidx // 32 == 0:
-                # The previous tile's TMA store must have read sO before anyone overwrites it.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # sO is sQ: every warpgroup's last QK^T WGMMA must have read it (each waited on its own).
-        # Own sO: the previous tile's store has read it (the wait above) or been copied out.
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-        )
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_pv,
-        )
-        smem_thr_copy_O = smem_copy_O.get_slice(tidx)
-        cute.copy(smem_copy_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
-
-        cO_acc = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
-        tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
-        if tOcO_mn[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-                if row < seqlen_q:
-                    mLSE_cur[row] = lse[r]
-
-        if const_expr(tma_atom_O is not None):
-            # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-            )
-            if tidx // 32 == 0:
-                gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                    cute.group_modes(gO, 0, 2),
-                )
-                cute.copy(tma_atom_O, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(not self.defer_store_wait):
-                    # sO must outlive the bulk read: the CTA exits, or sO is the next tile's sQ.
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-        else:
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-            )
-            gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
-            store_rows_predicated(
-                sO, gO, tidx, seqlen_q - m_block * self.tile_m, self.dtype, self.num_mma_threads
             )
