@@ -59,12 +59,12 @@ from .common.utils import (
 )
 from .fwd_sm90_epilogue import FwdSm90Epilogue
 from .fwd_sm90_parts import (
-    BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk, TmaAtoms,
+    WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
+    TmaAtoms,
 )
 
 _SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
 _SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
-_WG_THREADS = 128
 # (producer, MMA warpgroup) registers per thread after setmaxnreg, by number of MMA warpgroups:
 # 128 * (producer + sum of MMA) must fit the 64K register file (FA3/FA4's values, design doc 1.1).
 _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
@@ -104,7 +104,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
     outside the window are never loaded. Softcap (``tanh``) runs on S before any mask. Per MMA
     warpgroup, with intra-WG overlap::
 
-        first: wait K[n0]; S = Q K^T; mask; softmax; P = cvt(S)
+        first: wait K[n0]; [sync] issue S = Q K^T; [arrive]; wait S; mask; softmax; P = cvt(S)
         step j: wait K[j]; [sync own sched barrier] issue S = Q K[j]^T; wait V[j+1];
                 issue O += P V[j+1]; [arrive next WG's barrier]; wait S; release K[j];
                 mask; softmax (under the P.V GEMM); wait P.V; release V[j+1];
@@ -113,13 +113,14 @@ class FlashFwdSm90(FwdSm90Epilogue):
 
     and the producer issues ``K[n0], Q, {K[j], V[j+1]}..., V[n_min]`` in that order. The
     scheduler barriers make the warpgroups take turns issuing their GEMM sections, so one
-    warpgroup's softmax overlaps the other's tensor-core work (ping-pong). Epilogue: finalize
-    (O / row_sum, LSE), 16-bit O into sO with ``stmatrix`` (sO aliases sQ unless a persistent
-    kernel has room for its own; a barrier over all MMA threads first guarantees every QK^T WGMMA
-    has read sQ / the previous store has read sO), LSE from registers, then dense:
-    one TMA store issued by the first MMA warp (rows past ``seqlen_q`` are clipped by the TMA
-    unit); varlen: every MMA thread copies 16-byte row chunks from sO to gmem, rows past the
-    sequence predicated off. A CTA that sees no key (causal/local, or ``seqlen_k = 0``) loads
+    warpgroup's softmax overlaps the other's tensor-core work (ping-pong). Epilogue, per MMA
+    warpgroup on its own 64 rows (``wg_local_epilogue``; the whole tile behind a CTA-wide barrier
+    when pack_gqa does not divide 64): finalize (O / row_sum, LSE), 16-bit O into sO with
+    ``stmatrix`` (sO aliases sQ unless a persistent kernel has room for its own; a warpgroup
+    barrier first guarantees its QK^T WGMMAs have read its rows of sQ / the previous store has
+    read sO), LSE from registers, then dense: a TMA store issued by the warpgroup's first warp
+    (rows past ``seqlen_q`` are clipped by the TMA unit); varlen: the warpgroup copies 16-byte
+    row chunks from sO to gmem, rows past the sequence predicated off. A CTA that sees no key (causal/local, or ``seqlen_k = 0``) loads
     nothing and stores O = 0, LSE = -inf.
     """
 
@@ -138,6 +139,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
         num_stages: int = 2,
         persistent: bool = False,
         pack_gqa: int = 1,
+        wg_local_epilogue: bool = True,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa
@@ -177,6 +179,12 @@ class FlashFwdSm90(FwdSm90Epilogue):
         )
         self.release_q_after_epilogue = persistent and self.o_aliases_q
         self.defer_store_wait = persistent and not self.o_aliases_q
+        # Each MMA warpgroup stores its own 64 rows of O (its own named barrier and TMA store
+        # of a (64, head_dim_v) box) and reads the dynamic scheduler's handoff on its own
+        # barriers: no barrier spans warpgroups per tile, so the ping-pong phase (one warpgroup
+        # half a block ahead) survives tile boundaries. A packed tile splits into per-warpgroup
+        # boxes only when pack_gqa divides 64.
+        self.wg_local_epilogue = wg_local_epilogue and 64 % pack_gqa == 0
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
         self.tx_bytes_k = tile_n * head_dim * elem_bytes
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
@@ -326,7 +334,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
             tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v), 1
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim_v)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, self._sO_store_layout(sQ_layout),
+            (self._o_store_rows(), self.head_dim_v),
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
         if const_expr(self.has_softcap):
@@ -440,7 +449,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
             handoff=TileHandoff(
                 storage.next_tile.get_tensor(cute.make_layout(1)),
                 int(NamedBarrierFwd.TILE_FULL), int(NamedBarrierFwd.TILE_EMPTY),
-                self.num_mma_threads + 32,
+                num_groups=self.num_mma_wg if const_expr(self.wg_local_epilogue) else 1,
+                group_threads=_WG_THREADS if const_expr(self.wg_local_epilogue) else self.num_mma_threads,
             ) if const_expr(self.dynamic_schedule) else None,
             block_info=BlockInfo(
                 self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r,
@@ -636,7 +646,9 @@ class FlashFwdSm90(FwdSm90Epilogue):
                 )
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        walk.scheduler.consumer_start(walk.handoff)
+        # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
+        handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
+        walk.scheduler.consumer_start(walk.handoff, handoff_group)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
@@ -659,7 +671,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
                 self.epilogue(
                     acc_O, lse, seqlen.q_view(select_head(mO, head_idx, 2), batch_idx),
                     seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
-                    tma_atom_O, tidx, tile.m_block, tile.seqlen_q * self.pack_gqa,
+                    tma_atom_O, tidx, wg_idx, tile.m_block, tile.seqlen_q * self.pack_gqa,
                 )
                 if has_keys:
                     if const_expr(self.release_q_after_epilogue):
@@ -668,9 +680,9 @@ class FlashFwdSm90(FwdSm90Epilogue):
                         cute.arch.fence_view_async_shared()
                         pipes.q.consumer_release(q_state)
                     q_state.advance()
-            tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff)
+            tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_group)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
-            if tidx // 32 == 0:
+            if self._is_o_storer(tidx):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the last store
 
     @cute.jit
@@ -746,7 +758,12 @@ class FlashFwdSm90(FwdSm90Epilogue):
         """Intra-WG overlap prologue: S = Q K^T of the first block, its softmax and P; no P.V."""
         mma = step.mma
         step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
-        acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
+        # A ping-pong turn like every later block's GEMMs (FA3): the warpgroups enter each tile
+        # in turn instead of both issuing the first QK^T at once.
+        self._scheduler_sync(step.wg_idx)
+        acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=-1)
+        self._scheduler_arrive(step.wg_idx)
+        warpgroup.wait_group(0)
         step.pipeline_k.consumer_release(kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
         step.softmax.update(acc_S, is_first=True)

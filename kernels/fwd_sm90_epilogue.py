@@ -12,10 +12,29 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from .common.sm90_utils import store_rows_predicated
 from .common.utils import acc_rows_cols, convert_to_16bit
-from .fwd_sm90_parts import NamedBarrierFwd
+from .fwd_sm90_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
 
 
 class FwdSm90Epilogue:
+    def _o_store_rows(self) -> int:
+        """Rows of O one store covers: a warpgroup's 64 (warpgroup-local epilogue) or the tile."""
+        return 64 if self.wg_local_epilogue else self.tile_m
+
+    def _sO_store_layout(self, sO_layout):
+        """sO's layout restricted to the rows one store covers (rows 0..; a warpgroup's rows
+        are the same layout shifted by whole 64-row swizzle periods)."""
+        if not self.wg_local_epilogue:
+            return sO_layout
+        return cute.composition(
+            sO_layout, cute.make_layout((64, self.head_dim_v), stride=(1, self.tile_m))
+        )
+
+    def _is_o_storer(self, tidx: Int32):
+        """The warp that issues (and waits for) TMA stores of O: the first warp of each MMA
+        warpgroup (warpgroup-local epilogue) or of the first one."""
+        group_threads = _WG_THREADS if self.wg_local_epilogue else self.num_mma_threads
+        return (tidx % group_threads) // 32 == 0
+
     @cute.jit
     def epilogue(
         self,
@@ -27,26 +46,35 @@ class FwdSm90Epilogue:
         tiled_mma_pv: cute.TiledMma,
         tma_atom_O: cute.CopyAtom | None,
         tidx: Int32,
+        wg_idx: Int32,
         m_block: Int32,
         seqlen_q: Int32,
     ):
         """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> gmem; LSE per row.
 
-        Dense: one TMA store (it clips rows past the tensor, so no predicates). Varlen (no TMA
+        Warpgroup-local (``wg_local_epilogue``): each MMA warpgroup syncs only its own 128
+        threads and stores its own 64 rows, so no warpgroup waits for another at a tile's end.
+        Else one store of the whole tile after a barrier over every MMA thread.
+        Dense: TMA stores (they clip rows past the tensor, so no predicates). Varlen (no TMA
         atom): 16-byte row chunks from sO, rows past ``seqlen_q`` predicated off so the next
         sequence's rows are never touched. LSE goes straight from registers (2 rows per thread,
         lane % 4 == 0).
         """
+        rows = self._o_store_rows()
+        if const_expr(self.wg_local_epilogue):
+            group_threads, group_tidx, row_block = _WG_THREADS, tidx % _WG_THREADS, wg_idx
+            barrier_id = int(NamedBarrierFwd.EPILOGUE_WG1) + wg_idx
+        else:
+            group_threads, group_tidx, row_block = self.num_mma_threads, tidx, 0
+            barrier_id = int(NamedBarrierFwd.EPILOGUE)
         rO = convert_to_16bit(acc_O, self.dtype)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
-            if tidx // 32 == 0:
+            if self._is_o_storer(tidx):
                 # The previous tile's TMA store must have read sO before anyone overwrites it.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # sO is sQ: every warpgroup's last QK^T WGMMA must have read it (each waited on its own).
+        # sO is sQ: every WGMMA reading these rows of sQ (the group's own QK^T) has completed.
         # Own sO: the previous tile's store has read it (the wait above) or been copied out.
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-        )
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_pv,
@@ -62,16 +90,17 @@ class FwdSm90Epilogue:
                 if row < seqlen_q:
                     mLSE_cur[row] = lse[r]
 
+        # This group's rows of sO and of O (row blocks of `rows` rows).
+        sO_rows = cute.local_tile(sO, (rows, self.head_dim_v), (row_block, 0))
+        gO_row_block = m_block * (self.tile_m // rows) + row_block
         if const_expr(tma_atom_O is not None):
             # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-            )
-            if tidx // 32 == 0:
-                gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)
+            if self._is_o_storer(tidx):
+                gO = cute.local_tile(mO_cur, (rows, self.head_dim_v), (gO_row_block, 0))
                 tOsO, tOgO = cpasync.tma_partition(
-                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_rows, 0, 2),
                     cute.group_modes(gO, 0, 2),
                 )
                 cute.copy(tma_atom_O, tOsO, tOgO)
@@ -80,10 +109,8 @@ class FwdSm90Epilogue:
                     # sO must outlive the bulk read: the CTA exits, or sO is the next tile's sQ.
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=self.num_mma_threads
-            )
-            gO = cute.local_tile(mO_cur, (self.tile_m, self.head_dim_v), (m_block, 0))
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)
+            gO = cute.local_tile(mO_cur, (rows, self.head_dim_v), (gO_row_block, 0))
             store_rows_predicated(
-                sO, gO, tidx, seqlen_q - m_block * self.tile_m, self.dtype, self.num_mma_threads
+                sO_rows, gO, group_tidx, seqlen_q - gO_row_block * rows, self.dtype, group_threads
             )

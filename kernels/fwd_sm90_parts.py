@@ -17,15 +17,21 @@ from .common.softmax import OnlineSoftmax
 from .common.tile_scheduler import TileHandoff, TileScheduler
 
 
+WG_THREADS = 128  # threads of a warpgroup
+
+
 class NamedBarrierFwd(enum.IntEnum):
     """Hardware named barriers of the forward kernel (id 0 is ``__syncthreads``)."""
 
-    EPILOGUE = 1  # all MMA threads: sQ no longer read by any WGMMA / sO complete
+    EPILOGUE = 1  # all MMA threads (CTA-wide epilogue): sQ no longer read by any WGMMA / sO complete
     WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
     WARP_SCHEDULER_WG2 = 3
     WARP_SCHEDULER_WG3 = 4
-    TILE_FULL = 5  # dynamic scheduler: the producer published the next tile index
-    TILE_EMPTY = 6  # dynamic scheduler: every MMA thread has read it
+    # Dynamic scheduler, consumer group k (an MMA warpgroup, or all of them) on id + k:
+    TILE_FULL = 5  # the producer published the next tile index (5, 6, 7)
+    TILE_EMPTY = 8  # every thread of the group has read it (8, 9, 10)
+    # Warpgroup-local epilogue, warpgroup k on id + k: its rows of sO are free / written (11, 12, 13)
+    EPILOGUE_WG1 = 11
 
 
 @dataclass(frozen=True)

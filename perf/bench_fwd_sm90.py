@@ -26,27 +26,28 @@ import sys
 
 import torch
 
-# name: (intra-WG overlap, ping-pong, persistent); persistent None = the configs.FWD_SM90_TILES row
+# name: FwdSm90Key fields overridden in the shipped key (configs.sm90_fwd_tile's row for the seqlen)
 VARIANTS = {
-    "full": (True, True, None), "overlap": (True, False, None), "serial": (False, False, None),
-    "persistent": (True, True, True), "nonpersistent": (True, True, False),
+    "full": {}, "overlap": {"pingpong": False}, "serial": {"intra_wg_overlap": False, "pingpong": False},
+    "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
+    "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
 }
 
 
-def sm90_variant_fn(q, k, v, causal, overlap, pingpong, persistent=None, tile_mn=None):
-    """A callable running kernels/fwd_sm90.py with the given technique flags (compiled once);
-    ``tile_mn`` = (tile_m, tile_n) overrides the configs.FWD_SM90_TILES row."""
+def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
+    """A callable running kernels/fwd_sm90.py with the shipped key for this shape, some fields
+    overridden (compiled once); ``tile_mn`` = (tile_m, tile_n) overrides the tile."""
     from flashattn_hopper.backends.common import current_stream, to_cute
     from flashattn_hopper.backends.sm90_fwd import FwdSm90
     from flashattn_hopper.jit import compile_cache, target_arch
 
     family = FwdSm90()
-    tile = family.tiles[q.shape[-1]]
-    key = dataclasses.replace(
-        family._key(target_arch(), "bf16" if q.dtype == torch.bfloat16 else "fp16", q.shape[-1], causal=causal),
-        intra_wg_overlap=overlap, pingpong=pingpong and tile.pingpong,
-        persistent=tile.persistent if persistent is None else persistent,
-    )
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    key = family._key(target_arch(), dtype, q.shape[-1], q.shape[1], causal=causal)
+    overrides = dict(overrides)
+    if "pingpong" in overrides:
+        overrides["pingpong"] = overrides["pingpong"] and key.pingpong
+    key = dataclasses.replace(key, **overrides)
     if tile_mn is not None:
         key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
     compiled = compile_cache.get(key, family.compile)
@@ -156,6 +157,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--causal", nargs="+", default=["off", "on"], choices=["off", "on"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--no-baselines", action="store_true", help="only the sm90 variants")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time every column this many times, interleaved, and report the median (A/B runs)")
     ap.add_argument("--tiles", nargs="*", default=[], metavar="HDIM:MxN",
                     help="extra sm90-full columns with another tile, e.g. 64:192x128 128:128x176")
     ap.add_argument("--features", action="store_true", help="window / softcap / varlen table instead")
@@ -193,9 +196,9 @@ def main(argv: list[str]) -> int:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     ref = sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
                 flops = 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
-                fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, *VARIANTS[name]) for name in args.variants}
+                fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, VARIANTS[name]) for name in args.variants}
                 for m, n in extra_tiles.get(hdim, []):
-                    fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, True, True, None, (m, n))
+                    fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, {}, (m, n))
                 if not args.no_baselines:
                     fns["sm80"] = lambda: flash_attn_func(q, k, v, causal=causal, backend="sm80")
 
@@ -208,7 +211,7 @@ def main(argv: list[str]) -> int:
                             return sdpa(qt, kt, vt, is_causal=causal)
 
                     fns["cudnn"], fns["flash"] = cudnn, flash
-                tflops = {}
+                tflops, times = {}, {}
                 for name, fn in fns.items():
                     try:
                         out = fn()
@@ -217,11 +220,16 @@ def main(argv: list[str]) -> int:
                             if not err < 0.05:
                                 tflops[name] = f"WRONG({err:.2g})"
                                 continue
-                        ms = timer(fn)
-                        tflops[name] = flops / ms / 1e9
+                        times[name] = []
                     except Exception as e:  # report and keep going: one broken cell must not hide the rest
                         tflops[name] = f"ERR({type(e).__name__})"
                         print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
+                # Rounds interleave the columns, so a clock or thermal drift hits them all alike.
+                for _ in range(args.repeat):
+                    for name in times:
+                        times[name].append(timer(fns[name]))
+                for name, ms in times.items():
+                    tflops[name] = flops / sorted(ms)[len(ms) // 2] / 1e9
                 cells = [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-"))
                          for c in cols]
                 full, cud = tflops.get(cols[0]), tflops.get("cudnn")

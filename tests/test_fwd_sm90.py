@@ -322,6 +322,14 @@ def test_fwd_sm90_pack_gqa_forced_many_tiles(always_pack, head_dim, causal):
     check_parity(q, k, v, causal)
 
 
+@pytest.mark.parametrize("heads", [(12, 4), (12, 2)], ids=["g3", "g6"])
+def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads):
+    """g = 3, 6 divide the 192-row hdim-64 tile but not a warpgroup's 64 rows: the kernel stores
+    O per tile (CTA-wide epilogue) instead of per warpgroup."""
+    q, k, v = make_qkv(2, 1041, 700, *heads, 64)
+    check_parity(q, k, v, False)
+
+
 @pytest.mark.parametrize("window", [(64, 0), (100, 37)], ids=lambda w: f"w{w[0]}_{w[1]}")
 def test_fwd_sm90_pack_gqa_forced_window_softcap(always_pack, window):
     q, k, v = make_qkv(2, 333, 517, 8, 2, 128)

@@ -39,6 +39,7 @@ class FwdSm90Key(KernelKey):
     seqused_k: bool = False
     persistent: bool = False  # one CTA per SM walking tiles (else one CTA per tile)
     pack_gqa: int = 1  # query heads per KV head packed into one tile's rows (1: not packed)
+    wg_local_epilogue: bool = True  # each MMA warpgroup stores its own rows (no CTA-wide barrier)
 
 
 class FwdSm90(FwdLauncher):
@@ -120,7 +121,7 @@ class FwdSm90(FwdLauncher):
         kernel = FlashFwdSm90(
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
-            persistent=key.persistent, pack_gqa=key.pack_gqa,
+            persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

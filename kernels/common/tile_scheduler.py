@@ -21,9 +21,11 @@ Varlen: ``num_batch = 1`` and ``num_m_blocks`` an upper bound of tiles over all 
 kernel maps the ``m_block`` it gets to ``(sequence, m_block)`` with ``seqlen.varlen_tile_coord``.
 
 Dynamic handoff: one producer warp fetches the next index and publishes it through a shared
-memory slot to the consumer threads with two named barriers (``full``: the slot holds the next
-index; ``empty``: every consumer has read it). Consumers arrive on ``empty`` once before their
-first tile, so the producer's every publish can wait on it.
+memory slot to the consumer threads with two named barriers per consumer group (``full``: the slot
+holds the next index; ``empty``: every thread of the group has read it). A group (an MMA warpgroup)
+waits only for the producer, never for another group, so warpgroups that run out of phase
+(ping-pong) stay so from tile to tile. Consumers arrive on ``empty`` once before their first tile,
+so the producer's every publish can wait on it.
 
 Constraints: ``num_tiles < 2**31``; every thread of a CTA walks the same tile sequence.
 
@@ -41,12 +43,18 @@ from cutlass import Int32
 @dataclass(frozen=True)
 class TileHandoff:
     """The shared-memory slot and named barriers of the dynamic scheduler's producer -> consumers
-    handoff; ``num_threads`` = the producer warp + every consumer thread."""
+    handoff. Consumer group ``k`` uses barriers ``barrier_full + k`` and ``barrier_empty + k``, each
+    counting the producer warp and the group's ``group_threads``."""
 
     sNextTile: cute.Tensor  # (1,) Int32 in shared memory
     barrier_full: int
     barrier_empty: int
-    num_threads: int
+    num_groups: int
+    group_threads: int
+
+    @property
+    def num_threads(self) -> int:
+        return 32 + self.group_threads
 
 
 @dataclass(frozen=True)
@@ -95,35 +103,44 @@ class TileScheduler:
                     self.mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu"
                 )
             next_idx = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(fetched, 0)
-            cute.arch.barrier(barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads)
+            # Plain Python values: names written under a runtime `if` become runtime values.
+            num_groups, num_threads = handoff.num_groups, handoff.num_threads
+            barrier_empty, barrier_full = handoff.barrier_empty, handoff.barrier_full
+            slot = handoff.sNextTile
+            for group in cutlass.range_constexpr(num_groups):
+                cute.arch.barrier(barrier_id=barrier_empty + group, number_of_threads=num_threads)
             if cute.arch.lane_idx() == 0:
-                handoff.sNextTile[0] = next_idx
-            cute.arch.barrier_arrive(
-                barrier_id=handoff.barrier_full, number_of_threads=handoff.num_threads
-            )
+                slot[0] = next_idx
+            for group in cutlass.range_constexpr(num_groups):
+                cute.arch.barrier_arrive(barrier_id=barrier_full + group, number_of_threads=num_threads)
         elif cutlass.const_expr(self.persistent):
             next_idx = tile_idx + cute.arch.grid_dim()[0]
         return next_idx
 
     @cute.jit
-    def next_tile_consumer(self, tile_idx: Int32, handoff: TileHandoff | None) -> Int32:
-        """A consumer thread's next tile (dynamic: the one the producer published)."""
+    def next_tile_consumer(
+        self, tile_idx: Int32, handoff: TileHandoff | None, group: Int32 | int = 0
+    ) -> Int32:
+        """A consumer thread's next tile (dynamic: the one the producer published); ``group`` is
+        the thread's consumer group (warp-uniform)."""
         next_idx = tile_idx + self.num_tiles
         if cutlass.const_expr(self.dynamic):
-            cute.arch.barrier(barrier_id=handoff.barrier_full, number_of_threads=handoff.num_threads)
+            cute.arch.barrier(
+                barrier_id=handoff.barrier_full + group, number_of_threads=handoff.num_threads
+            )
             next_idx = handoff.sNextTile[0]
             cute.arch.barrier_arrive(
-                barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads
+                barrier_id=handoff.barrier_empty + group, number_of_threads=handoff.num_threads
             )
         elif cutlass.const_expr(self.persistent):
             next_idx = tile_idx + cute.arch.grid_dim()[0]
         return next_idx
 
-    def consumer_start(self, handoff: TileHandoff | None) -> None:
+    def consumer_start(self, handoff: TileHandoff | None, group: Int32 | int = 0) -> None:
         """Consumers, once before their first tile: the handoff slot starts empty."""
         if cutlass.const_expr(self.dynamic):
             cute.arch.barrier_arrive(
-                barrier_id=handoff.barrier_empty, number_of_threads=handoff.num_threads
+                barrier_id=handoff.barrier_empty + group, number_of_threads=handoff.num_threads
             )
 
     @cute.jit
