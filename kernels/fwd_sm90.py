@@ -167,7 +167,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
         # Persistent CTAs: one per SM walks tiles (common/tile_scheduler.py). sO gets its own
         # buffer when shared memory has room (hdim <= 128), so the next tile's Q loads during
         # this tile's epilogue and the TMA store's read of sO is waited for only before the
-        # next epilogue writes it; else sO is sQ and Q is released after the epilogue.
+        # next epilogue writes it; else sO is sQ and Q is released only when the next Q is
+        # needed (after every epilogue in between, including those of tiles without keys).
         self.persistent = persistent
         # Pack GQA (common/pack_gqa.py): a tile's rows are the pack_gqa query heads of one KV head.
         self.pack_gqa = pack_gqa
@@ -177,7 +178,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
             persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
             <= _SMEM_CAPACITY
         )
-        self.release_q_after_epilogue = persistent and self.o_aliases_q
+        self.release_q_before_next_q = persistent and self.o_aliases_q
         self.defer_store_wait = persistent and not self.o_aliases_q
         # Each MMA warpgroup stores its own 64 rows of O (its own named barrier and TMA store
         # of a (64, head_dim_v) box) and reads the dynamic scheduler's handoff on its own
@@ -649,6 +650,9 @@ class FlashFwdSm90(FwdSm90Epilogue):
         # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
         handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
         walk.scheduler.consumer_start(walk.handoff, handoff_group)
+        # sO is sQ: the last Q read is released when the next Q is needed, not after the
+        # epilogue, since a tile without keys (no Q load) still writes its zeros through sO.
+        q_release_pending = Int32(0)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
@@ -664,6 +668,12 @@ class FlashFwdSm90(FwdSm90Epilogue):
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
+                    if const_expr(self.release_q_before_next_q):
+                        if q_release_pending != 0:
+                            # Every epilogue since has read sO (= sQ) out; order this warp's
+                            # generic-proxy smem accesses before the TMA (async-proxy) refill.
+                            cute.arch.fence_view_async_shared()
+                            pipes.q.consumer_release(q_state)  # one stage: any state's index
                     pipes.q.consumer_wait(q_state)
                     kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
                 o_scale, lse = softmax.finalize()
@@ -674,11 +684,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
                     tma_atom_O, tidx, wg_idx, tile.m_block, tile.seqlen_q * self.pack_gqa,
                 )
                 if has_keys:
-                    if const_expr(self.release_q_after_epilogue):
-                        # sO (= sQ) has been read out; order this warp's generic-proxy smem
-                        # accesses before the next tile's TMA (async-proxy) write of sQ.
-                        cute.arch.fence_view_async_shared()
-                        pipes.q.consumer_release(q_state)
+                    q_release_pending = Int32(1)
                     q_state.advance()
             tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_group)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
@@ -746,8 +752,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
                     mask_seqlen=False, mask_causal=False, mask_local=True,
                 )
         # Every QK^T of this tile has completed: the producer may load the next tile's Q into
-        # sQ under the last P.V and the epilogue (unless sO is sQ: released after the epilogue).
-        if const_expr(not self.release_q_after_epilogue):
+        # sQ under the last P.V and the epilogue (unless sO is sQ: released before the next Q).
+        if const_expr(not self.release_q_before_next_q):
             pipeline_q.consumer_release(q_state)
         if const_expr(self.intra_wg_overlap):
             kv_state = self.last_half_block(step, kv_state)

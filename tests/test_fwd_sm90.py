@@ -78,6 +78,16 @@ def test_fwd_sm90_rows_with_no_keys_are_zero_with_minus_inf_lse():
     assert (out[:, :260] == 0).all() and torch.isneginf(lse[:, :, :260]).all()
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
+def test_fwd_sm90_tiles_without_keys_after_tiles_with_keys(head_dim):
+    """Causal seqlen_q >> seqlen_k: a persistent CTA takes a tile with keys, then tiles without
+    (no Q load) whose zero output still goes through sO, which is sQ at head dims 192/256: the
+    next Q must not be loaded into it before those epilogues are done (found by the slow tier)."""
+    q, k, v = make_qkv(2, 3131, 2, 8, 2, head_dim)
+    out, lse = check_parity(q, k, v, causal=True)
+    assert (out[:, :3129] == 0).all() and torch.isneginf(lse[:, :, :3129]).all()
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (80, 80), (192, 128)])
 def test_fwd_sm90_padded_head_dims(head_dim, head_dim_v):
     q, k, v = make_qkv(2, 77, 150, 4, 4, head_dim, dv=head_dim_v)
