@@ -167,8 +167,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
         # Persistent CTAs: one per SM walks tiles (common/tile_scheduler.py). sO gets its own
         # buffer when shared memory has room (hdim <= 128), so the next tile's Q loads during
         # this tile's epilogue and the TMA store's read of sO is waited for only before the
-        # next epilogue writes it; else sO is sQ and Q is released only when the next Q is
-        # needed (after every epilogue in between, including those of tiles without keys).
+        # next epilogue writes it; else sO is sQ, which the consumers hand to the producer
+        # right before each Q they need (after every epilogue so far, with or without keys).
         self.persistent = persistent
         # Pack GQA (common/pack_gqa.py): a tile's rows are the pack_gqa query heads of one KV head.
         self.pack_gqa = pack_gqa
@@ -514,6 +514,9 @@ class FlashFwdSm90(FwdSm90Epilogue):
         """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
         blocks in the consumers' order. The pipeline states run on across tiles."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if const_expr(self.release_q_before_next_q):
+            # sQ is not free at the start: the consumers release it before each Q they need.
+            q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
@@ -650,9 +653,6 @@ class FlashFwdSm90(FwdSm90Epilogue):
         # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
         handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
         walk.scheduler.consumer_start(walk.handoff, handoff_group)
-        # sO is sQ: the last Q read is released when the next Q is needed, not after the
-        # epilogue, since a tile without keys (no Q load) still writes its zeros through sO.
-        q_release_pending = Int32(0)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
@@ -669,11 +669,12 @@ class FlashFwdSm90(FwdSm90Epilogue):
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
                     if const_expr(self.release_q_before_next_q):
-                        if q_release_pending != 0:
-                            # Every epilogue since has read sO (= sQ) out; order this warp's
-                            # generic-proxy smem accesses before the TMA (async-proxy) refill.
-                            cute.arch.fence_view_async_shared()
-                            pipes.q.consumer_release(q_state)  # one stage: any state's index
+                        # sO is sQ: hand sQ to the producer only now, when every epilogue so
+                        # far (tiles without keys write their zeros through sO too) is done;
+                        # the producer's first Q load waits for this as well. Order this
+                        # warp's generic-proxy smem accesses before the TMA (async-proxy) write.
+                        cute.arch.fence_view_async_shared()
+                        pipes.q.consumer_release(q_state)
                     pipes.q.consumer_wait(q_state)
                     kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
                 o_scale, lse = softmax.finalize()
@@ -684,7 +685,6 @@ class FlashFwdSm90(FwdSm90Epilogue):
                     tma_atom_O, tidx, wg_idx, tile.m_block, tile.seqlen_q * self.pack_gqa,
                 )
                 if has_keys:
-                    q_release_pending = Int32(1)
                     q_state.advance()
             tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_group)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
