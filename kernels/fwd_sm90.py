@@ -109,7 +109,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
                 issue O += P V[j+1]; [arrive next WG's barrier]; wait S; release K[j];
                 mask; softmax (under the P.V GEMM); wait P.V; release V[j+1];
                 P = cvt(S); O *= row_scale
-        last:  release Q; wait V[n_min]; O += P V[n_min]; wait; release V
+        last:  release Q (sO = sQ: before the next tile's Q instead); wait V[n_min];
+               O += P V[n_min]; wait; release V
 
     and the producer issues ``K[n0], Q, {K[j], V[j+1]}..., V[n_min]`` in that order. The
     scheduler barriers make the warpgroups take turns issuing their GEMM sections, so one

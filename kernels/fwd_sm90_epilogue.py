@@ -2,7 +2,7 @@
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Epilogue`` is a
 mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``, ``tile_m``,
-``head_dim_v``, ``num_mma_threads``, ``defer_store_wait``) from ``self``.
+``head_dim_v``, ``num_mma_threads``, ``defer_store_wait``, ``wg_local_epilogue``) from ``self``.
 """
 
 import cutlass

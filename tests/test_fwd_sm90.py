@@ -332,12 +332,32 @@ def test_fwd_sm90_pack_gqa_forced_many_tiles(always_pack, head_dim, causal):
     check_parity(q, k, v, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(12, 4), (12, 2)], ids=["g3", "g6"])
-def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads):
+def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
     """g = 3, 6 divide the 192-row hdim-64 tile but not a warpgroup's 64 rows: the kernel stores
-    O per tile (CTA-wide epilogue) instead of per warpgroup."""
-    q, k, v = make_qkv(2, 1041, 700, *heads, 64)
-    check_parity(q, k, v, False)
+    O per tile (CTA-wide epilogue; causal: one handoff group for all MMA warpgroups). seqlen_q
+    above 1536 keeps the 192-row tile under causal (configs.FWD_SM90_SHORT_TILES)."""
+    q, k, v = make_qkv(2, 1700, 1900, *heads, 64)
+    check_parity(q, k, v, causal)
+
+
+@pytest.mark.parametrize("variant", [{"persistent": False}, {"wg_local_epilogue": False}],
+                         ids=["one_cta_per_tile", "cta_wide_epilogue"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_unshipped_variants(monkeypatch, variant, head_dim, causal):
+    """Kernel variants no table row ships (perf/bench_fwd_sm90.py's baselines) stay correct."""
+    import dataclasses
+
+    from flashattn_hopper.backends import sm90_fwd
+
+    key_of = sm90_fwd.FwdSm90._key
+    monkeypatch.setattr(
+        sm90_fwd.FwdSm90, "_key", lambda self, *a, **kw: dataclasses.replace(key_of(self, *a, **kw), **variant)
+    )
+    q, k, v = make_qkv(3, 1041, 1041, 16, 4, head_dim)
+    check_parity(q, k, v, causal)
 
 
 @pytest.mark.parametrize("window", [(64, 0), (100, 37)], ids=lambda w: f"w{w[0]}_{w[1]}")
