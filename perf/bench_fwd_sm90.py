@@ -2,15 +2,18 @@
 
     python perf/bench_fwd_sm90.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384]
                                   [--causal off on] [--variants full overlap serial] [--no-baselines]
+                                  [--repeat N]
     python perf/bench_fwd_sm90.py --features [--hdims 128]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
 - sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
   ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence),
-  ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile);
+  ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile),
+  ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
-(warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events. FLOPs = 4*b*h*s^2*d (x1/2 causal).
+(warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
+N times, interleaved (a clock drift hits all alike), and reports the median. FLOPs = 4*b*h*s^2*d (x1/2 causal).
 Prints a Markdown table of TFLOP/s and the ratio of the first sm90 column to cuDNN.
 
 ``--features``: sliding window, softcap and varlen (16k tokens in sequences of mixed lengths) on
