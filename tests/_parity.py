@@ -1,9 +1,13 @@
-"""Shared pieces of the forward parity tests: random inputs and the check against the fp32 reference."""
+"""Shared pieces of the forward parity tests: random inputs and the checks against the fp32 reference,
+each taking the backend (``sm80``, ``sm90``) as an argument."""
+
+import itertools
 
 import torch
 
-from flashattn_hopper import flash_attn_func
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
+from flashattn_hopper.api import _fwd
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
 
 
 def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, device="cuda", seed=0):
@@ -26,4 +30,75 @@ def check_parity(q, k, v, causal, backend, **kwargs):
     assert not torch.isnan(out).any(), "NaN in out"
     assert_close_to_ref("out", out, out_ref, out_pt)
     assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+    return out, lse
+
+
+def check_poisoned_outputs(q, k, v, causal, backend):
+    """NaN-filled out/lse buffers given to the launcher must be fully overwritten, and correct."""
+    b, s_q, h, _ = q.shape
+    out = torch.full((b, s_q, h, v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((b, h, s_q), float("nan"), dtype=torch.float32, device="cuda")
+    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
+    _fwd(q, k, v, p, backend, None, out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
+    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+
+
+def _rand(shape, dtype, gen):
+    return torch.randn(*shape, dtype=dtype, device="cuda", generator=gen)
+
+
+def make_varlen(lens, h, h_k, d, dv, dtype, slack_q=0, slack_k=0, seed=0):
+    """Packed q/k/v and cu_seqlens; ``slack_*`` extra tokens per slot (then seqused = lens)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    slots_q = [lq + slack_q for lq, _ in lens]
+    slots_k = [lk + slack_k for _, lk in lens]
+    cu_q = torch.tensor([0, *itertools.accumulate(slots_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(slots_k)], dtype=torch.int32, device="cuda")
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = _rand((total_q, h, d), dtype, gen)
+    k, v = _rand((total_k, h_k, d), dtype, gen), _rand((total_k, h_k, dv), dtype, gen)
+    used_q = torch.tensor([lq for lq, _ in lens], dtype=torch.int32, device="cuda") if slack_q else None
+    used_k = torch.tensor([lk for _, lk in lens], dtype=torch.int32, device="cuda") if slack_k else None
+    return q, k, v, cu_q, cu_k, used_q, used_k
+
+
+def seqused_pad_rows(cu_q, used_q):
+    """Packed row indices past each sequence's ``seqused_q`` (rows the kernel must leave to the launcher)."""
+    return torch.cat([torch.arange(int(cu_q[i]) + int(used_q[i]), int(cu_q[i + 1])) for i in range(len(used_q))])
+
+
+def check_out_lse(name, out, lse, ref, pt, factor):
+    """out and lse vs the fp32 reference: max|ours - ref| <= factor * max|pt - ref| + atol."""
+    assert not torch.isnan(out).any(), f"{name}: NaN in out"
+    for what, ours, r, p, atol in (("out", out, ref[0], pt[0], 1e-5), ("lse", lse, ref[1], pt[1], 1e-4)):
+        ok, err, bound = max_err_check(ours, r, p, atol=atol, factor=factor)
+        assert ok, f"{name} {what}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e}"
+
+
+def check_features_dense(q, k, v, backend, causal=False, window=(-1, -1), softcap=0.0):
+    """Dense window / softcap parity (3x PyTorch's error for softcap: tanh.approx vs torch.tanh)."""
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, backend=backend, **kwargs)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    check_out_lse("dense", out, lse, attention_ref(q, k, v, **kwargs), attention_ref(q, k, v, upcast=False, **kwargs),
+           3.0 if softcap else 2.0)
+    return out, lse
+
+
+def check_features_varlen(q, k, v, cu_q, cu_k, backend, used_q=None, used_k=None, causal=False,
+                          window=(-1, -1), softcap=0.0, max_seqlen_q=None):
+    """Varlen parity (cu_seqlens, optional seqused and max_seqlen_q) with windows / softcap."""
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_seqlen_q, None, seqused_q=used_q, seqused_k=used_k, return_lse=True,
+        backend=backend, **kwargs,
+    )
+    assert out.shape == (*q.shape[:2], v.shape[-1]) and lse.shape == (q.shape[1], q.shape[0])
+    ref_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k, **kwargs)
+    check_out_lse("varlen", out, lse, attention_ref(q, k, v, **ref_args), attention_ref(q, k, v, upcast=False, **ref_args),
+           3.0 if softcap else 2.0)
     return out, lse

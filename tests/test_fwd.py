@@ -13,13 +13,12 @@ import sys
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, validate
-from flashattn_hopper.api import _fwd
+from flashattn_hopper import flash_attn_func
 from flashattn_hopper.testing import assert_close_to_ref, attention_ref
 
 from ._subprocess import subprocess_env
 from ._parity import check_parity as _check_parity
-from ._parity import make_qkv
+from ._parity import check_poisoned_outputs, make_qkv
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_FAST, SEQLENS_SLOW
 
 pytestmark = pytest.mark.gpu
@@ -58,15 +57,7 @@ def test_fwd_parity_full(dtype, head_dim, causal, seqlens, heads):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_poisoned_outputs_are_fully_overwritten(head_dim, causal):
     q, k, v = make_qkv(2, 239, 113, 4, 2, head_dim)
-    out = torch.full((2, 239, 4, head_dim), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((2, 4, 239), float("nan"), dtype=torch.float32, device="cuda")
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    _fwd(q, k, v, p, "sm80", None, out=out, lse=lse)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
-    assert_close_to_ref("out", out, out_ref, out_pt)
-    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+    check_poisoned_outputs(q, k, v, causal, "sm80")
 
 
 def test_rows_with_no_keys_are_zero_with_minus_inf_lse():

@@ -9,16 +9,15 @@ The fast subset runs in seconds; the full product is marked ``slow``.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
+from flashattn_hopper import validate
 from flashattn_hopper.api import _fwd
 from flashattn_hopper.backends.common import VarlenArgs
-from flashattn_hopper.testing import attention_ref, max_err_check
+from flashattn_hopper.testing import attention_ref
 
+from ._parity import check_features_dense, check_features_varlen, check_out_lse, make_varlen, seqused_pad_rows
 from .shapes import HEADS
 
 pytestmark = pytest.mark.gpu
@@ -42,49 +41,12 @@ def make_qkv(b, s_q, s_k, h, h_k, d, dv, dtype, seed=0):
     return _rand((b, s_q, h, d), dtype, gen), _rand((b, s_k, h_k, d), dtype, gen), _rand((b, s_k, h_k, dv), dtype, gen)
 
 
-def _check(name, out, lse, ref, pt, factor):
-    assert not torch.isnan(out).any(), f"{name}: NaN in out"
-    for what, ours, r, p, atol in (("out", out, ref[0], pt[0], 1e-5), ("lse", lse, ref[1], pt[1], 1e-4)):
-        ok, err, bound = max_err_check(ours, r, p, atol=atol, factor=factor)
-        assert ok, f"{name} {what}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e}"
-
-
 def check_dense(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm80", **kwargs)
-    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    _check("dense", out, lse, attention_ref(q, k, v, **kwargs), attention_ref(q, k, v, upcast=False, **kwargs),
-           3.0 if softcap else 2.0)
-    return out, lse
+    return check_features_dense(q, k, v, "sm80", causal=causal, window=window, softcap=softcap)
 
 
-def make_varlen(lens, h, h_k, d, dv, dtype, slack_q=0, slack_k=0, seed=0):
-    """Packed q/k/v and cu_seqlens; ``slack_*`` extra tokens per slot (then seqused = lens)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    slots_q = [lq + slack_q for lq, _ in lens]
-    slots_k = [lk + slack_k for _, lk in lens]
-    cu_q = torch.tensor([0, *itertools.accumulate(slots_q)], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *itertools.accumulate(slots_k)], dtype=torch.int32, device="cuda")
-    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
-    q = _rand((total_q, h, d), dtype, gen)
-    k, v = _rand((total_k, h_k, d), dtype, gen), _rand((total_k, h_k, dv), dtype, gen)
-    used_q = torch.tensor([lq for lq, _ in lens], dtype=torch.int32, device="cuda") if slack_q else None
-    used_k = torch.tensor([lk for _, lk in lens], dtype=torch.int32, device="cuda") if slack_k else None
-    return q, k, v, cu_q, cu_k, used_q, used_k
-
-
-def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, causal=False, window=(-1, -1), softcap=0.0,
-                 max_seqlen_q=None):
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    out, lse = flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_seqlen_q, None, seqused_q=used_q, seqused_k=used_k, return_lse=True,
-        backend="sm80", **kwargs,
-    )
-    assert out.shape == (*q.shape[:2], v.shape[-1]) and lse.shape == (q.shape[1], q.shape[0])
-    ref_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k, **kwargs)
-    _check("varlen", out, lse, attention_ref(q, k, v, **ref_args), attention_ref(q, k, v, upcast=False, **ref_args),
-           3.0 if softcap else 2.0)
-    return out, lse
+def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kwargs):
+    return check_features_varlen(q, k, v, cu_q, cu_k, "sm80", used_q, used_k, **kwargs)
 
 
 # ----------------------------------------------------------------------------- fast subset
@@ -131,7 +93,7 @@ def test_varlen_seqused_and_tensor_max_seqlen(causal):
     q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, 4, 4, 64, 64, torch.bfloat16, slack_q=5, slack_k=9)
     max_seqlen_q = torch.tensor(305, dtype=torch.int32, device="cuda")  # 0-d: never read on the host
     out, lse = check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, max_seqlen_q=max_seqlen_q)
-    pad_rows = torch.cat([torch.arange(int(cu_q[i]) + int(used_q[i]), int(cu_q[i + 1])) for i in range(len(used_q))])
+    pad_rows = seqused_pad_rows(cu_q, used_q)
     assert (out[pad_rows] == 0).all() and torch.isneginf(lse[:, pad_rows]).all()
 
 
@@ -166,7 +128,7 @@ def test_poisoned_outputs_are_fully_overwritten(mode):
         lse = torch.full((4, q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
     _fwd(q, k, v, p, "sm80", varlen, out=out, lse=lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    _check(mode, out, lse, attention_ref(q, k, v, **refs), attention_ref(q, k, v, upcast=False, **refs), 2.0)
+    check_out_lse(mode, out, lse, attention_ref(q, k, v, **refs), attention_ref(q, k, v, upcast=False, **refs), 2.0)
 
 
 # ----------------------------------------------------------------------------- full product

@@ -17,12 +17,15 @@ import torch
 from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
 from flashattn_hopper.api import _fwd
 from flashattn_hopper.backends.common import VarlenArgs
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
+from flashattn_hopper.testing import attention_ref
 
 from ._parity import check_parity as _check_parity
-from ._parity import make_qkv
+from ._parity import (
+    check_features_dense, check_features_varlen, check_out_lse, check_poisoned_outputs, make_qkv, make_varlen,
+    seqused_pad_rows,
+)
 from .shapes import HEADS, SEQLENS_FAST, SEQLENS_SLOW
-from .test_fwd_sm80_features import VARLEN_LENS, WINDOWS, make_varlen
+from .test_fwd_sm80_features import VARLEN_LENS, WINDOWS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 DTYPES = [torch.bfloat16, torch.float16]
@@ -61,15 +64,7 @@ def test_fwd_sm90_parity_full(dtype, head_dim, causal, seqlens, heads):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fwd_sm90_poisoned_outputs_are_fully_overwritten(head_dim, causal):
     q, k, v = make_qkv(2, 239, 113, 4, 2, head_dim)
-    out = torch.full((2, 239, 4, head_dim), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((2, 4, 239), float("nan"), dtype=torch.float32, device="cuda")
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    _fwd(q, k, v, p, "sm90", None, out=out, lse=lse)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
-    assert_close_to_ref("out", out, out_ref, out_pt)
-    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+    check_poisoned_outputs(q, k, v, causal, "sm90")
 
 
 def test_fwd_sm90_rows_with_no_keys_are_zero_with_minus_inf_lse():
@@ -138,34 +133,12 @@ def test_fwd_sm90_agrees_with_sm80():
 # ----------------------------------------------------------------------------- window, softcap, varlen
 
 
-def _check(name, out, lse, ref, pt, factor):
-    assert not torch.isnan(out).any(), f"{name}: NaN in out"
-    for what, ours, r, p, atol in (("out", out, ref[0], pt[0], 1e-5), ("lse", lse, ref[1], pt[1], 1e-4)):
-        ok, err, bound = max_err_check(ours, r, p, atol=atol, factor=factor)
-        assert ok, f"{name} {what}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e}"
-
-
 def check_features(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90", **kwargs)
-    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    _check("dense", out, lse, attention_ref(q, k, v, **kwargs), attention_ref(q, k, v, upcast=False, **kwargs),
-           3.0 if softcap else 2.0)
-    return out, lse
+    return check_features_dense(q, k, v, "sm90", causal=causal, window=window, softcap=softcap)
 
 
-def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, causal=False, window=(-1, -1), softcap=0.0,
-                 max_seqlen_q=None):
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    out, lse = flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_seqlen_q, None, seqused_q=used_q, seqused_k=used_k, return_lse=True,
-        backend="sm90", **kwargs,
-    )
-    assert out.shape == (*q.shape[:2], v.shape[-1]) and lse.shape == (q.shape[1], q.shape[0])
-    ref_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k, **kwargs)
-    _check("varlen", out, lse, attention_ref(q, k, v, **ref_args), attention_ref(q, k, v, upcast=False, **ref_args),
-           3.0 if softcap else 2.0)
-    return out, lse
+def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kwargs):
+    return check_features_varlen(q, k, v, cu_q, cu_k, "sm90", used_q, used_k, **kwargs)
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
@@ -206,7 +179,7 @@ def test_fwd_sm90_varlen_seqused_and_tensor_max_seqlen(head_dim, causal):
                                                       slack_q=5, slack_k=9)
     max_seqlen_q = torch.tensor(305, dtype=torch.int32, device="cuda")  # 0-d: never read on the host
     out, lse = check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, max_seqlen_q=max_seqlen_q)
-    pad_rows = torch.cat([torch.arange(int(cu_q[i]) + int(used_q[i]), int(cu_q[i + 1])) for i in range(len(used_q))])
+    pad_rows = seqused_pad_rows(cu_q, used_q)
     assert (out[pad_rows] == 0).all() and torch.isneginf(lse[:, pad_rows]).all()
 
 
@@ -242,7 +215,7 @@ def test_fwd_sm90_poisoned_feature_outputs_are_fully_overwritten(mode):
         lse = torch.full((4, q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
     _fwd(q, k, v, p, "sm90", varlen, out=out, lse=lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    _check(mode, out, lse, attention_ref(q, k, v, **refs), attention_ref(q, k, v, upcast=False, **refs),
+    check_out_lse(mode, out, lse, attention_ref(q, k, v, **refs), attention_ref(q, k, v, upcast=False, **refs),
            3.0 if mode == "softcap" else 2.0)
 
 
@@ -371,12 +344,4 @@ def test_fwd_sm90_pack_gqa_forced_window_softcap(always_pack, window):
 def test_fwd_sm90_pack_gqa_poisoned_outputs(always_pack, causal):
     """Every (query, head) row of a packed tile is written, including the partial last tile."""
     q, k, v = make_qkv(2, 77, 300, 8, 1, 128)
-    out = torch.full((2, 77, 8, 128), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((2, 8, 77), float("nan"), dtype=torch.float32, device="cuda")
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    _fwd(q, k, v, p, "sm90", None, out=out, lse=lse)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
-    assert_close_to_ref("out", out, out_ref, out_pt)
-    assert_close_to_ref("lse", lse, lse_ref, lse_pt, atol=1e-4)
+    check_poisoned_outputs(q, k, v, causal, "sm90")
