@@ -304,7 +304,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
         window_right: Int32,  # local only (else ignored); unbounded: a huge value
         softcap: Float32,  # has_softcap only (else ignored)
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
-        mTileCounter: cute.Tensor | None,  # (1,) int32, zeroed: dynamic_schedule only
+        mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32

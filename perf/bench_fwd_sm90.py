@@ -9,7 +9,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
 - sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
   ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence),
   ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile),
-  ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup);
+  ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup),
+  ``memset-counter`` (causal: a freshly zeroed tile counter per call instead of the stream's own);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -34,13 +35,14 @@ VARIANTS = {
     "full": {}, "overlap": {"pingpong": False}, "serial": {"intra_wg_overlap": False, "pingpong": False},
     "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
     "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
+    "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
 }
 
 
 def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     """A callable running kernels/fwd_sm90.py with the shipped key for this shape, some fields
     overridden (compiled once); ``tile_mn`` = (tile_m, tile_n) overrides the tile."""
-    from flashattn_hopper.backends.common import current_stream, to_cute
+    from flashattn_hopper.backends.common import current_stream, int_to_cute, to_cute
     from flashattn_hopper.backends.sm90_fwd import FwdSm90
     from flashattn_hopper.jit import compile_cache, target_arch
 
@@ -48,6 +50,7 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     key = family._key(target_arch(), dtype, q.shape[-1], q.shape[1], causal=causal)
     overrides = dict(overrides)
+    memset_counter = overrides.pop("memset_counter", False)
     if "pingpong" in overrides:
         overrides["pingpong"] = overrides["pingpong"] and key.pingpong
     key = dataclasses.replace(key, **overrides)
@@ -61,8 +64,11 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     scale = d**-0.5
     stream = current_stream(q.device)
 
-    def run():  # extra_args: the CTA count and (causal) a freshly zeroed tile counter, as the API does
-        compiled(*args, scale, 0, 0, 1.0, *family.extra_args(key, q.device), None, None, None, None, stream)
+    def run():  # extra_args: the CTA count and (causal) the stream's tile counter, as the API does
+        extra = family.extra_args(key, q.device)
+        if memset_counter and extra[1] is not None:
+            extra = (extra[0], int_to_cute(torch.zeros(1, dtype=torch.int32, device=q.device)))
+        compiled(*args, scale, 0, 0, 1.0, *extra, None, None, None, None, stream)
         return out
 
     return run

@@ -113,6 +113,50 @@ def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+def _tile_counter_value() -> int:
+    from flashattn_hopper.backends.sm90_fwd import tile_counter
+
+    return int(tile_counter(torch.cuda.current_device())._tensor.item())
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_fwd_sm90_tile_counter_is_left_zero(head_dim):
+    # The dynamic schedule's counter is zeroed once per stream and reset by each launch's last
+    # fetch; a counter left non-zero would make the next call skip tiles (NaN in poisoned rows).
+    q, k, v = make_qkv(3, 1041, 1041, 16, 4, head_dim)
+    first = flash_attn_func(q, k, v, causal=True, backend="sm90")
+    assert _tile_counter_value() == 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a second stream gets its own counter
+        for window in ((-1, 0), (300, 0), (-1, -1)):  # causal, local (both dynamic), dense (static)
+            flash_attn_func(q, k, v, window_size=window, backend="sm90")
+        on_side = flash_attn_func(q, k, v, causal=True, backend="sm90")
+        assert _tile_counter_value() == 0
+    torch.cuda.current_stream().wait_stream(side)
+    check_poisoned_outputs(q, k, v, True, "sm90")
+    assert torch.equal(first, on_side) and _tile_counter_value() == 0
+
+
+def test_fwd_sm90_causal_under_cuda_graph():
+    # Under capture each call gets its own zeroed counter; replays must match eager calls.
+    q, k, v = make_qkv(2, 1041, 1041, 16, 4, 128)
+    eager = flash_attn_func(q, k, v, causal=True, backend="sm90")
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        flash_attn_func(q, k, v, causal=True, backend="sm90")  # compiled before capture
+    torch.cuda.current_stream().wait_stream(capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_func(q, k, v, causal=True, backend="sm90")
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
 def test_fwd_sm90_is_bitwise_deterministic():
     q, k, v = make_qkv(2, 1000, 1500, 8, 2, 128)
     first, first_lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend="sm90")

@@ -5,9 +5,10 @@ Purpose: one 1-D tile index space over every query tile of a launch, walked in o
   order by the hardware block scheduler as SMs free up;
 - static persistent: at most one CTA per SM, CTA ``c`` takes tiles ``c, c + G, c + 2G, ...``
   (``G`` = grid size). Right when every tile costs the same (no causal/local mask);
-- dynamic persistent: CTA ``c`` starts with tile ``c``, then takes ``G + atomicAdd(counter, 1)``
-  (the counter zeroed before the launch): the hardware's greedy order without its per-CTA
-  prologue, for causal/local tiles whose costs differ.
+- dynamic persistent: CTA ``c`` starts with tile ``c``, then takes ``G + atomicAdd(counter, 1)``:
+  the hardware's greedy order without its per-CTA prologue, for causal/local tiles whose costs
+  differ. The counter is zero at launch and the launch leaves it at zero (its last fetch resets
+  it), so the host zeroes a counter once, not with a memset before every launch.
 Persistent CTAs (FA3 section 3.1) pay the prologue (barrier init, descriptor prefetch) once and
 overlap the next tile's loads with this tile's epilogue.
 
@@ -65,7 +66,7 @@ class TileScheduler:
     num_tiles: Int32
     persistent: bool
     longest_first: bool
-    mTileCounter: cute.Tensor | None  # (1,) Int32 in gmem, zeroed per launch: dynamic schedule
+    mTileCounter: cute.Tensor | None  # (1,) Int32 in gmem, zero at launch and left zero: dynamic schedule
 
     @staticmethod
     def create(
@@ -102,6 +103,11 @@ class TileScheduler:
                 fetched = cute.arch.atomic_add(
                     self.mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu"
                 )
+                # A launch fetches exactly num_tiles times (once per tile past each CTA's first,
+                # once past the end per CTA; grid <= num_tiles), so the fetch that returns
+                # num_tiles - 1 is its last: it zeroes the counter for the next launch.
+                if fetched == self.num_tiles - 1:
+                    cute.arch.atomic_exch(self.mTileCounter.iterator, Int32(0), sem="relaxed", scope="gpu")
             next_idx = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(fetched, 0)
             # Plain Python values: names written under a runtime `if` become runtime values.
             num_groups, num_threads = handoff.num_groups, handoff.num_threads
