@@ -110,8 +110,19 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, bool, FwdTileSm90]] = {
 }
 
 
-def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None) -> FwdTileSm90:
-    """The sm90 forward tile for a kernel head dim (``seqlen_q`` None: the table row)."""
+# v's head dim below q's (kernel head dims (qk, v)): O takes fewer registers and sV less smem than
+# the qk row assumes. 192/128 (DeepSeek-style MLA prefill): FA3's 128x128 (S 64 + O 64 + P 32 = 160
+# regs; smem Q 48 + K 96 + V 64 = 208 KB, sO in sQ's buffer) instead of the 192 row's 128x112.
+FWD_SM90_DV_TILES: dict[tuple[int, int], FwdTileSm90] = {
+    (192, 128): FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
+}
+
+
+def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | None = None) -> FwdTileSm90:
+    """The sm90 forward tile for kernel head dims (``hdim_v`` None: = ``hdim``; ``seqlen_q`` None:
+    the table row)."""
+    if hdim_v is not None and (hdim, hdim_v) in FWD_SM90_DV_TILES:
+        return FWD_SM90_DV_TILES[(hdim, hdim_v)]
     short = FWD_SM90_SHORT_TILES.get(hdim)
     if short is not None and seqlen_q is not None and seqlen_q <= short[0] and (causal or not short[1]):
         return short[2]
@@ -123,6 +134,15 @@ def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -
     need = max(head_dim, head_dim_v)
     fits = [d for d in sorted(table) if d >= need]
     return fits[0] if fits else None
+
+
+def kernel_head_dims(table: dict, head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """(qk, v) kernel head dims of a forward: the row holding both, and the smallest row holding v
+    (a v head dim below q's runs P.V, the V loads and the O store at its own width, 192/128)."""
+    hdim = kernel_head_dim(table, head_dim, head_dim_v)
+    if hdim is None:
+        return None
+    return hdim, min(d for d in table if d >= head_dim_v)
 
 
 @dataclass(frozen=True)

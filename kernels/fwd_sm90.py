@@ -15,8 +15,8 @@ Constraints:
   ``(nheads, total_q)``, ``cu_seqlens`` int32 ``(batch + 1,)``, optional ``seqused`` int32
   ``(batch,)``. Unit last stride, other strides multiples of 8 elements, 16-byte-aligned base
   pointers (TMA descriptors need 16-byte strides). All extents dynamic; the runtime head dim
-  must equal the compiled one (the launcher zero-pads), ``head_dim == head_dim_v``, a multiple
-  of 16 up to 256.
+  must equal the compiled one (the launcher zero-pads), multiples of 16 up to 256 with
+  ``head_dim_v <= head_dim`` (e.g. 192/128).
 - Any ``seqlen_q, seqlen_k >= 1`` (varlen: any per-sequence length >= 0): TMA zero-fills rows
   past the tensor, and in a packed tensor reads rows of the next sequence, which the
   ``seqlen_k`` mask of the first key block hides (P = 0 there); Q rows past ``seqlen_q`` are
@@ -199,10 +199,10 @@ class FlashFwdSm90(FwdSm90Epilogue):
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
-        if head_dim != head_dim_v:
-            return f"head_dim ({head_dim}) != head_dim_v ({head_dim_v}) is not implemented yet"
         if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        if head_dim_v % 16 != 0 or not 16 <= head_dim_v <= head_dim:
+            return f"head_dim_v must be a multiple of 16 in [16, head_dim = {head_dim}], got {head_dim_v}"
         if is_causal and is_local:
             return "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
         if tile_m not in (64, 128, 192):
@@ -235,7 +235,8 @@ class FlashFwdSm90(FwdSm90Epilogue):
             return (n * elem_bytes + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
 
         return (
-            buf(tile_m * head_dim) * (2 if own_sO else 1)
+            buf(tile_m * head_dim)
+            + (buf(tile_m * head_dim_v) if own_sO else 0)
             + buf(tile_n * head_dim * num_stages)
             + buf(tile_n * head_dim_v * num_stages)
             + _SMEM_ALIGN  # mbarriers
@@ -244,10 +245,12 @@ class FlashFwdSm90(FwdSm90Epilogue):
     # ------------------------------------------------------------------ static building blocks
 
     def _smem_layouts(self):
+        """sQ, sK, sV (stages last) and sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
         return (
             make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, self.num_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, self.num_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
         )
 
     def _tiled_mmas(self):
@@ -263,7 +266,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
         )
         return tiled_mma_qk, tiled_mma_pv
 
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         def buffer(num_elems: int):
             return cute.struct.Align[cute.struct.MemRange[self.dtype, num_elems], _SMEM_ALIGN]
 
@@ -280,12 +283,11 @@ class FlashFwdSm90(FwdSm90Epilogue):
         if const_expr(self.o_aliases_q):
             return SharedStorage
 
-        # A persistent CTA's own sO (head_dim == head_dim_v: sQ's layout): the next tile's Q
-        # loads while this tile's O is still being stored.
+        # A persistent CTA's own sO: the next tile's Q loads while this tile's O is still being stored.
         @cute.struct
         class SharedStorageWithO:
             base: SharedStorage
-            sO: buffer(cute.cosize(sQ_layout))
+            sO: buffer(cute.cosize(sO_layout))
 
         return SharedStorageWithO
 
@@ -321,7 +323,7 @@ class FlashFwdSm90(FwdSm90Epilogue):
             mQ, mO = (pack_gqa_view(t, self.pack_gqa, head_mode=2) for t in (mQ, mO))
             mLSE = pack_gqa_view(mLSE, self.pack_gqa, head_mode=1)
             qhead_per_kvhead = 1  # a packed tile's head index is its KV head
-        sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        sQ_layout, sK_layout, sV_layout, sO_layout = self._smem_layouts()
         # TMA descriptors over the whole tensors (varlen: over all sequences); a CTA picks its
         # (head[, batch]) and shifts to its sequence at issue time. Boxes past the tensor are
         # zero-filled and still count their full bytes.
@@ -336,10 +338,10 @@ class FlashFwdSm90(FwdSm90Epilogue):
             tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v), 1
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, self._sO_store_layout(sQ_layout),
+            cpasync.CopyBulkTensorTileS2GOp(), mO, self._sO_store_layout(sO_layout),
             (self._o_store_rows(), self.head_dim_v),
         )
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         if const_expr(self.has_softcap):
             softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
         else:
@@ -436,13 +438,13 @@ class FlashFwdSm90(FwdSm90Epilogue):
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
 
-        sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        sQ_layout, sK_layout, sV_layout, sO_layout = self._smem_layouts()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = sQ
-        if const_expr(not self.o_aliases_q):
-            sO = sO_storage.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim)
+        sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
+        sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None

@@ -2,7 +2,7 @@
 
     python perf/bench_fwd_sm90.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384]
                                   [--causal off on] [--variants full overlap serial] [--no-baselines]
-                                  [--repeat N]
+                                  [--repeat N] [--head-dim-v DV]
     python perf/bench_fwd_sm90.py --features [--hdims 128]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
@@ -10,11 +10,12 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence),
   ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile),
   ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup),
-  ``memset-counter`` (causal: a freshly zeroed tile counter per call instead of the stream's own);
+  ``memset-counter`` (causal: a freshly zeroed tile counter per call instead of the stream's own),
+  ``padded-v`` (with ``--head-dim-v`` below hdim: V zero-padded to q's head dim, the 192 row's tile);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
-N times, interleaved (a clock drift hits all alike), and reports the median. FLOPs = 4*b*h*s^2*d (x1/2 causal).
+N times, interleaved (a clock drift hits all alike), and reports the median. FLOPs = 2*b*h*s^2*(d + d_v) (x1/2 causal).
 Prints a Markdown table of TFLOP/s and the ratio of the first sm90 column to cuDNN.
 
 ``--features``: sliding window, softcap and varlen (16k tokens in sequences of mixed lengths) on
@@ -36,6 +37,7 @@ VARIANTS = {
     "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
     "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
+    "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
 }
 
 
@@ -44,13 +46,19 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     overridden (compiled once); ``tile_mn`` = (tile_m, tile_n) overrides the tile."""
     from flashattn_hopper.backends.common import current_stream, int_to_cute, to_cute
     from flashattn_hopper.backends.sm90_fwd import FwdSm90
+    from flashattn_hopper import configs
     from flashattn_hopper.jit import compile_cache, target_arch
 
     family = FwdSm90()
+    head_dim_v = v.shape[-1]
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-    key = family._key(target_arch(), dtype, q.shape[-1], q.shape[1], causal=causal)
+    key = family._key(target_arch(), dtype, q.shape[-1], q.shape[1], v.shape[-1], causal=causal)
     overrides = dict(overrides)
     memset_counter = overrides.pop("memset_counter", False)
+    if overrides.pop("pad_v", False) and v.shape[-1] != q.shape[-1]:
+        tile = configs.sm90_fwd_tile(q.shape[-1], causal, q.shape[1])
+        overrides.update(head_dim_v=q.shape[-1], tile_m=tile.tile_m, tile_n=tile.tile_n)
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
     if "pingpong" in overrides:
         overrides["pingpong"] = overrides["pingpong"] and key.pingpong
     key = dataclasses.replace(key, **overrides)
@@ -58,7 +66,7 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
     compiled = compile_cache.get(key, family.compile)
     b, s, h, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(b, s, h, key.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     args = [to_cute(t) for t in (q, k, v, out, lse)]
     scale = d**-0.5
@@ -69,7 +77,7 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         if memset_counter and extra[1] is not None:
             extra = (extra[0], int_to_cute(torch.zeros(1, dtype=torch.int32, device=q.device)))
         compiled(*args, scale, 0, 0, 1.0, *extra, None, None, None, None, stream)
-        return out
+        return out[..., :head_dim_v]
 
     return run
 
@@ -170,6 +178,8 @@ def main(argv: list[str]) -> int:
                     help="time every column this many times, interleaved, and report the median (A/B runs)")
     ap.add_argument("--tiles", nargs="*", default=[], metavar="HDIM:MxN",
                     help="extra sm90-full columns with another tile, e.g. 64:192x128 128:128x176")
+    ap.add_argument("--head-dim-v", type=int, default=None,
+                    help="v's head dim (default: each hdim); cells with hdim < it are skipped")
     ap.add_argument("--features", action="store_true", help="window / softcap / varlen table instead")
     args = ap.parse_args(argv)
     if args.features:
@@ -198,13 +208,16 @@ def main(argv: list[str]) -> int:
         for seqlen in args.seqlens:
             for causal in (c == "on" for c in args.causal):
                 batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+                hdim_v = args.head_dim_v or hdim
+                if hdim_v > hdim:
+                    continue
                 gen = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
-                                       generator=gen) for _ in range(3))
+                q, k, v = (torch.randn(batch, seqlen, nheads, d, dtype=torch.bfloat16, device="cuda",
+                                       generator=gen) for d in (hdim, hdim, hdim_v))
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     ref = sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
-                flops = 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
+                flops = 2 * batch * nheads * seqlen * seqlen * (hdim + hdim_v) * (0.5 if causal else 1.0)
                 fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, VARIANTS[name]) for name in args.variants}
                 for m, n in extra_tiles.get(hdim, []):
                     fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, {}, (m, n))

@@ -16,7 +16,7 @@ import sys
 def main(argv: list[str]) -> int:
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or "-h" in argv or "--help" in argv:
         from flashattn_hopper.cli import main as cli_main
 
         return cli_main(["sweep", *argv])

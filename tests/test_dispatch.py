@@ -115,6 +115,12 @@ def test_kernel_head_dim_padding(head_dim, head_dim_v, expected):
     assert configs.kernel_head_dim(configs.FWD_SM80_TILES, head_dim, head_dim_v) == expected
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(192, 128, (192, 128, 128, 128)), (128, 64, (128, 64, 128, 128)), (80, 40, (96, 64, 128, 128)), (64, 128, (128, 128, 128, 128))])
+def test_sm90_key_runs_a_smaller_v_head_dim_at_its_own_width(head_dim, head_dim_v, expected):
+    key = dispatch.FWD_KERNELS["sm90"].key(problem(head_dim=head_dim, head_dim_v=head_dim_v, seqlen_q=4096, seqlen_k=4096), "sm_90a")
+    assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
+
+
 def test_key_holds_no_shapes():
     spec = dispatch.FWD_KERNELS["sm80"]
     short, long = spec.key(problem(batch=1, seqlen_q=17, seqlen_k=5), "sm_80"), spec.key(problem(batch=64, seqlen_q=8192, seqlen_k=8192), "sm_80")

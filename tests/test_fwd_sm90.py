@@ -90,6 +90,21 @@ def test_fwd_sm90_padded_head_dims(head_dim, head_dim_v):
     assert out.shape[-1] == head_dim_v
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64), (256, 128), (96, 64)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_smaller_v_head_dim(head_dim, head_dim_v, causal):
+    """v's head dim below q's runs at its own width (192/128 with its own tile, sO in sQ's buffer;
+    256/128 with its own sO): several tiles per CTA, GQA, poisoned outputs, varlen with seqused."""
+    q, k, v = make_qkv(2, 1041, 1023, 8, 2, head_dim, dv=head_dim_v)
+    check_parity(q, k, v, causal)
+    check_poisoned_outputs(q, k, v, causal, "sm90")
+    check_features_dense(q[:, :300], k, v, "sm90", window=(100, 20), softcap=0.0 if causal else 5.0)
+    q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(
+        VARLEN_LENS, 4, 2, head_dim, head_dim_v, torch.bfloat16, slack_q=5, slack_k=9
+    )
+    check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal)
+
+
 def test_fwd_sm90_strided_views_of_packed_qkv():
     qkv = torch.randn(2, 200, 3, 4, 128, dtype=torch.bfloat16, device="cuda")
     q, k, v = qkv.unbind(dim=2)

@@ -38,14 +38,6 @@ class FwdKey(KernelKey):
     seqused_k: bool = False
 
 
-def _kernel_head_dims(tiles: dict, head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
-    """(qk, v) kernel head dims: the table row holding both, and the smallest row holding v."""
-    hdim = configs.kernel_head_dim(tiles, head_dim, head_dim_v)
-    if hdim is None:
-        return None
-    return hdim, min(d for d in tiles if d >= head_dim_v)
-
-
 class FwdSm80(FwdLauncher):
     """FA2-style forward: cp.async + ldmatrix + mma.sync, warps split along the query rows."""
 
@@ -54,7 +46,7 @@ class FwdSm80(FwdLauncher):
     tiles = configs.FWD_SM80_TILES
 
     def can_implement(self, p: AttnProblem) -> str | None:
-        if _kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v) is None:
+        if configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v) is None:
             return (
                 f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented on the sm80 backend; "
                 f"supported: head dims up to {max(self.tiles)}"
@@ -72,7 +64,7 @@ class FwdSm80(FwdLauncher):
         return None
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdKey:
-        dims = _kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         causal, local = mask_flags(p)
         return self._key(

@@ -1,8 +1,8 @@
 """Launcher of the Hopper FA3 forward (kernels/fwd_sm90.py): key, compile, launch.
 
 Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA. Head
-dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds them (inputs are
-zero-padded in Python, the output sliced back). Nothing here reads device memory: ``cu_seqlens``,
+dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds them, v's by its own
+row when smaller than q's (192/128 natively; inputs zero-padded in Python, the output sliced back). Nothing here reads device memory: ``cu_seqlens``,
 ``seqused`` and a tensor ``max_seqlen`` stay on the GPU (the varlen grid is an upper bound).
 """
 
@@ -67,23 +67,27 @@ class FwdSm90(FwdLauncher):
             return f"seqlen_q/seqlen_k ({p.seqlen_q}, {p.seqlen_k}) must be < 2**30 on the sm90 backend"
         return None
 
-    def _key(self, arch: str, dtype: str, hdim: int, seqlen_q: int | None = None, **flags: Any) -> FwdSm90Key:
-        tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q)
+    def _key(
+        self, arch: str, dtype: str, hdim: int, seqlen_q: int | None = None, hdim_v: int | None = None, **flags: Any
+    ) -> FwdSm90Key:
+        hdim_v = hdim if hdim_v is None else hdim_v
+        tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q, hdim_v)
         return FwdSm90Key(
-            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
+            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
             persistent=tile.persistent, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
-        hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
-        assert hdim is not None, "can_implement() must accept the problem first"
+        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        assert dims is not None, "can_implement() must accept the problem first"
+        hdim, hdim_v = dims
         causal, local = mask_flags(p)
         # Varlen: seqlen_q is the total of all sequences, which says nothing about each one's length.
         seqlen_q = None if varlen is not None else p.seqlen_q
-        tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q)
+        tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q, hdim_v)
         return self._key(
-            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, causal=causal, local=local, softcap=p.softcap > 0.0,
+            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, causal=causal, local=local, softcap=p.softcap > 0.0,
             pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None,
             seqused_q=varlen is not None and varlen.seqused_q is not None,
@@ -93,8 +97,8 @@ class FwdSm90(FwdLauncher):
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
-        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal) and the short-sequence
-        tiles (43 keys).
+        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and the
+        short-sequence tiles (45 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -107,6 +111,8 @@ class FwdSm90(FwdLauncher):
         keys.append(self._key(arch, "bf16", 128, causal=False, local=True))
         keys += [self._key(arch, "bf16", 128, causal=causal, softcap=True) for causal in (False, True)]
         keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
+        # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile.
+        keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bound, causal=causal)
