@@ -97,16 +97,18 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
 
 
 # Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
-# tall causal tile; too few key blocks per tile to amortise a wide one). Applied when seqlen_q is at most
-# the bound (and, for causal_only rows, only with a causal mask). Measured persistent, H200, bf16, 16k
-# tokens, 2026-11-21 (perf/NOTES.md "Short-sequence tiles"):
-FWD_SM90_SHORT_TILES: dict[int, tuple[int, bool, FwdTileSm90]] = {
+# tall causal tile; too few key blocks per tile to amortise a wide one): (largest seqlen_q without a
+# causal/local mask, largest with one, tile); 0 = never. Measured persistent, H200, bf16, 16k tokens,
+# 2026-11-21 (perf/NOTES.md "Short-sequence tiles" and "Self-resetting tile counter, native v head dim"):
+FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
     # hdim 64 causal: 128x128 on 2 WGs vs 192x128 on 3: 245 vs 208 TFLOP/s at 512, 324 vs 279 at 1k,
-    # 381 vs 385 at 2k (non-causal: equal at <= 1k, -10 % at 2k, so causal only).
-    64: (1536, True, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True)),
-    # hdim 256, s <= 512: 128x64 vs 128x80: 511 vs 494 non-causal, 326 vs 307 causal (fewer padded keys
-    # in the last block of 512); at 1k it is -7 % non-causal.
-    256: (768, False, FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True)),
+    # 381 vs 385 at 2k (non-causal: equal at <= 1k, -10 % at 2k, so causal only). 128x64, 128x96 and
+    # 192x96 lost 9-15 % at 512-2k causal, 128x192 and 192x96 7-13 % at 512-1k non-causal.
+    64: (0, 1536, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True)),
+    # hdim 256, 128x64 vs 128x80: 511 vs 494 non-causal and 326 vs 307 causal at 512 (fewer padded keys
+    # in the last block of 512); at 1k -7 % non-causal but +3 % causal (449 vs 437, fewer masked keys
+    # on the diagonal); at 2k causal -1 %.
+    256: (768, 1536, FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True)),
 }
 
 
@@ -124,7 +126,7 @@ def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | N
     if hdim_v is not None and (hdim, hdim_v) in FWD_SM90_DV_TILES:
         return FWD_SM90_DV_TILES[(hdim, hdim_v)]
     short = FWD_SM90_SHORT_TILES.get(hdim)
-    if short is not None and seqlen_q is not None and seqlen_q <= short[0] and (causal or not short[1]):
+    if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
     return FWD_SM90_TILES[hdim]
 

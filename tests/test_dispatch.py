@@ -121,6 +121,17 @@ def test_sm90_key_runs_a_smaller_v_head_dim_at_its_own_width(head_dim, head_dim_
     assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
 
 
+@pytest.mark.parametrize("head_dim,causal,seqlen,expected", [
+    (64, False, 512, (192, 128)), (64, True, 512, (128, 128)), (64, True, 1536, (128, 128)), (64, True, 2048, (192, 128)),
+    (256, False, 768, (128, 64)), (256, False, 1024, (128, 80)), (256, True, 1024, (128, 64)), (256, True, 2048, (128, 80)),
+    (128, True, 512, (128, 128)),
+])
+def test_sm90_short_sequence_tiles(head_dim, causal, seqlen, expected):
+    p = problem(head_dim=head_dim, head_dim_v=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal)
+    key = dispatch.FWD_KERNELS["sm90"].key(p, "sm_90a")
+    assert (key.tile_m, key.tile_n) == expected
+
+
 def test_key_holds_no_shapes():
     spec = dispatch.FWD_KERNELS["sm80"]
     short, long = spec.key(problem(batch=1, seqlen_q=17, seqlen_k=5), "sm_80"), spec.key(problem(batch=64, seqlen_q=8192, seqlen_k=8192), "sm_80")

@@ -115,9 +115,9 @@ class FwdSm90(FwdLauncher):
         keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
-            self._key(arch, dtype, hdim, bound, causal=causal)
-            for hdim, (bound, causal_only, _) in configs.FWD_SM90_SHORT_TILES.items()
-            for dtype in ("bf16", "fp16") for causal in ((True,) if causal_only else (False, True))
+            self._key(arch, dtype, hdim, bounds[causal], causal=causal)
+            for hdim, bounds in configs.FWD_SM90_SHORT_TILES.items()
+            for dtype in ("bf16", "fp16") for causal in (False, True) if bounds[causal] > 0
         ]
         return keys
 
