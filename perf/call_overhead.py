@@ -34,7 +34,8 @@ compiled = compile_cache.get(key, fam.compile)
 out = torch.empty_like(q); lse = torch.empty(2, 2, 16, device="cuda")
 cts = [common.to_cute(t) for t in (q, k, v, out, lse)]
 stream = common.current_stream(q.device)
-extra = (0, 0, 1.0, None, None, None, None) if fam.backend == "sm90" else ()
+# window_left, window_right, softcap, the family's own arguments (sm90: CTA count, tile counter), varlen
+extra = (0, 0, 1.0, *fam.extra_args(key, q.device), None, None, None, None)
 print("backend", fam.backend)
 print(f"full flash_attn_func          {per_call(lambda: flash_attn_func(q, k, v)):8.1f} us")
 print(f"validate_dense                {per_call(lambda: validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)):8.1f} us")
@@ -44,6 +45,11 @@ print(f"compile_cache.get             {per_call(lambda: compile_cache.get(key, f
 print(f"to_cute x5                    {per_call(lambda: [common.to_cute(t) for t in (q, k, v, out, lse)]):8.1f} us")
 print(f"current_stream                {per_call(lambda: common.current_stream(q.device)):8.1f} us")
 print(f"compiled(pre-converted)       {per_call(lambda: compiled(*cts, 0.1, *extra, stream)):8.1f} us")
+print(f"family.key                    {per_call(lambda: fam.key(p, target_arch(), None)):8.1f} us")
+print(f"family.extra_args             {per_call(lambda: fam.extra_args(key, q.device)):8.1f} us")
+print(f"torch.empty x2 (out, lse)     {per_call(lambda: (torch.empty_like(q), torch.empty(2, 2, 16, device=q.device))):8.1f} us")
+print(f"launch_forward (keyed)        {per_call(lambda: common.launch_forward(compiled, key, q, k, v, p, None, None, None, fam.extra_args(key, q.device))):8.1f} us")
+print(f"family.forward                {per_call(lambda: fam.forward(q, k, v, p, None)):8.1f} us")
 print(f"torch.cuda.device ctx         {per_call(lambda: torch.cuda.device(q.device).__enter__()):8.1f} us")
 pr = cProfile.Profile(); pr.enable()
 for _ in range(300):

@@ -128,10 +128,50 @@ def to_cute(t: torch.Tensor) -> Any:
     return _TensorArg(t)
 
 
-def current_stream(device: torch.device) -> Any:
-    import cuda.bindings.driver as cuda
+class _ValueArg:
+    """A scalar or stream argument of a compiled kernel as the pointer its C entry reads: a ctypes
+    ``c_int32`` (Int32), ``c_float`` (Float32) or ``c_void_p`` (the CUstream handle, as the DSL's
+    stream adapter passes it). Built without the DSL's per-call cast and adapter lookup, which took
+    most of the compiled call's 71 us of a ~200 us ``flash_attn_func`` on an H100 node's host
+    (2026-11-21, perf/NOTES.md)."""
 
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    __slots__ = ("_value", "_pointers")
+
+    def __init__(self, value: ctypes._SimpleCData) -> None:
+        self._value = value  # must outlive the call
+        self._pointers = [ctypes.addressof(value)]
+
+    def __c_pointers__(self) -> list[int]:
+        return self._pointers
+
+
+class _AbsentArg:
+    """An argument compiled as None (a compile-time constant): it passes no pointer."""
+
+    __slots__ = ()
+
+    def __c_pointers__(self) -> list[int]:
+        return []
+
+
+_ABSENT = _AbsentArg()
+
+
+def kernel_arg(value: Any) -> Any:
+    """A call-time argument for a slot compiled as ``Int32`` (Python int), ``Float32`` (Python float)
+    or None; anything else (tensor and stream arguments) passes through."""
+    if value is None:
+        return _ABSENT
+    if type(value) is int:
+        return _ValueArg(ctypes.c_int32(value))
+    if type(value) is float:
+        return _ValueArg(ctypes.c_float(value))
+    return value
+
+
+def current_stream(device: torch.device) -> Any:
+    """The device's current stream as a kernel argument."""
+    return _ValueArg(ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream))
 
 
 def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -250,8 +290,9 @@ def launch_forward(
         int_args = (None, None, None, None)
     with torch.cuda.device(q.device):
         compiled(
-            *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)), p.softmax_scale, window_left, window_right, softcap,
-            *extra_args, *int_args, current_stream(q.device),
+            *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)),
+            *(kernel_arg(x) for x in (float(p.softmax_scale), window_left, window_right, float(softcap))),
+            *(kernel_arg(x) for x in extra_args), *(kernel_arg(x) for x in int_args), current_stream(q.device),
         )
     if key.head_dim_v != p.head_dim_v:
         out = out[..., : p.head_dim_v]
