@@ -68,3 +68,13 @@ def test_variant_compiles_with_tensor_cores_and_no_spills(compiled, arch, name, 
         assert spills == 0, f"{name} spills to local memory: {counts['LDL']} LDL, {counts['STL']} STL"
     elif spills:
         print(f"note: {name} has {spills} local-memory instructions (head dim {head_dim})")
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_launch_arguments_marshal_like_the_dsl(arch):
+    """The launch path's ready-made scalar/stream/None arguments reach the kernel as the same bytes
+    as the DSL's own conversion (tests/_launch_args.py; one fresh process per target arch)."""
+    proc = subprocess.run([sys.executable, "-m", "tests._launch_args", arch], env=subprocess_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    print(proc.stdout)

@@ -171,7 +171,12 @@ def kernel_arg(value: Any) -> Any:
 
 def current_stream(device: torch.device) -> Any:
     """The device's current stream as a kernel argument."""
-    return _ValueArg(ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream))
+    return current_stream_arg(torch.cuda.current_stream(device).cuda_stream)
+
+
+def current_stream_arg(handle: int) -> Any:
+    """A CUstream handle (``torch.cuda.Stream.cuda_stream``) as a kernel argument."""
+    return _ValueArg(ctypes.c_void_p(handle))
 
 
 def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:

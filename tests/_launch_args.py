@@ -1,0 +1,73 @@
+"""``python -m tests._launch_args ARCH``: the launch path's ready-made kernel arguments (scalars,
+stream, compiled-as-None slots: ``backends.common.kernel_arg`` / ``current_stream``) marshal to the
+same bytes as the DSL's own conversion of plain Python values, for one compiled key per launcher
+signature of the target (sm_90a: the sm90 forward; sm_80: the sm80 forward, backward and postprocess).
+Compiles with fake tensors (no GPU); exits non-zero with the differing argument on a mismatch."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+
+def check(compiled, args: tuple, stream_handle: int, label: str) -> None:
+    """``args``: the call's arguments before the stream; tensors ready-made (``to_cute``), the rest
+    plain Python values (float: Float32 slot, int: Int32 slot, None: compiled as None)."""
+    import cuda.bindings.driver as cuda
+
+    from flashattn_hopper.backends import common
+
+    # Both argument lists stay referenced: the marshalled pointers lead into these objects.
+    our_args = (*(common.kernel_arg(x) for x in args), common.current_stream_arg(stream_handle))
+    their_args = (*args, cuda.CUstream(stream_handle))
+    ours, _ = compiled.generate_execution_args(*our_args)
+    theirs, _ = compiled.generate_execution_args(*their_args)
+    assert len(ours) == len(theirs), f"{label}: {len(ours)} pointers vs the DSL's {len(theirs)}"
+
+    def read(pointer, size):
+        return ctypes.string_at(pointer.value if isinstance(pointer, ctypes.c_void_p) else int(pointer), size)
+
+    # bytes each pointer leads to: a tensor descriptor's data pointer, a 4-byte scalar, the stream handle
+    sizes = [8 if hasattr(x, "__c_pointers__") else 4 for x in args if x is not None] + [8]
+    for index, (a, b, size) in enumerate(zip(ours, theirs, sizes)):
+        assert read(a, size) == read(b, size), f"{label}: pointer {index} differs ({read(a, size).hex()} vs {read(b, size).hex()})"
+    print(f"ok {label}: {len(ours)} pointers")
+
+
+def main(arch: str) -> None:
+    os.environ["CUTE_DSL_ARCH"] = arch
+    import torch
+
+    from flashattn_hopper.backends import common
+    from flashattn_hopper.backends.sm80_bwd import BwdSm80
+    from flashattn_hopper.backends.sm80_fwd import FwdSm80
+    from flashattn_hopper.backends.sm90_fwd import FwdSm90
+    from flashattn_hopper.validate import AttnProblem
+
+    problem = AttnProblem(batch=2, seqlen_q=64, seqlen_k=64, nheads=4, nheads_k=4, head_dim=64, head_dim_v=64,
+                          dtype=torch.bfloat16, softmax_scale=0.125, causal=True, window_left=-1, window_right=-1,
+                          softcap=0.0, is_varlen=False)
+    bshd, rows = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 4, 64)
+    tensors = [common.to_cute(t) for t in (bshd, bshd, bshd, bshd, rows)]
+    varlen_none = (None, None, None, None)
+    if arch == "sm_90a":
+        family = FwdSm90()
+        counter = common.int_to_cute(torch.zeros(1, dtype=torch.int32))
+        compiled = family.compile(family.key(problem, arch, None))
+        # softmax_scale, window_left, window_right, softcap, max_ctas, tile counter, varlen slots
+        check(compiled, (*tensors, 0.125, 7, 3, 1.0, 132, counter, *varlen_none), 0x1234, "fwd_sm90")
+        return
+    family = FwdSm80()
+    check(family.compile(family.key(problem, arch)), (*tensors, 0.125, 7, 3, 1.0, *varlen_none), 0x1234, "fwd_sm80")
+    bwd = BwdSm80()
+    _, main_key, post_dq, _ = bwd.keys(problem, arch)
+    acc, sem = torch.zeros(2, 4, 128 * 64), torch.zeros(1, 1, 1, dtype=torch.int32)
+    main_tensors = [common.to_cute(t) for t in (bshd, bshd, bshd, bshd, rows, rows, acc, bshd, bshd, sem, sem)]
+    check(bwd.compile(main_key), (*main_tensors, 0.125, 7, 3, 1.0, 1, *varlen_none), 0x1234, "bwd_sm80")
+    post_tensors = [common.to_cute(acc), common.to_cute(bshd)]
+    check(bwd.compile(post_dq), (*post_tensors, 0.125, None, None), 0x1234, "bwd_post_sm80")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
