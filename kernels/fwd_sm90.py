@@ -46,7 +46,7 @@ from .common.mask import AttentionMask
 from .common.pack_gqa import pack_gqa_view
 from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.sm90_utils import (
-    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, wgmma,
+    acc_to_frag_a_sm90, make_smem_layout_sm90, same_smem_atom, select_head, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
 from .common.tile_scheduler import TileHandoff, TileScheduler
@@ -179,6 +179,13 @@ class FlashFwdSm90(FwdSm90Epilogue):
             persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
             <= _SMEM_CAPACITY
         )
+        if self.o_aliases_q and not same_smem_atom(dtype, head_dim, head_dim_v):
+            # sO's rows would not sit on the same warpgroup's sQ rows (a different swizzle atom
+            # tiles the buffer differently): a warpgroup's O could land on Q another one still reads.
+            raise ValueError(
+                f"FlashFwdSm90: sO must share sQ's buffer here, but head_dim_v {head_dim_v} has another "
+                f"shared-memory swizzle atom than head_dim {head_dim}; pad v to head_dim"
+            )
         self.release_q_before_next_q = persistent and self.o_aliases_q
         self.defer_store_wait = persistent and not self.o_aliases_q
         # Each MMA warpgroup stores its own 64 rows of O (its own named barrier and TMA store

@@ -115,7 +115,7 @@ def test_kernel_head_dim_padding(head_dim, head_dim_v, expected):
     assert configs.kernel_head_dim(configs.FWD_SM80_TILES, head_dim, head_dim_v) == expected
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(192, 128, (192, 128, 128, 128)), (128, 64, (128, 64, 128, 128)), (80, 40, (96, 64, 128, 128)), (64, 128, (128, 128, 128, 128))])
+@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(192, 128, (192, 128, 128, 128)), (128, 64, (128, 64, 128, 128)), (80, 40, (96, 96, 128, 128)), (128, 96, (128, 128, 128, 128)), (64, 128, (128, 128, 128, 128))])
 def test_sm90_key_runs_a_smaller_v_head_dim_at_its_own_width(head_dim, head_dim_v, expected):
     key = dispatch.FWD_KERNELS["sm90"].key(problem(head_dim=head_dim, head_dim_v=head_dim_v, seqlen_q=4096, seqlen_k=4096), "sm_90a")
     assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
@@ -177,3 +177,30 @@ def test_sm90_pack_gqa_choice(seqlen_q, nheads, nheads_k, varlen, expected):
 
     p = problem(seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k)
     assert pack_gqa_factor(p, 128, varlen) == expected
+
+
+def test_sm90_keys_never_alias_sO_across_swizzle_atoms():
+    """Every (head_dim, head_dim_v) the sm90 launcher keys builds a kernel whose sO, when it shares
+    sQ's buffer, has sQ's swizzle atom (else a warpgroup's O could overwrite another's Q); built
+    with one CTA per tile too, where sO always shares the buffer. The kernel itself refuses the rest."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from flashattn_hopper.kernels.fwd_sm90 import FlashFwdSm90
+
+    family = dispatch.FWD_KERNELS["sm90"]
+    for d in range(8, 257, 8):
+        for dv in range(8, 257, 8):
+            key = family.key(problem(head_dim=d, head_dim_v=dv, seqlen_q=4096, seqlen_k=4096), "sm_90a")
+            for persistent in (True, False):
+                FlashFwdSm90(cutlass.BFloat16, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, False,
+                             persistent=persistent)
+    with pytest.raises(ValueError, match="swizzle atom"):
+        FlashFwdSm90(cutlass.BFloat16, 128, 96, 128, 128, False, persistent=False)
+
+
+def test_window_sides_reach_the_kernels_as_int32():
+    from flashattn_hopper.backends.common import UNBOUNDED_WINDOW, window_args
+
+    assert window_args(problem(window_left=-1, window_right=0)) == (UNBOUNDED_WINDOW, 0)
+    assert window_args(problem(window_left=2**40, window_right=UNBOUNDED_WINDOW - 1)) == (UNBOUNDED_WINDOW, UNBOUNDED_WINDOW - 1)

@@ -94,7 +94,8 @@ def test_fwd_sm90_padded_head_dims(head_dim, head_dim_v):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fwd_sm90_smaller_v_head_dim(head_dim, head_dim_v, causal):
     """v's head dim below q's runs at its own width (192/128 with its own tile, sO in sQ's buffer;
-    256/128 with its own sO): several tiles per CTA, GQA, poisoned outputs, varlen with seqused."""
+    256/128 and 128/64 with their own sO; 96/64 padded, other swizzle atoms): several tiles per CTA,
+    GQA, poisoned outputs, varlen with seqused."""
     q, k, v = make_qkv(2, 1041, 1023, 8, 2, head_dim, dv=head_dim_v)
     check_parity(q, k, v, causal)
     check_poisoned_outputs(q, k, v, causal, "sm90")

@@ -154,14 +154,20 @@ class _AbsentArg:
         return []
 
 
-_ABSENT = _AbsentArg()
+@functools.cache
+def _absent_arg() -> Any:
+    """What a slot compiled as None gets: ``_AbsentArg``, or None itself in the DSL's debug mode
+    (``CUTE_DSL_DEBUG``), whose argument check accepts nothing else there."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    return None if BaseDSL._get_dsl().envar.debug else _AbsentArg()
 
 
 def kernel_arg(value: Any) -> Any:
     """A call-time argument for a slot compiled as ``Int32`` (Python int), ``Float32`` (Python float)
     or None; anything else (tensor and stream arguments) passes through."""
     if value is None:
-        return _ABSENT
+        return _absent_arg()
     if type(value) is int:
         return _ValueArg(ctypes.c_int32(value))
     if type(value) is float:
@@ -215,7 +221,9 @@ def mask_flags(p: AttnProblem) -> tuple[bool, bool]:
 
 
 def window_args(p: AttnProblem) -> tuple[int, int]:
-    return tuple(w if w >= 0 else UNBOUNDED_WINDOW for w in (p.window_left, p.window_right))
+    """(left, right) for the kernels' Int32 slots: unbounded sides, and sides as wide as the longest
+    sequence can be (>= 2**30), as ``UNBOUNDED_WINDOW``."""
+    return tuple(w if 0 <= w < UNBOUNDED_WINDOW else UNBOUNDED_WINDOW for w in (p.window_left, p.window_right))
 
 
 def int_ready(t: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,11 @@ class FwdSm90(FwdLauncher):
         dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
+        if (hdim % 64 == 0) != (hdim_v % 64 == 0):
+            # 96 tiles shared memory with a 64-byte swizzle atom, the other rows with 128 bytes; sO
+            # may share sQ's buffer only with the same atom (kernels/fwd_sm90.py), so such pairs
+            # (96/64, 128/96, ...) run v zero-padded to q's width.
+            hdim_v = hdim
         causal, local = mask_flags(p)
         # Varlen: seqlen_q is the total of all sequences, which says nothing about each one's length.
         seqlen_q = None if varlen is not None else p.seqlen_q
@@ -151,8 +156,15 @@ def tile_counter(device_index: int) -> Any:
     is zeroed once, when first used, instead of by a memset before every launch (2-4 us of a
     100-200 us causal call at 512-2k tokens). One per stream: launches on a stream run in order,
     launches on two streams may overlap. Under CUDA graph capture every call gets its own zeroed
-    counter (a captured memset): a replay may run beside eager calls on the capture stream."""
-    if torch.cuda.is_current_stream_capturing():
+    counter (a captured memset): a replay may run beside eager calls on the capture stream.
+    Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
+    destroyed stream's handle is not reused while its causal kernels still run."""
+    if device_index == torch.cuda.current_device():
+        capturing = torch.cuda.is_current_stream_capturing()
+    else:
+        with torch.cuda.device(device_index):
+            capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
         return int_to_cute(torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index)))
     return _stream_tile_counter(device_index, torch.cuda.current_stream(device_index).cuda_stream)
 

@@ -40,6 +40,16 @@ def make_smem_layout_sm90(
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
+def same_smem_atom(dtype: type[cutlass.Numeric], cols_a: int, cols_b: int) -> bool:
+    """Whether ``make_smem_layout_sm90`` tiles rows of ``cols_a`` and of ``cols_b`` elements with the
+    same swizzle atom (then a narrower view of one buffer keeps each row where the wider one has it)."""
+
+    def atom(cols: int):
+        return hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+
+    return atom(cols_a) == atom(cols_b)
+
+
 def wgmma(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,
