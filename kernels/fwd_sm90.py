@@ -58,6 +58,7 @@ from .common.utils import (
     transpose_view,
 )
 from .fwd_sm90_epilogue import FwdSm90Epilogue
+from .fwd_sm90_load import FwdSm90Load
 from .fwd_sm90_parts import (
     WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
     TmaAtoms,
@@ -73,7 +74,7 @@ _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90(FwdSm90Epilogue):
+class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -507,108 +508,6 @@ class FlashFwdSm90(FwdSm90Epilogue):
         )
         tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
         return has_tile, batch_idx, head_idx, seqlen, tile
-
-    @cute.jit
-    def load(
-        self,
-        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q | total_q, head_dim, nheads[, batch])
-        mK: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim, nheads_k[, batch])
-        mV: cute.Tensor,  # TMA coordinates of (seqlen_k | total_k, head_dim_v, nheads_k[, batch])
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        atoms: TmaAtoms,
-        pipes: Pipelines,
-        walk: TileWalk,
-    ):
-        """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
-        blocks in the consumers' order. The pipeline states run on across tiles."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if const_expr(self.release_q_before_next_q):
-            # sQ is not free at the start: the consumers release it before each Q they need.
-            q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tile_idx = walk.scheduler.first_tile()
-        while tile_idx < walk.scheduler.num_tiles:
-            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
-            if has_tile:
-                if tile.n_block_max > tile.n_block_min:
-                    head_idx_kv = head_idx // walk.qhead_per_kvhead
-                    # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the sequence).
-                    # (Assigned, not just passed: the DSL carries a loop's state through
-                    # the names the body assigns or calls methods on.)
-                    q_state, kv_state = self.load_tile(
-                        seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx),
-                        seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx),
-                        seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
-                        sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
-                    )
-            tile_idx = walk.scheduler.next_tile_producer(tile_idx, walk.handoff)
-
-    @cute.jit
-    def load_tile(
-        self,
-        mQ_cur: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim) of this (batch, head)
-        mK_cur: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim) of this (batch, kv head)
-        mV_cur: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v)
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        atoms: TmaAtoms,
-        pipes: Pipelines,
-        tile: TileCoord,
-        q_state: pipeline.PipelineState,
-        kv_state: pipeline.PipelineState,
-    ):
-        """One tile's loads (at least one key block); returns both states advanced past them."""
-        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
-        gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
-        cta_layout = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            atoms.q, 0, cta_layout, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        # ((atom, rest), stage) and ((atom, rest), n_block)
-        tKsK, tKgK = cpasync.tma_partition(
-            atoms.k, 0, cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            atoms.v, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
-        # (Persistent: K of this tile may land while the previous tile's epilogue still owns sQ.)
-        load_k = (atoms.k, tKgK, tKsK, pipes.k)
-        load_v = (atoms.v, tVgV, tVsV, pipes.v)
-        self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
-        pipes.q.producer_acquire(q_state)
-        cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
-        q_state.advance()
-        num_rest = tile.n_block_max - 1 - tile.n_block_min
-        if const_expr(self.intra_wg_overlap):
-            # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
-            for i in cutlass.range(num_rest, unroll=1):
-                n_block_prev = tile.n_block_max - 1 - i
-                state_prev = kv_state.clone()
-                kv_state.advance()
-                self._load_kv(*load_k, n_block_prev - 1, kv_state)
-                self._load_kv(*load_v, n_block_prev, state_prev)
-            self._load_kv(*load_v, tile.n_block_min, kv_state)
-        else:
-            self._load_kv(*load_v, tile.n_block_max - 1, kv_state)
-            for i in cutlass.range(num_rest, unroll=1):
-                kv_state.advance()
-                self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state)
-                self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
-        kv_state.advance()
-        return q_state, kv_state
-
-    def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
-        """Wait for a free stage, expect its bytes, issue the TMA of key block ``n_block`` into it."""
-        pipe.producer_acquire(state)
-        cute.copy(
-            tma_atom, tXgX[None, n_block], tXsX[None, state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(state),
-        )
 
     @cute.jit
     def mma(
