@@ -68,10 +68,13 @@ class FwdSm90(FwdLauncher):
         return None
 
     def _key(
-        self, arch: str, dtype: str, hdim: int, seqlen_q: int | None = None, hdim_v: int | None = None, **flags: Any
+        self, arch: str, dtype: str, hdim: int, seqlen_q: int | None = None, hdim_v: int | None = None,
+        tile: configs.FwdTileSm90 | None = None, **flags: Any,
     ) -> FwdSm90Key:
+        """``tile``: the caller's ``configs.sm90_fwd_tile`` for these arguments, if it has it."""
         hdim_v = hdim if hdim_v is None else hdim_v
-        tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q, hdim_v)
+        if tile is None:
+            tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q, hdim_v)
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
@@ -92,7 +95,7 @@ class FwdSm90(FwdLauncher):
         seqlen_q = None if varlen is not None else p.seqlen_q
         tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q, hdim_v)
         return self._key(
-            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, causal=causal, local=local, softcap=p.softcap > 0.0,
+            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, tile, causal=causal, local=local, softcap=p.softcap > 0.0,
             pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None,
             seqused_q=varlen is not None and varlen.seqused_q is not None,
