@@ -26,6 +26,10 @@ Constraints:
 - ``softmax_scale > 0``, ``softcap > 0`` when compiled in (``common/softmax.py``); window sides
   are runtime ``Int32``, an unbounded side is a huge value (``2**30``); lengths < ``2**30``.
 
+Files by role: this one (configuration, launch, prologue, the MMA warpgroups' main loop),
+``fwd_sm90_load.py`` (the producer warp's TMA loads), ``fwd_sm90_epilogue.py`` (O and LSE out),
+``fwd_sm90_parts.py`` (the records and named barriers they share).
+
 Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
 ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); design doc
 ``fa3_cute_design.md`` sections 1 (1.9 masks, 1.10 epilogue, 1.14 varlen).
