@@ -62,6 +62,7 @@ class FwdTileSm90:
     intra_wg_overlap: bool  # issue S_{j} = Q K_j^T before the softmax of the previous block ends
     pingpong: bool  # named-barrier ping-pong between the MMA warpgroups
     persistent: bool = False  # one CTA per SM walking the tiles (kernels/common/tile_scheduler.py)
+    num_stages: int = 2  # K/V shared-memory stages (the TMA ring's depth)
 
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.

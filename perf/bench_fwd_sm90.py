@@ -11,7 +11,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile),
   ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup),
   ``memset-counter`` (causal: a freshly zeroed tile counter per call instead of the stream's own),
-  ``padded-v`` (with ``--head-dim-v`` below hdim: V zero-padded to q's head dim, the 192 row's tile);
+  ``padded-v`` (with ``--head-dim-v`` below hdim: V zero-padded to q's head dim, the 192 row's tile),
+  ``stages3`` / ``stages4`` (a K/V ring of 3 / 4 shared-memory stages instead of 2);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -37,7 +38,8 @@ VARIANTS = {
     "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
     "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
-    "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
+    "padded-v": {"pad_v": True},
+    "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
 }
 
 

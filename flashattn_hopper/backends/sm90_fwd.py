@@ -41,6 +41,7 @@ class FwdSm90Key(KernelKey):
     persistent: bool = False  # one CTA per SM walking tiles (else one CTA per tile)
     pack_gqa: int = 1  # query heads per KV head packed into one tile's rows (1: not packed)
     wg_local_epilogue: bool = True  # each MMA warpgroup stores its own rows (no CTA-wide barrier)
+    num_stages: int = 2  # K/V shared-memory stages
 
 
 class FwdSm90(FwdLauncher):
@@ -78,7 +79,7 @@ class FwdSm90(FwdLauncher):
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
-            persistent=tile.persistent, **flags,
+            persistent=tile.persistent, num_stages=tile.num_stages, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -137,6 +138,7 @@ class FwdSm90(FwdLauncher):
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
+            num_stages=key.num_stages,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor
