@@ -1,7 +1,8 @@
 """``python -m tests._launch_args ARCH``: the launch path's ready-made kernel arguments (scalars,
 stream, compiled-as-None slots: ``backends.common.kernel_arg`` / ``current_stream``) marshal to the
-same bytes as the DSL's own conversion of plain Python values, for one compiled key per launcher
-signature of the target (sm_90a: the sm90 forward; sm_80: the sm80 forward, backward and postprocess).
+same bytes as the DSL's own conversion of plain Python values, and the pointers ``backends.common.launch``
+hands the executor are the DSL's own list, for one compiled key per launcher signature of the target
+(sm_90a: the sm90 forward; sm_80: the sm80 forward, preprocess, backward and postprocess).
 Compiles with fake tensors (no GPU); exits non-zero with the differing argument on a mismatch."""
 
 from __future__ import annotations
@@ -25,8 +26,17 @@ def check(compiled, args: tuple, stream_handle: int, label: str) -> None:
     theirs, _ = compiled.generate_execution_args(*their_args)
     assert len(ours) == len(theirs), f"{label}: {len(ours)} pointers vs the DSL's {len(theirs)}"
 
+    def address(pointer) -> int:
+        return pointer.value if isinstance(pointer, ctypes.c_void_p) else int(pointer)
+
     def read(pointer, size):
-        return ctypes.string_at(pointer.value if isinstance(pointer, ctypes.c_void_p) else int(pointer), size)
+        return ctypes.string_at(address(pointer), size)
+
+    # launch() skips generate_execution_args (except under CUTE_DSL_DEBUG, where absent slots are
+    # None): its flattened __c_pointers__ must be that very list.
+    if not common._dsl_debug():
+        direct = [p for a in our_args for p in a.__c_pointers__()]
+        assert direct == [address(p) for p in ours], f"{label}: launch() pointers {direct} vs the DSL's {ours}"
 
     # bytes each pointer leads to: a tensor descriptor's data pointer, a 4-byte scalar, the stream handle
     sizes = [8 if hasattr(x, "__c_pointers__") else 4 for x in args if x is not None] + [8]
@@ -61,8 +71,10 @@ def main(arch: str) -> None:
     family = FwdSm80()
     check(family.compile(family.key(problem, arch)), (*tensors, 0.125, 7, 3, 1.0, *varlen_none), 0x1234, "fwd_sm80")
     bwd = BwdSm80()
-    _, main_key, post_dq, _ = bwd.keys(problem, arch)
+    pre_key, main_key, post_dq, _ = bwd.keys(problem, arch)
     acc, sem = torch.zeros(2, 4, 128 * 64), torch.zeros(1, 1, 1, dtype=torch.int32)
+    pre_tensors = [common.to_cute(t) for t in (bshd, bshd, rows, rows, rows, acc)]
+    check(bwd.compile(pre_key), (*pre_tensors, None, None), 0x1234, "bwd_pre_sm80")
     main_tensors = [common.to_cute(t) for t in (bshd, bshd, bshd, bshd, rows, rows, acc, bshd, bshd, sem, sem)]
     check(bwd.compile(main_key), (*main_tensors, 0.125, 7, 3, 1.0, 1, *varlen_none), 0x1234, "bwd_sm80")
     post_tensors = [common.to_cute(acc), common.to_cute(bshd)]

@@ -23,7 +23,7 @@ from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, current_stream, cutlass_dtype, fake_bshd, int_ready,
-    int_to_cute, kernel_arg, mask_flags, pad_head_dim, to_cute, window_args,
+    int_to_cute, kernel_arg, launch, mask_flags, pad_head_dim, to_cute, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
@@ -328,16 +328,17 @@ class BwdSm80:
         cu_q, cu_k, su_q, su_k = (kernel_arg(x) for x in ints)
         with torch.cuda.device(dev):
             stream = current_stream(dev)
-            pre(*(to_cute(t) for t in (out_k, dout_k, lse_k, lse_log2, dpsum, dq_accum)), cu_q, su_q, stream)
-            main(
+            launch(pre, *(to_cute(t) for t in (out_k, dout_k, lse_k, lse_log2, dpsum, dq_accum)), cu_q, su_q, stream)
+            launch(
+                main,
                 *(to_cute(t) for t in (q_k, k_k, v_k, dout_k, lse_log2, dpsum, dq_accum, dk_main, dv_main,
                                        sem_q, sem_kv)),
                 *scalars, cu_q, cu_k, su_q, su_k, stream,
             )
-            post_dq(to_cute(dq_accum), to_cute(dq), scale, cu_q, su_q, stream)
+            launch(post_dq, to_cute(dq_accum), to_cute(dq), scale, cu_q, su_q, stream)
             if post_kv is not None:
-                post_kv(to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
-                post_kv(to_cute(dv_main), to_cute(dv), one, cu_k, su_k, stream)
+                launch(post_kv, to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
+                launch(post_kv, to_cute(dv_main), to_cute(dv), one, cu_k, su_k, stream)
         if d != p.head_dim:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d != p.head_dim_v:

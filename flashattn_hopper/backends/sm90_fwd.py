@@ -148,18 +148,19 @@ class FwdSm90(FwdLauncher):
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options, extra_args=(cutlass.Int32(1), counter)
         )
 
-    def extra_args(self, key: FwdSm90Key, device: torch.device) -> tuple[Any, ...]:
+    def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time) and, for the dynamic
-        schedule, a tile counter that is zero at launch (``tile_counter``)."""
+        schedule, a tile counter that is zero at launch on that stream (``tile_counter``)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return num_sms(index), tile_counter(index) if _dynamic(key) else None
+        return num_sms(index), tile_counter(index, stream_handle) if _dynamic(key) else None
 
 
-def tile_counter(device_index: int) -> Any:
+def tile_counter(device_index: int, stream_handle: int | None = None) -> Any:
     """The dynamic schedule's tile counter for the current stream of a device. The kernel leaves it
     at zero (its last fetch resets it, kernels/common/tile_scheduler.py), so each stream's counter
     is zeroed once, when first used, instead of by a memset before every launch (2-4 us of a
-    100-200 us causal call at 512-2k tokens). One per stream: launches on a stream run in order,
+    100-200 us causal call at 512-2k tokens); ``stream_handle`` is the launch's stream (None: the
+    device's current one). One per stream: launches on a stream run in order,
     launches on two streams may overlap. Under CUDA graph capture every call gets its own zeroed
     counter (a captured memset): a replay may run beside eager calls on the capture stream.
     Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
@@ -171,7 +172,9 @@ def tile_counter(device_index: int) -> Any:
             capturing = torch.cuda.is_current_stream_capturing()
     if capturing:
         return int_to_cute(torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index)))
-    return _stream_tile_counter(device_index, torch.cuda.current_stream(device_index).cuda_stream)
+    if stream_handle is None:
+        stream_handle = torch.cuda.current_stream(device_index).cuda_stream
+    return _stream_tile_counter(device_index, stream_handle)
 
 
 @functools.cache
