@@ -13,7 +13,8 @@ flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,6 +113,20 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _unused_semaphore(device_index: int) -> torch.Tensor:
+    """The semaphore slots' tensor when deterministic=0 (the kernel never touches it then): one
+    int32 per device, allocated once instead of a zeroed one per call; a fresh one under CUDA graph
+    capture (the graph's memory pool is not for tensors that outlive it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, 1, 1, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return _device_semaphore(device_index)
+
+
+@functools.cache
+def _device_semaphore(device_index: int) -> torch.Tensor:
+    return torch.zeros(1, 1, 1, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 def _int_arg(t: torch.Tensor | None) -> Any:
     return None if t is None else int_to_cute(int_ready(t))
 
@@ -155,12 +170,10 @@ class BwdSm80:
             arch, dtype, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k,
         )
-        post_dq, post_kv = self._post_keys(arch, dtype, hdim, is_varlen)
+        post_dq, post_kv = self._post_keys(arch, dtype, hdim, is_varlen, su_q, su_k)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, varlen=is_varlen, seqused=su_q),
-            main,
-            replace(post_dq, seqused=su_q),
-            replace(post_kv, seqused=su_k),
+            main, post_dq, post_kv,
         )
 
     def _main_key(self, arch: str, dtype: str, hdim: int, causal: bool, gqa: bool, **flags: bool) -> BwdKey:
@@ -172,13 +185,15 @@ class BwdSm80:
             dv_first=t.dv_first, **flags,
         )
 
-    def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
+    def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False, seqused_q: bool = False,
+                   seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
+        """(dQ postprocess, GQA dK/dV postprocess)."""
         t = configs.bwd_sm80_tiles(arch)[hdim]
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
-                       num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen),
+                       num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen, seqused=seqused_q),
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
-                       num_threads=_POST_THREADS, atom_m=0, varlen=varlen),
+                       num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k),
         )
 
     def all_keys(self, arch: str) -> list[KernelKey]:
@@ -320,7 +335,7 @@ class BwdSm80:
             sem_kv = (torch.zeros(b_scr, h_k, s_k_pad // main_key.tile_n, dtype=torch.int32, device=dev)
                       if main_key.gqa else sem_q)
         else:
-            sem_q = sem_kv = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
+            sem_q = sem_kv = _unused_semaphore(dev.index)
         scale, one = kernel_arg(float(p.softmax_scale)), kernel_arg(1.0)
         window_left, window_right = window_args(p) if main_key.local else (0, 0)
         scalars = (scale, *(kernel_arg(x) for x in (window_left, window_right, float(p.softcap) if main_key.softcap else 1.0,
@@ -328,14 +343,13 @@ class BwdSm80:
         cu_q, cu_k, su_q, su_k = (kernel_arg(x) for x in ints)
         with torch.cuda.device(dev):
             stream = current_stream(dev)
-            launch(pre, *(to_cute(t) for t in (out_k, dout_k, lse_k, lse_log2, dpsum, dq_accum)), cu_q, su_q, stream)
+            lse_log2_arg, dpsum_arg, dq_accum_arg, dout_arg = (to_cute(t) for t in (lse_log2, dpsum, dq_accum, dout_k))
+            launch(pre, to_cute(out_k), dout_arg, to_cute(lse_k), lse_log2_arg, dpsum_arg, dq_accum_arg, cu_q, su_q, stream)
             launch(
-                main,
-                *(to_cute(t) for t in (q_k, k_k, v_k, dout_k, lse_log2, dpsum, dq_accum, dk_main, dv_main,
-                                       sem_q, sem_kv)),
-                *scalars, cu_q, cu_k, su_q, su_k, stream,
+                main, *(to_cute(t) for t in (q_k, k_k, v_k)), dout_arg, lse_log2_arg, dpsum_arg, dq_accum_arg,
+                *(to_cute(t) for t in (dk_main, dv_main, sem_q, sem_kv)), *scalars, cu_q, cu_k, su_q, su_k, stream,
             )
-            launch(post_dq, to_cute(dq_accum), to_cute(dq), scale, cu_q, su_q, stream)
+            launch(post_dq, dq_accum_arg, to_cute(dq), scale, cu_q, su_q, stream)
             if post_kv is not None:
                 launch(post_kv, to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
                 launch(post_kv, to_cute(dv_main), to_cute(dv), one, cu_k, su_k, stream)
