@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from bench_fwd_sm90 import make_timer
+from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 GRAD_TOLERANCE = 0.1  # bf16 gradients of O(1) inputs: kernels that agree differ by ~1e-2
 
@@ -64,27 +64,22 @@ def main(argv: list[str]) -> int:
                     with sdpa_kernel(backend):
                         o = sdpa(*bhsd, is_causal=causal)
                     fns[name] = lambda o=o: torch.autograd.grad(o, bhsd, dout_bhsd, retain_graph=True)
-                tflops, times = {}, {}
+                tflops, timed = {}, []
                 for name, fn in fns.items():
                     try:
                         fn()
-                        times[name] = []
+                        timed.append(name)
                     except Exception as e:  # report and keep going: one broken cell must not hide the rest
                         tflops[name] = f"ERR({type(e).__name__})"
                         print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
-                if "sm80" in times and "flash" in times:
+                if "sm80" in timed and "flash" in timed:
                     ours, theirs = fns["sm80"](), fns["flash"]()
                     err = max((a - b.transpose(1, 2)).abs().max().item() for a, b in zip(ours, theirs))
                     if not err < GRAD_TOLERANCE:
                         tflops["sm80"] = f"WRONG({err:.2g})"
-                        del times["sm80"]
-                for _ in range(args.repeat):
-                    for name in times:
-                        times[name].append(timer(fns[name]))
-                for name, ms in times.items():
-                    tflops[name] = flops / sorted(ms)[len(ms) // 2] / 1e9
-                cells = [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-"))
-                         for c in cols]
+                        timed.remove("sm80")
+                tflops.update(time_interleaved(timer, fns, timed, args.repeat, flops))
+                cells = format_cells(tflops, cols)
                 ratios = []
                 for base in ("flash", "cudnn"):
                     a, b = tflops.get("sm80"), tflops.get(base)

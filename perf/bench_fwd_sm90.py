@@ -106,6 +106,21 @@ def make_timer():
         return timer
 
 
+def time_interleaved(timer, fns: dict, names: list[str], repeat: int, flops: float) -> dict[str, float]:
+    """TFLOP/s of each named callable, the median over ``repeat`` rounds. Rounds interleave the
+    columns, so a clock or thermal drift hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeat):
+        for name in names:
+            times[name].append(timer(fns[name]))
+    return {name: flops / sorted(ms)[len(ms) // 2] / 1e9 for name, ms in times.items()}
+
+
+def format_cells(tflops: dict, cols: list[str]) -> list[str]:
+    """Table cells: TFLOP/s, or the column's note (WRONG(...), ERR(...)), or '-'."""
+    return [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-")) for c in cols]
+
+
 def visible_pairs(s_q: int, s_k: int, causal: bool, window: tuple[int, int]) -> int:
     """(query, key) pairs the causal/window mask leaves visible (bottom-right aligned)."""
     left, right = window
@@ -235,7 +250,7 @@ def main(argv: list[str]) -> int:
                             return sdpa(qt, kt, vt, is_causal=causal)
 
                     fns["cudnn"], fns["flash"] = cudnn, flash
-                tflops, times = {}, {}
+                tflops, timed = {}, []
                 for name, fn in fns.items():
                     try:
                         out = fn()
@@ -244,18 +259,12 @@ def main(argv: list[str]) -> int:
                             if not err < 0.05:
                                 tflops[name] = f"WRONG({err:.2g})"
                                 continue
-                        times[name] = []
+                        timed.append(name)
                     except Exception as e:  # report and keep going: one broken cell must not hide the rest
                         tflops[name] = f"ERR({type(e).__name__})"
                         print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
-                # Rounds interleave the columns, so a clock or thermal drift hits them all alike.
-                for _ in range(args.repeat):
-                    for name in times:
-                        times[name].append(timer(fns[name]))
-                for name, ms in times.items():
-                    tflops[name] = flops / sorted(ms)[len(ms) // 2] / 1e9
-                cells = [f"{tflops[c]:.0f}" if isinstance(tflops.get(c), float) else str(tflops.get(c, "-"))
-                         for c in cols]
+                tflops.update(time_interleaved(timer, fns, timed, args.repeat, flops))
+                cells = format_cells(tflops, cols)
                 full, cud = tflops.get(cols[0]), tflops.get("cudnn")
                 ratio = f"{full / cud:.2f}" if isinstance(full, float) and isinstance(cud, float) else "-"
                 print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells) + f" | {ratio} |",
