@@ -126,8 +126,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     barrier first guarantees its QK^T WGMMAs have read its rows of sQ / the previous store has
     read sO), LSE from registers, then dense: a TMA store issued by the warpgroup's first warp
     (rows past ``seqlen_q`` are clipped by the TMA unit); varlen: the warpgroup copies 16-byte
-    row chunks from sO to gmem, rows past the sequence predicated off. A CTA that sees no key (causal/local, or ``seqlen_k = 0``) loads
-    nothing and stores O = 0, LSE = -inf.
+    row chunks from sO to gmem, rows past the sequence predicated off. A CTA that sees no key
+    (causal/local, or ``seqlen_k = 0``) loads nothing and stores O = 0, LSE = -inf.
     """
 
     def __init__(

@@ -38,8 +38,8 @@ VARIANTS = {
     "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
     "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
-    "padded-v": {"pad_v": True},
-    "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
+    "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
+    "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
 }
 
 

@@ -338,13 +338,15 @@ class BwdSm80:
             sem_q = sem_kv = _unused_semaphore(dev.index)
         scale, one = kernel_arg(float(p.softmax_scale)), kernel_arg(1.0)
         window_left, window_right = window_args(p) if main_key.local else (0, 0)
-        scalars = (scale, *(kernel_arg(x) for x in (window_left, window_right, float(p.softcap) if main_key.softcap else 1.0,
-                                                    int(deterministic))))
+        softcap = float(p.softcap) if main_key.softcap else 1.0
+        scalars = (scale, *(kernel_arg(x) for x in (window_left, window_right, softcap, int(deterministic))))
         cu_q, cu_k, su_q, su_k = (kernel_arg(x) for x in ints)
         with torch.cuda.device(dev):
             stream = current_stream(dev)
             lse_log2_arg, dpsum_arg, dq_accum_arg, dout_arg = (to_cute(t) for t in (lse_log2, dpsum, dq_accum, dout_k))
-            launch(pre, to_cute(out_k), dout_arg, to_cute(lse_k), lse_log2_arg, dpsum_arg, dq_accum_arg, cu_q, su_q, stream)
+            launch(
+                pre, to_cute(out_k), dout_arg, to_cute(lse_k), lse_log2_arg, dpsum_arg, dq_accum_arg, cu_q, su_q, stream,
+            )
             launch(
                 main, *(to_cute(t) for t in (q_k, k_k, v_k)), dout_arg, lse_log2_arg, dpsum_arg, dq_accum_arg,
                 *(to_cute(t) for t in (dk_main, dv_main, sem_q, sem_kv)), *scalars, cu_q, cu_k, su_q, su_k, stream,

@@ -2,8 +2,9 @@
 
 Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA. Head
 dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds them, v's by its own
-row when smaller than q's (192/128 natively; inputs zero-padded in Python, the output sliced back). Nothing here reads device memory: ``cu_seqlens``,
-``seqused`` and a tensor ``max_seqlen`` stay on the GPU (the varlen grid is an upper bound).
+row when smaller than q's (192/128 natively; inputs zero-padded in Python, the output sliced back).
+Nothing here reads device memory: ``cu_seqlens``, ``seqused`` and a tensor ``max_seqlen`` stay on
+the GPU (the varlen grid is an upper bound).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class FwdSm90(FwdLauncher):
         """``tile``: the caller's ``configs.sm90_fwd_tile`` for these arguments, if it has it."""
         hdim_v = hdim if hdim_v is None else hdim_v
         if tile is None:
-            tile = configs.sm90_fwd_tile(hdim, flags.get("causal", False) or flags.get("local", False), seqlen_q, hdim_v)
+            masked = flags.get("causal", False) or flags.get("local", False)
+            tile = configs.sm90_fwd_tile(hdim, masked, seqlen_q, hdim_v)
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
@@ -96,7 +98,8 @@ class FwdSm90(FwdLauncher):
         seqlen_q = None if varlen is not None else p.seqlen_q
         tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q, hdim_v)
         return self._key(
-            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, tile, causal=causal, local=local, softcap=p.softcap > 0.0,
+            arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, tile, causal=causal, local=local,
+            softcap=p.softcap > 0.0,
             pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None,
             seqused_q=varlen is not None and varlen.seqused_q is not None,
