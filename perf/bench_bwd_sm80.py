@@ -1,7 +1,7 @@
 """Backward benchmark of the Ampere FA2 path (kernels/bwd_pre.py, bwd_sm80.py, bwd_post.py; not a test).
 
     python perf/bench_bwd_sm80.py [--hdims 64 128 256] [--seqlens 512 ... 16384] [--causal off on]
-                                  [--repeat N] [--deterministic]
+                                  [--repeat N] [--deterministic] [--variants no-stagger ...]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm80"``: preprocess,
@@ -11,12 +11,15 @@ gradients are checked against SDPA flash's on the same inputs (max abs differenc
 below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench`` median (warm-up 25 ms, 100 ms
 of reps) when triton imports, else CUDA events; ``--repeat N`` times every column N times,
 interleaved (a clock drift hits all alike), and reports the median. FLOPs = 2.5 * 4 * b * h * s^2 * d
-(x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / FA2, ours / cuDNN.
+(x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / FA2, ours / cuDNN. ``--variants``
+adds columns of our backward with fields of the main kernel's key overridden (A/B runs; each is
+checked like ours and reported against FA2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -24,6 +27,34 @@ import torch
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 GRAD_TOLERANCE = 0.1  # bf16 gradients of O(1) inputs: kernels that agree differ by ~1e-2
+# Main-kernel key fields overridden per variant column. The stagger only exists without a causal or
+# local mask, so those keys keep their shipped value.
+VARIANTS = {
+    "no-stagger": {"stagger_m_blocks": False},  # every key block walks the query blocks from the first
+    "stagger": {"stagger_m_blocks": True},
+}
+
+
+def with_main_key(fn, overrides: dict):
+    """``fn`` run with ``BwdSm80``'s main-kernel keys overridden by ``overrides``."""
+    from flashattn_hopper.backends.sm80_bwd import BwdSm80
+
+    def run():
+        shipped = BwdSm80._main_key
+
+        def main_key(self, *args, **kwargs):
+            key = shipped(self, *args, **kwargs)
+            if key.causal or key.local:
+                return key
+            return dataclasses.replace(key, **overrides)
+
+        BwdSm80._main_key = main_key
+        try:
+            return fn()
+        finally:
+            BwdSm80._main_key = shipped
+
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -34,6 +65,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="time every column this many times, interleaved, and report the median")
     ap.add_argument("--deterministic", action="store_true", help="our backward with deterministic=True")
+    ap.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                    help="extra columns: our backward with main-kernel key fields overridden")
     args = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -44,9 +77,11 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# bwd, bf16, 16k tokens, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"deterministic={args.deterministic}, repeat={args.repeat}\n")
-    cols = ["sm80", "flash", "cudnn"]
-    print("| hdim | seqlen | causal | " + " | ".join(cols) + " | sm80/flash | sm80/cudnn |")
-    print("|" + "---|" * (len(cols) + 5))
+    ours_cols = ["sm80", *(f"sm80-{name}" for name in args.variants)]
+    cols = [*ours_cols, "flash", "cudnn"]
+    ratio_cols = [f"{c}/flash" for c in ours_cols] + ["sm80/cudnn"]
+    print("| hdim | seqlen | causal | " + " | ".join(cols + ratio_cols) + " |")
+    print("|" + "---|" * (len(cols) + len(ratio_cols) + 3))
     for hdim in args.hdims:
         for seqlen in args.seqlens:
             for causal in (c == "on" for c in args.causal):
@@ -58,6 +93,8 @@ def main(argv: list[str]) -> int:
                 leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
                 out = flash_attn_func(*leaves, causal=causal, deterministic=args.deterministic, backend="sm80")
                 fns = {"sm80": lambda o=out, x=leaves: torch.autograd.grad(o, x, dout, retain_graph=True)}
+                for name in args.variants:
+                    fns[f"sm80-{name}"] = with_main_key(fns["sm80"], VARIANTS[name])
                 bhsd = tuple(t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 dout_bhsd = dout.transpose(1, 2).contiguous()
                 for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -72,17 +109,18 @@ def main(argv: list[str]) -> int:
                     except Exception as e:  # report and keep going: one broken cell must not hide the rest
                         tflops[name] = f"ERR({type(e).__name__})"
                         print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
-                if "sm80" in timed and "flash" in timed:
-                    ours, theirs = fns["sm80"](), fns["flash"]()
-                    err = max((a - b.transpose(1, 2)).abs().max().item() for a, b in zip(ours, theirs))
-                    if not err < GRAD_TOLERANCE:
-                        tflops["sm80"] = f"WRONG({err:.2g})"
-                        timed.remove("sm80")
+                for col in ours_cols:
+                    if col in timed and "flash" in timed:
+                        ours, theirs = fns[col](), fns["flash"]()
+                        err = max((a - b.transpose(1, 2)).abs().max().item() for a, b in zip(ours, theirs))
+                        if not err < GRAD_TOLERANCE:
+                            tflops[col] = f"WRONG({err:.2g})"
+                            timed.remove(col)
                 tflops.update(time_interleaved(timer, fns, timed, args.repeat, flops))
                 cells = format_cells(tflops, cols)
                 ratios = []
-                for base in ("flash", "cudnn"):
-                    a, b = tflops.get("sm80"), tflops.get(base)
+                for col, base in [(col, "flash") for col in ours_cols] + [("sm80", "cudnn")]:
+                    a, b = tflops.get(col), tflops.get(base)
                     ratios.append(f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "-")
                 print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells + ratios) + " |",
                       flush=True)
