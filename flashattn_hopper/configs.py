@@ -205,13 +205,6 @@ BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
 }
 
 
-# Non-causal, non-local sm80 backward: key block n walks the query blocks from n (mod their count),
-# wrapping around, instead of every key block from the first (kernels/bwd_sm80.py). Aim: the CTAs of one
-# head, which run together, then reduce-add their dQ into different dQaccum tiles instead of all into
-# the same one at once (128 CTAs per tile at 16k); causal/local walks already start at the diagonal.
-BWD_SM80_STAGGER_M_BLOCKS = True
-
-
 def bwd_sm80_tiles(arch: str) -> dict[int, BwdSm80Tile]:
     """BWD_SM80_TILES with the rows of BWD_SM80_TILES_SM90 on sm_90 targets."""
     if arch.startswith("sm_90"):

@@ -126,6 +126,7 @@ class MBlockStep:
     acc_dK: cute.Tensor
     acc_dV: cute.Tensor
     n_block: Int32
+    m_block_max: Int32
     seqlen_q: Int32
     row_offset: Int32  # this sequence's first scratch row (varlen; 0 dense)
     scale_log2: Float32
@@ -138,8 +139,7 @@ class FlashBwdSm80:
 
     Grid ``(ceil(seqlen_k / tile_n), nheads, batch)``; ``num_threads / 32`` warps, no warp
     specialisation. K and V of the block are loaded once; the CTA walks the query blocks
-    ``m_block_min .. m_block_max - 1`` (causal: from the first one that sees the block; with
-    ``stagger_m_blocks`` from ``m_block_min + n_block % count``, wrapping around), keeping
+    ``m_block_min .. m_block_max - 1`` (causal: from the first one that sees the block), keeping
     ``acc_dK``/``acc_dV`` in fp32 registers. Three tiled MMAs (warps ``atom_m x (W / atom_m)``):
     ``S/dP`` over ``(tile_m, tile_n)``, ``dK/dV`` over ``(tile_n, head_dim)``, ``dQ`` over
     ``(tile_m, head_dim)``. The transposed operands (P^T, dS^T, dO^T, Q^T, K^T) are read from the
@@ -197,7 +197,6 @@ class FlashBwdSm80:
         stages_q: int = 2,
         stages_do: int = 2,
         dv_first: bool = False,
-        stagger_m_blocks: bool = False,
         arch: str = "sm_80",
     ):
         reason = self.can_implement(
@@ -224,11 +223,6 @@ class FlashBwdSm80:
         self.stages_q = stages_q
         self.stages_do = stages_do
         self.dv_first = dv_first
-        # Non-causal, non-local, not deterministic (a runtime flag: it switches the stagger off):
-        # key block n starts its walk at query block n (mod the count) and wraps around, so the
-        # CTAs of one head reduce-add into different dQaccum tiles at any moment instead of all
-        # into the same one (the walk of a causal/local block already starts at its diagonal).
-        self.stagger_m_blocks = stagger_m_blocks and not (is_causal or is_local)
 
     @staticmethod
     def can_implement(
@@ -553,6 +547,7 @@ class FlashBwdSm80:
             acc_dK=acc_dK,
             acc_dV=acc_dV,
             n_block=n_block,
+            m_block_max=m_block_max,
             seqlen_q=seqlen_q,
             row_offset=row_offset_q,
             scale_log2=scale_log2,
@@ -560,28 +555,17 @@ class FlashBwdSm80:
             deterministic=deterministic,
         )
 
-        num_m_blocks = m_block_max - m_block_min
-        first_m_block = m_block_min
-        if const_expr(self.stagger_m_blocks):
-            if deterministic == 0 and num_m_blocks > 0:
-                first_m_block = m_block_min + n_block % num_m_blocks
         if m_block_min < m_block_max:
             load_K(n_block, seqlen_k)
             load_V(n_block, seqlen_k)
-            load_Q(first_m_block, seqlen_q, Int32(0))
-            load_dO(first_m_block, seqlen_q, Int32(0))
+            load_Q(m_block_min, seqlen_q, Int32(0))
+            load_dO(m_block_min, seqlen_q, Int32(0))
         cute.arch.cp_async_commit_group()
-        m_block = first_m_block
-        for i in cutlass.range(num_m_blocks, unroll=1):
-            stage = i % 2
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            stage = (m_block - m_block_min) % 2
             stage_q = stage if const_expr(self.stages_q == 2) else Int32(0)
             stage_do = stage if const_expr(self.stages_do == 2) else Int32(0)
-            next_m_block = m_block + 1
-            if const_expr(self.stagger_m_blocks):
-                if next_m_block == m_block_max:  # wrap around to the first query block
-                    next_m_block = m_block_min
-            self.compute_one_m_block(m_block, next_m_block, i + 1 < num_m_blocks, stage_q, stage_do, step)
-            m_block = next_m_block
+            self.compute_one_m_block(m_block, stage_q, stage_do, step)
 
         row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
         if const_expr(self.is_gqa):
@@ -642,10 +626,9 @@ class FlashBwdSm80:
         )
 
     @cute.jit
-    def compute_one_m_block(self, m_block: Int32, next_m_block: Int32, has_next: cutlass.Boolean,
-                            stage_q: Int32, stage_do: Int32, step: MBlockStep):
-        """One query block: recompute P, form dS, accumulate dV, dK and (atomically) dQ.
-        ``next_m_block``: the block the walk visits next (loaded during this one), if ``has_next``."""
+    def compute_one_m_block(self, m_block: Int32, stage_q: Int32, stage_do: Int32,
+                            step: MBlockStep):
+        """One query block: recompute P, form dS, accumulate dV, dK and (atomically) dQ."""
         q_double = const_expr(self.stages_q == 2)
         do_double = const_expr(self.stages_do == 2)
         # Q/dO of this block (and K/V on the first block) have landed for every thread; every
@@ -653,11 +636,11 @@ class FlashBwdSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if const_expr(q_double or do_double):
-            if has_next:
+            if m_block + 1 < step.m_block_max:
                 if const_expr(q_double):
-                    step.load_Q(next_m_block, step.seqlen_q, 1 - stage_q)
+                    step.load_Q(m_block + 1, step.seqlen_q, 1 - stage_q)
                 if const_expr(do_double):
-                    step.load_dO(next_m_block, step.seqlen_q, 1 - stage_do)
+                    step.load_dO(m_block + 1, step.seqlen_q, 1 - stage_do)
             cute.arch.cp_async_commit_group()
 
         num_rows = cute.size(step.tScS_mn.shape[0])
@@ -709,32 +692,32 @@ class FlashBwdSm80:
             step.gemm_dV(step.acc_dV, stage_do)
             step.gemm_dK(step.acc_dK, stage_q)
             cute.arch.barrier()
-            if has_next:
-                step.load_Q(next_m_block, step.seqlen_q, Int32(0))
-                step.load_dO(next_m_block, step.seqlen_q, Int32(0))
+            if m_block + 1 < step.m_block_max:
+                step.load_Q(m_block + 1, step.seqlen_q, Int32(0))
+                step.load_dO(m_block + 1, step.seqlen_q, Int32(0))
             cute.arch.cp_async_commit_group()
         else:
             if const_expr(self.dv_first):
-                self._dv_step(next_m_block, has_next, stage_do, step)
+                self._dv_step(m_block, stage_do, step)
             self._dq_step(m_block, step)
             if const_expr(not self.dv_first):
-                self._dv_step(next_m_block, has_next, stage_do, step)
+                self._dv_step(m_block, stage_do, step)
             step.gemm_dK(step.acc_dK, stage_q)
             if const_expr(not q_double):
                 # One Q buffer: the next block's Q waits until every warp has read this one.
                 cute.arch.barrier()
-                if has_next:
-                    step.load_Q(next_m_block, step.seqlen_q, Int32(0))
+                if m_block + 1 < step.m_block_max:
+                    step.load_Q(m_block + 1, step.seqlen_q, Int32(0))
                 cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _dv_step(self, next_m_block: Int32, has_next: cutlass.Boolean, stage_do: Int32, step: MBlockStep):
+    def _dv_step(self, m_block: Int32, stage_do: Int32, step: MBlockStep):
         """dV += P^T dO; with one dO buffer, then refill it (dV is dO's last reader)."""
         step.gemm_dV(step.acc_dV, stage_do)
         if const_expr(self.stages_do == 1):
             cute.arch.barrier()
-            if has_next:
-                step.load_dO(next_m_block, step.seqlen_q, Int32(0))
+            if m_block + 1 < step.m_block_max:
+                step.load_dO(m_block + 1, step.seqlen_q, Int32(0))
             cute.arch.cp_async_commit_group()
 
     @cute.jit

@@ -82,9 +82,6 @@ class BwdKey(KernelKey):
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
-    # Non-causal, non-local: each key block's walk over the query blocks starts at its own
-    # (kernels/bwd_sm80.py); set from configs.BWD_SM80_STAGGER_M_BLOCKS.
-    stagger_m_blocks: bool = False
 
 
 def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
@@ -185,9 +182,7 @@ class BwdSm80:
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m, tile_n=t.tile_n,
             num_threads=t.num_threads, atom_m_sdp=t.atom_m_sdp, atom_n_dkv=t.atom_n_dkv, atom_m_dq=t.atom_m_dq,
             causal=causal, gqa=gqa, stages_q=t.stages_q, stages_do=t.stages_do,
-            dv_first=t.dv_first,
-            stagger_m_blocks=configs.BWD_SM80_STAGGER_M_BLOCKS and not (causal or flags.get("local", False)),
-            **flags,
+            dv_first=t.dv_first, **flags,
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False, seqused_q: bool = False,
@@ -273,7 +268,7 @@ class BwdSm80:
         kernel = FlashBwdSm80(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
             k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, stages_q=k.stages_q,
-            stages_do=k.stages_do, dv_first=k.dv_first, stagger_m_blocks=k.stagger_m_blocks, arch=k.arch,
+            stages_do=k.stages_do, dv_first=k.dv_first, arch=k.arch,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
