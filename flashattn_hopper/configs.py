@@ -162,6 +162,9 @@ class BwdSm80Tile:
     stages_q: int = 2
     stages_do: int = 2
     dv_first: bool = False  # dV GEMM before dQ (FA2's order) instead of dQ, dV, dK
+    # P and dS to smem with stmatrix (sm_90 rows only) instead of 32-bit shared stores: a quarter of
+    # the store instructions in the MIO queue the warps wait on (ldmatrix, shared stores and exp2).
+    stmatrix_pds: bool = False
 
 
 # Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, K/V once per CTA.
@@ -190,6 +193,11 @@ BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
 # Rows that replace BWD_SM80_TILES when the sm80 backward is compiled for sm_90a (H100/H200): the
 # same mma.sync kernel with Hopper's 227 KiB of smem per CTA.
 BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
+    # BWD_SM80_TILES' 128x128 with P and dS stored by stmatrix: +2-3 % at 1k-16k, causal or not (H100,
+    # 2026-11-21, 3 interleaved repeats; ncu at 16k: MIO-queue stalls -12 %, time -2 %). At d128 it
+    # spills 1-4 registers and loses 1-6 %, at d256 it loses 1-2 % (perf/NOTES_sm80_bwd.md).
+    64: BwdSm80Tile(tile_m=128, tile_n=128, num_threads=256, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4,
+                    stmatrix_pds=True),
     # 128x64, warps 4x2 / 2x4 / 2x4, 2 Q + 1 dO stages (224 KiB), dV GEMM first so the dO refill
     # overlaps the dQ and dK GEMMs (dQ first, dO refill overlapping dK only: within +-1.5 %):
     # 32-row warps in the S/dP GEMMs read fewer smem bytes per MMA than 64x64's 16-row ones.
@@ -203,6 +211,17 @@ BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
     256: BwdSm80Tile(tile_m=64, tile_n=64, num_threads=256, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=2,
                      dv_first=True),
 }
+
+
+def bwd_dq_red_vec(arch: str) -> int:
+    """fp32 values per dQ reduce-add of the sm80 backward (kernels/bwd_sm80.py): 4 on sm_90 targets,
+    where PTX has ``red.global.add.v4.f32``, 1 on sm_80. Why: on an H100 (ncu, hdim 64, 16k,
+    non-causal, 2026-11-21) our kernel issued the same number of ldmatrix, shared stores, global
+    reductions and MMAs as FA2's but its warps waited ~48k cycles each for a full load-store queue
+    (``lg_throttle``; FA2's: 34) behind the 32 scalar reductions per thread per query block, issued
+    back to back; v4 issues 8 (lg_throttle 10k). Time: +1-3 % at hdim 256, within +-1 % at 64/128
+    (the wait moved to the MIO queue; 3 interleaved repeats, perf/NOTES_sm80_bwd.md)."""
+    return 4 if arch.startswith("sm_90") else 1
 
 
 def bwd_sm80_tiles(arch: str) -> dict[int, BwdSm80Tile]:

@@ -43,11 +43,12 @@ class FlashBwdPostprocess:
     """Grid ``(ceil(seqlen / tile_m), nheads, batch)``.
 
     Row-major mode: each thread converts 4 values per copy. Fragment mode (``atom_m``): each
-    thread converts its dQ-MMA fragment of the tile, stages it in smem, then stores rows.
+    thread converts its dQ-MMA fragment of the tile (laid out ``fragment_accum(..., vec)``, as
+    the main kernel reduce-added it), stages it in smem, then stores rows.
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
-                 num_threads: int = 128, atom_m: int | None = None):
+                 num_threads: int = 128, atom_m: int | None = None, vec: int = 1):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
@@ -56,6 +57,7 @@ class FlashBwdPostprocess:
         self.tile_m = tile_m
         self.num_threads = num_threads
         self.atom_m = atom_m
+        self.vec = vec  # fp32 values per dQ reduce-add of the main kernel (its dq_red_vec)
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
@@ -200,7 +202,7 @@ class FlashBwdPostprocess:
         tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
         gAcc = fragment_accum(
-            mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx,
+            mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx, self.vec,
         )
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = gAcc[i] * scale

@@ -197,11 +197,13 @@ class FlashBwdSm80:
         stages_q: int = 2,
         stages_do: int = 2,
         dv_first: bool = False,
+        dq_red_vec: int = 1,
+        stmatrix_pds: bool = False,
         arch: str = "sm_80",
     ):
         reason = self.can_implement(
             dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
-            stages_q, stages_do, arch,
+            stages_q, stages_do, arch, dq_red_vec, stmatrix_pds,
         )
         if is_causal and is_local:
             reason = "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
@@ -223,11 +225,18 @@ class FlashBwdSm80:
         self.stages_q = stages_q
         self.stages_do = stages_do
         self.dv_first = dv_first
+        # fp32 values per dQ reduce-add (``red.global.add.v4.f32`` on sm_90: a quarter of the
+        # load-store queue entries); it sets the dQaccum layout the dQ postprocess must read.
+        self.dq_red_vec = dq_red_vec
+        # P and dS to smem with stmatrix (sm_90): a quarter of the shared-store instructions of
+        # 32-bit stores, in a kernel whose warps wait on the MIO queue (ldmatrix, shared stores
+        # and exp2 share it).
+        self.stmatrix_pds = stmatrix_pds
 
     @staticmethod
     def can_implement(
         dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
-        stages_q=2, stages_do=2, arch="sm_80",
+        stages_q=2, stages_do=2, arch="sm_80", dq_red_vec=1, stmatrix_pds=False,
     ) -> str | None:
         """None if this static config compiles into a correct kernel for ``arch`` (its shared
         memory capacity: sm_80 164 KiB, sm_90 227 KiB), else the reason why not."""
@@ -237,6 +246,10 @@ class FlashBwdSm80:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
         if num_threads <= 0 or num_threads % 32 != 0:
             return f"num_threads must be a positive multiple of 32, got {num_threads}"
+        if dq_red_vec not in (1, 4) or (dq_red_vec == 4 and not arch.startswith("sm_90")):
+            return f"dq_red_vec must be 1, or 4 on sm_90 (red.global.add.v4.f32), got {dq_red_vec} on {arch}"
+        if stmatrix_pds and not arch.startswith("sm_90"):
+            return f"stmatrix_pds needs sm_90 (stmatrix), got {arch}"
         if stages_q not in (1, 2) or stages_do not in (1, 2):
             return f"stages_q/stages_do (Q/dO buffers) must be 1 or 2, got {stages_q}/{stages_do}"
         for name, tile in (("tile_m", tile_m), ("tile_n", tile_n)):
@@ -513,10 +526,15 @@ class FlashBwdSm80:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        r2s_PdS = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
-            tiled_mma_sdp,
-        ).get_slice(tidx)
+        if const_expr(self.stmatrix_pds):
+            store_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            )
+        else:
+            store_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32
+            )
+        r2s_PdS = cute.make_tiled_copy_C(store_atom, tiled_mma_sdp).get_slice(tidx)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         step = MBlockStep(
             gemm_S=self._gemm(tiled_mma_sdp, sQ, sK, tidx, a_staged=True),
@@ -733,7 +751,8 @@ class FlashBwdSm80:
         tidx = cute.arch.thread_idx()[0]
         q_block = step.row_offset // self.tile_m + m_block  # m_block's tile in the scratch
         gdQaccum = fragment_accum(
-            step.mdQaccum, self.tile_m * self.head_dim, self.num_threads, q_block, tidx
+            step.mdQaccum, self.tile_m * self.head_dim, self.num_threads, q_block, tidx,
+            self.dq_red_vec,
         )
         if step.deterministic != 0:
             turn = step.n_block
@@ -745,7 +764,7 @@ class FlashBwdSm80:
                 )
                 turn = n_block_max - 1 - step.n_block
             semaphore_wait(step.mdQ_sem, q_block, turn, tidx)
-        red_add_tile(acc_dQ, gdQaccum)
+        red_add_tile(acc_dQ, gdQaccum, self.dq_red_vec)
         if step.deterministic != 0:
             semaphore_signal(step.mdQ_sem, q_block, tidx)
 

@@ -1,7 +1,7 @@
 """Backward benchmark of the Ampere FA2 path (kernels/bwd_pre.py, bwd_sm80.py, bwd_post.py; not a test).
 
     python perf/bench_bwd_sm80.py [--hdims 64 128 256] [--seqlens 512 ... 16384] [--causal off on]
-                                  [--repeat N] [--deterministic] [--variants dv-first ...]
+                                  [--repeat N] [--deterministic] [--variants scalar-red ...]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm80"``: preprocess,
@@ -12,7 +12,7 @@ below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench`` median (wa
 of reps) when triton imports, else CUDA events; ``--repeat N`` times every column N times,
 interleaved (a clock drift hits all alike), and reports the median. FLOPs = 2.5 * 4 * b * h * s^2 * d
 (x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / FA2, ours / cuDNN. ``--variants``
-adds columns of our backward with fields of the main kernel's key overridden (A/B runs; each is
+adds columns of our backward with key fields overridden (A/B runs; each is
 checked like ours and reported against FA2).
 """
 
@@ -27,9 +27,14 @@ import torch
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 GRAD_TOLERANCE = 0.1  # bf16 gradients of O(1) inputs: kernels that agree differ by ~1e-2
-# Main-kernel key fields (backends/sm80_bwd.BwdKey) overridden per variant column; a variant whose
-# buffers exceed shared memory reports ERR in its column.
+# Key fields overridden per variant column, in every key of the call that has them (main kernel:
+# backends/sm80_bwd.BwdKey; dq_red_vec also in the dQ postprocess's key); a variant whose buffers
+# exceed shared memory reports ERR in its column.
 VARIANTS = {
+    "scalar-red": {"dq_red_vec": 1},  # one fp32 per dQ reduce-add (sm_90 ships 4)
+    "stsm-pds": {"stmatrix_pds": True},  # P and dS stored by stmatrix (sm_90; shipped at hdim 64)
+    "sts32-pds": {"stmatrix_pds": False},  # P and dS stored with 32-bit shared stores
+    "scalar-sts32": {"dq_red_vec": 1, "stmatrix_pds": False},  # both (the sm_90 kernel before 2026-11-21)
     "dv-first": {"dv_first": True},  # dV GEMM before dQ (FA2's order)
     "dq-first": {"dv_first": False},
     "stages-1-1": {"stages_q": 1, "stages_do": 1},  # one Q and one dO buffer
@@ -38,21 +43,26 @@ VARIANTS = {
 }
 
 
-def with_main_key(fn, overrides: dict):
-    """``fn`` run with ``BwdSm80``'s main-kernel keys overridden by ``overrides``."""
+def with_keys(fn, overrides: dict):
+    """``fn`` run with the fields in ``overrides`` replaced in every key ``BwdSm80.keys`` returns
+    that has them."""
     from flashattn_hopper.backends.sm80_bwd import BwdSm80
 
+    def override(key):
+        names = {f.name for f in dataclasses.fields(key)}
+        return dataclasses.replace(key, **{k: v for k, v in overrides.items() if k in names})
+
     def run():
-        shipped = BwdSm80._main_key
+        shipped = BwdSm80.keys
 
-        def main_key(self, *args, **kwargs):
-            return dataclasses.replace(shipped(self, *args, **kwargs), **overrides)
+        def keys(self, *args, **kwargs):
+            return tuple(override(key) for key in shipped(self, *args, **kwargs))
 
-        BwdSm80._main_key = main_key
+        BwdSm80.keys = keys
         try:
             return fn()
         finally:
-            BwdSm80._main_key = shipped
+            BwdSm80.keys = shipped
 
     return run
 
@@ -66,7 +76,7 @@ def main(argv: list[str]) -> int:
                     help="time every column this many times, interleaved, and report the median")
     ap.add_argument("--deterministic", action="store_true", help="our backward with deterministic=True")
     ap.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
-                    help="extra columns: our backward with main-kernel key fields overridden")
+                    help="extra columns: our backward with key fields overridden")
     args = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -94,7 +104,7 @@ def main(argv: list[str]) -> int:
                 out = flash_attn_func(*leaves, causal=causal, deterministic=args.deterministic, backend="sm80")
                 fns = {"sm80": lambda o=out, x=leaves: torch.autograd.grad(o, x, dout, retain_graph=True)}
                 for name in args.variants:
-                    fns[f"sm80-{name}"] = with_main_key(fns["sm80"], VARIANTS[name])
+                    fns[f"sm80-{name}"] = with_keys(fns["sm80"], VARIANTS[name])
                 bhsd = tuple(t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 dout_bhsd = dout.transpose(1, 2).contiguous()
                 for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):

@@ -60,6 +60,7 @@ class BwdPostKey(KernelKey):
     atom_m: int
     varlen: bool = False
     seqused: bool = False  # seqused_q (dQ) or seqused_k (dK/dV) given (varlen only)
+    dq_red_vec: int = 1  # fragment mode: the main kernel's dQ reduce-add width (the dQaccum order)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class BwdKey(KernelKey):
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
+    dq_red_vec: int = 1  # fp32 values per dQ reduce-add (configs.bwd_dq_red_vec)
+    stmatrix_pds: bool = False  # P and dS to smem with stmatrix (sm_90 targets)
 
 
 def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
@@ -182,7 +185,8 @@ class BwdSm80:
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m, tile_n=t.tile_n,
             num_threads=t.num_threads, atom_m_sdp=t.atom_m_sdp, atom_n_dkv=t.atom_n_dkv, atom_m_dq=t.atom_m_dq,
             causal=causal, gqa=gqa, stages_q=t.stages_q, stages_do=t.stages_do,
-            dv_first=t.dv_first, **flags,
+            dv_first=t.dv_first, dq_red_vec=configs.bwd_dq_red_vec(arch), stmatrix_pds=t.stmatrix_pds,
+            **flags,
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False, seqused_q: bool = False,
@@ -191,7 +195,8 @@ class BwdSm80:
         t = configs.bwd_sm80_tiles(arch)[hdim]
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
-                       num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen, seqused=seqused_q),
+                       num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen, seqused=seqused_q,
+                       dq_red_vec=configs.bwd_dq_red_vec(arch)),
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
                        num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k),
         )
@@ -256,7 +261,9 @@ class BwdSm80:
             from ..kernels.bwd_post import FlashBwdPostprocess
 
             pk: BwdPostKey = key  # type: ignore[assignment]
-            kernel = FlashBwdPostprocess(dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None)
+            kernel = FlashBwdPostprocess(
+                dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec
+            )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))
             return cute.compile(kernel, *fakes, f32(1.0), *ints, stream, **kwargs)
@@ -268,7 +275,8 @@ class BwdSm80:
         kernel = FlashBwdSm80(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
             k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, stages_q=k.stages_q,
-            stages_do=k.stages_do, dv_first=k.dv_first, arch=k.arch,
+            stages_do=k.stages_do, dv_first=k.dv_first, dq_red_vec=k.dq_red_vec,
+            stmatrix_pds=k.stmatrix_pds, arch=k.arch,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))

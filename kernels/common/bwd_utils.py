@@ -6,9 +6,10 @@ through fp32 scratch buffers; they must agree on one padding rule and one layout
 - ``LSE_log2`` and ``dPsum``: ``(batch, nheads, seqlen_q_padded)``;
 - ``dQaccum``: ``(batch, nheads, seqlen_q_padded * head_dim)``; per head, m_block ``i`` owns
   ``[i * tile_m * head_dim, (i + 1) * tile_m * head_dim)`` in the MMA-fragment order of the
-  main kernel's dQ tiled MMA (``fragment_accum``): the per-m_block ``red.add`` of a warp then
-  covers 128 contiguous bytes (4 sectors) instead of 8 rows x 32 bytes in row-major order, as
-  FA2 does; the postprocess rebuilds the same tiled MMA to undo the order;
+  main kernel's dQ tiled MMA (``fragment_accum``), ``vec`` values per thread side by side (4 on
+  sm_90: ``red.add.v4.f32``; 1 on sm_80): the per-m_block ``red.add`` of a warp then covers
+  ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order, as FA2 does
+  (with vec 1); the postprocess rebuilds the same tiled MMA and ``vec`` to undo the order;
 - GQA ``dKaccum``/``dVaccum``: ``(batch, nheads_k, seqlen_k_padded * head_dim)``, row-major
   ``(seqlen_k_padded, head_dim)`` per head (added once per CTA, so order matters little);
 with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22). Varlen: the batch mode
@@ -125,17 +126,20 @@ def accum_tile(m_accum_head: cute.Tensor, rows: int, cols: int, block: Int32) ->
 
 
 def fragment_accum(m_accum_head: cute.Tensor, tile_elems: int, num_threads: int, block: Int32,
-                   tidx: Int32) -> cute.Tensor:
+                   tidx: Int32, vec: int = 1) -> cute.Tensor:
     """This thread's flat view of accumulator tile ``block`` in MMA-fragment order.
 
-    Element ``i`` of a thread's accumulator fragment lives at ``i * num_threads + tidx`` of the
-    tile, so one ``red.add`` instruction of a warp covers 128 contiguous bytes (4 sectors)
-    instead of 8 rows x 32 bytes in row-major order. Producer (main kernel) and consumer
-    (postprocess) must enumerate the fragment of the same tiled MMA (``tiled_mma_sm80``).
+    Element ``i`` of a thread's accumulator fragment lives at
+    ``((i // vec) * num_threads + tidx) * vec + i % vec`` of the tile: ``vec`` consecutive fragment
+    values per thread side by side (one ``red.add.v{vec}``), and one instruction of a warp covers
+    ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order. Producer (main
+    kernel) and consumer (postprocess) must enumerate the fragment of the same tiled MMA
+    (``tiled_mma_sm80``) with the same ``vec``.
     """
-    base = m_accum_head.iterator + block * tile_elems + tidx
-    base = cute.make_ptr(cutlass.Float32, base.toint(), base.memspace, assumed_align=4)
-    return cute.make_tensor(base, cute.make_layout(tile_elems // num_threads, stride=num_threads))
+    base = m_accum_head.iterator + block * tile_elems + tidx * vec
+    base = cute.make_ptr(cutlass.Float32, base.toint(), base.memspace, assumed_align=4 * vec)
+    layout = cute.make_layout((vec, tile_elems // (num_threads * vec)), stride=(1, num_threads * vec))
+    return cute.make_tensor(base, layout)
 
 
 def tiled_mma_sm80(dtype: type[cutlass.Numeric], num_warps: int, atom_m: int) -> cute.TiledMma:
@@ -180,17 +184,32 @@ def tiled_copy_16b(
 
 
 @cute.jit
-def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor):
-    """``gacc[i] += acc[i]`` for every element, with ``red.relaxed.gpu.global.add.f32``.
+def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor, vec: cutlass.Constexpr[int] = 1):
+    """``gacc[i] += acc[i]`` for every element, with ``red.relaxed.gpu.global.add[.v{vec}].f32``.
 
     ``gacc`` is a gmem view indexed like the register tensor ``acc`` (its MMA partition, or a
-    ``fragment_accum``); pitfall 27: the DSL needs an explicit ``sem``/``scope``.
+    ``fragment_accum``); with ``vec`` > 1 elements ``vec * j .. vec * j + vec - 1`` of ``gacc``
+    must be contiguous and ``4 * vec``-byte aligned (a ``fragment_accum`` of that ``vec``): one
+    instruction adds them (a quarter of the load-store queue entries at ``vec`` 4; sm_90).
+    Pitfall 27: the DSL needs an explicit ``sem``/``scope``.
     """
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        cute.arch.red(
-            elem_pointer(gacc, i), acc[i], op="add", dtype=cutlass.Float32, sem="relaxed",
-            scope="gpu",
-        )
+    if cutlass.const_expr(vec == 1):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            cute.arch.red(
+                elem_pointer(gacc, i), acc[i], op="add", dtype=cutlass.Float32, sem="relaxed",
+                scope="gpu",
+            )
+    else:
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import vector
+
+        vec_type = ir.VectorType.get([vec], cutlass.Float32.mlir_type)
+        for j in cutlass.range_constexpr(cute.size(acc) // vec):
+            values = vector.from_elements(vec_type, [acc[j * vec + e].ir_value() for e in range(vec)])
+            cute.arch.red(
+                elem_pointer(gacc, j * vec), values, op="add", dtype=cutlass.Float32, sem="relaxed",
+                scope="gpu",
+            )
 
 
 @cute.jit
