@@ -63,6 +63,8 @@ def test_variant_compiles_with_tensor_cores_and_no_spills(compiled, arch, name, 
     assert counts is not None, "no cubin was written"
     for opcode in EXPECTED_OPCODES.get(name.split("-")[0], ()):
         assert counts[opcode] > 0, f"{name}: no {opcode} in the SASS: {counts}"
+    if "-stmatrix_pds" in name:  # sm_90 backward rows that store P/dS with stmatrix
+        assert counts["STSM"] > 0, f"{name}: no STSM in the SASS: {counts}"
     spills = counts["LDL"] + counts["STL"]
     if head_dim <= 128:
         assert spills == 0, f"{name} spills to local memory: {counts['LDL']} LDL, {counts['STL']} STL"

@@ -204,3 +204,26 @@ def test_window_sides_reach_the_kernels_as_int32():
 
     assert window_args(problem(window_left=-1, window_right=0)) == (UNBOUNDED_WINDOW, 0)
     assert window_args(problem(window_left=2**40, window_right=UNBOUNDED_WINDOW - 1)) == (UNBOUNDED_WINDOW, UNBOUNDED_WINDOW - 1)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
+    """The main kernel reduce-adds dQ in an order set by its ``dq_red_vec``; the dQ postprocess reads
+    it back with its own: every call's pair of keys (and every precompiled one) must agree, and the
+    vector width exists only where PTX has ``red.global.add.v4.f32`` (sm_90). stmatrix P/dS stores
+    likewise only on sm_90."""
+    family = dispatch.BWD_KERNELS["sm80"]
+    for head_dim in configs.bwd_sm80_tiles(arch):
+        for causal in (False, True):
+            for nheads_k in (4, 1):
+                _, main, post_dq, post_kv = family.keys(
+                    problem(head_dim=head_dim, head_dim_v=head_dim, causal=causal, nheads_k=nheads_k), arch
+                )
+                assert main.dq_red_vec == post_dq.dq_red_vec == configs.bwd_dq_red_vec(arch), main.name
+                assert post_kv.dq_red_vec == 1  # row-major GQA dK/dV sums: no fragment order
+                assert not main.stmatrix_pds or arch.startswith("sm_90"), main.name
+    expected = 4 if arch.startswith("sm_90") else 1
+    assert configs.bwd_dq_red_vec(arch) == expected
+    main_keys = [k for k in family.all_keys(arch) if k.kernel == "bwd_sm80"]
+    post_keys = [k for k in family.all_keys(arch) if k.kernel == "bwd_post_sm80" and k.atom_m]
+    assert {k.dq_red_vec for k in main_keys} == {k.dq_red_vec for k in post_keys} == {expected}
