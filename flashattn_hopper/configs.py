@@ -191,7 +191,7 @@ BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
 
 
 # Rows that replace BWD_SM80_TILES when the sm80 backward is compiled for sm_90a (H100/H200): the
-# same mma.sync kernel with Hopper's 227 KiB of smem per CTA.
+# same mma.sync kernel with Hopper's 227 KiB of smem per CTA, or with sm_90-only stores (stmatrix).
 BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
     # BWD_SM80_TILES' 128x128 with P and dS stored by stmatrix: +2-3 % at 1k-16k, causal or not (H100,
     # 2026-11-21, 3 interleaved repeats; ncu at 16k: MIO-queue stalls -12 %, time -2 %). At d128 it

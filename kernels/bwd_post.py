@@ -50,6 +50,8 @@ class FlashBwdPostprocess:
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
                  num_threads: int = 128, atom_m: int | None = None, vec: int = 1):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
+        if vec not in (1, 4) or (vec != 1 and atom_m is None):
+            reason = f"vec must be 1, or 4 in fragment mode (atom_m given), got {vec}"
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype

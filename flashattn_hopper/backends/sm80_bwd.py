@@ -51,7 +51,8 @@ class BwdPreKey(KernelKey):
 @dataclass(frozen=True)
 class BwdPostKey(KernelKey):
     """bwd_post_sm80: fp32 accumulator -> 16-bit. ``atom_m`` > 0: dQaccum in the fragment order of
-    the main kernel's dQ MMA (same tile_m, num_threads, atom_m); 0: row-major (GQA dK/dV sums)."""
+    the main kernel's dQ MMA (same tile_m, num_threads, atom_m, dq_red_vec); 0: row-major (GQA dK/dV
+    sums)."""
 
     dtype: str
     head_dim: int

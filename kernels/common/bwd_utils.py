@@ -8,8 +8,8 @@ through fp32 scratch buffers; they must agree on one padding rule and one layout
   ``[i * tile_m * head_dim, (i + 1) * tile_m * head_dim)`` in the MMA-fragment order of the
   main kernel's dQ tiled MMA (``fragment_accum``), ``vec`` values per thread side by side (4 on
   sm_90: ``red.add.v4.f32``; 1 on sm_80): the per-m_block ``red.add`` of a warp then covers
-  ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order, as FA2 does
-  (with vec 1); the postprocess rebuilds the same tiled MMA and ``vec`` to undo the order;
+  ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order; the
+  postprocess rebuilds the same tiled MMA and ``vec`` to undo the order;
 - GQA ``dKaccum``/``dVaccum``: ``(batch, nheads_k, seqlen_k_padded * head_dim)``, row-major
   ``(seqlen_k_padded, head_dim)`` per head (added once per CTA, so order matters little);
 with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22). Varlen: the batch mode
@@ -136,6 +136,8 @@ def fragment_accum(m_accum_head: cute.Tensor, tile_elems: int, num_threads: int,
     kernel) and consumer (postprocess) must enumerate the fragment of the same tiled MMA
     (``tiled_mma_sm80``) with the same ``vec``.
     """
+    if tile_elems % (num_threads * vec) != 0:
+        raise ValueError(f"a {tile_elems}-value tile does not split into {vec}-value groups of {num_threads} threads")
     base = m_accum_head.iterator + block * tile_elems + tidx * vec
     base = cute.make_ptr(cutlass.Float32, base.toint(), base.memspace, assumed_align=4 * vec)
     layout = cute.make_layout((vec, tile_elems // (num_threads * vec)), stride=(1, num_threads * vec))
@@ -193,6 +195,8 @@ def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor, vec: cutlass.Constexpr[int
     instruction adds them (a quarter of the load-store queue entries at ``vec`` 4; sm_90).
     Pitfall 27: the DSL needs an explicit ``sem``/``scope``.
     """
+    if cutlass.const_expr(cute.size(acc) % vec != 0):
+        raise ValueError(f"{cute.size(acc)} values do not split into reduce-adds of {vec}")
     if cutlass.const_expr(vec == 1):
         for i in cutlass.range_constexpr(cute.size(acc)):
             cute.arch.red(
