@@ -175,9 +175,11 @@ def kernel_arg(value: Any) -> Any:
 
 def launch(compiled: Any, *args: Any) -> None:
     """``compiled(*args)`` for arguments that all carry ``__c_pointers__`` (``to_cute``, ``kernel_arg``,
-    ``current_stream``): their pointers go straight to the compiled function's per-device executor,
-    skipping the DSL's per-call signature walk (``generate_execution_args``), which only re-derives
-    them (H200 host, 2026-11-21: ~7 of a ~70 us call). The first call of a compiled function (it
+    ``current_stream``): their pointers go straight to the compiled function's executor (one serves
+    every device: the DSL loads the kernels as CUDA libraries for all devices, and callers launch
+    under ``torch.cuda.device`` of the tensors; tests/test_multi_gpu.py), skipping the DSL's
+    per-call signature walk (``generate_execution_args``), which only re-derives them (H200 host,
+    2026-11-21: ~7 of a ~70 us call). The first call of a compiled function (it
     creates that executor), a function with a sealed trace spec, and the DSL's debug mode (full
     argument checks) take the DSL's own path."""
     executor = getattr(compiled, "_default_executor", None)
