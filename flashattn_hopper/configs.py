@@ -195,7 +195,7 @@ BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
 BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
     # BWD_SM80_TILES' 128x128 with P and dS stored by stmatrix: +2-3 % at 1k-16k, causal or not (H100,
     # 2026-11-21, 3 interleaved repeats; ncu at 16k: MIO-queue stalls -12 %, time -2 %). At d128 it
-    # spills 1-4 registers and loses 1-6 %, at d256 it loses 1-2 % (perf/NOTES_sm80_bwd.md).
+    # spills 1-4 registers and loses 1-6 %, at d256 it loses ~2 % (perf/NOTES_sm80_bwd.md).
     64: BwdSm80Tile(tile_m=128, tile_n=128, num_threads=256, atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4,
                     stmatrix_pds=True),
     # 128x64, warps 4x2 / 2x4 / 2x4, 2 Q + 1 dO stages (224 KiB), dV GEMM first so the dO refill
