@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 OPCODES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
+# Opcodes with a modifier counted apart as well (also counted under their opcode).
+MODIFIED_OPCODES = ("UTMALDG.MULTICAST",)
 
 
 def find_nvdisasm() -> str | None:
@@ -32,10 +34,15 @@ def disassemble(cubin: Path, nvdisasm: str) -> str:
 
 
 def opcode_counts(sass: str) -> dict[str, int]:
-    """How many instructions of each opcode family in ``OPCODES`` (``HMMA.16816.F32.BF16`` counts as HMMA)."""
-    counts = dict.fromkeys(OPCODES, 0)
-    for match in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.MULTILINE):
-        opcode = match.group(1)
+    """How many instructions of each opcode family in ``OPCODES`` (``HMMA.16816.F32.BF16`` counts as HMMA)
+    and of each ``MODIFIED_OPCODES`` entry (``UTMALDG.4D.MULTICAST`` counts as UTMALDG.MULTICAST too)."""
+    counts = dict.fromkeys(OPCODES + MODIFIED_OPCODES, 0)
+    for match in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", sass, re.MULTILINE):
+        opcode, modifiers = match.group(1), match.group(2).split(".")
         if opcode in counts:
             counts[opcode] += 1
+        for name in MODIFIED_OPCODES:
+            base, modifier = name.split(".")
+            if opcode == base and modifier in modifiers:
+                counts[name] += 1
     return counts

@@ -146,9 +146,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         persistent: bool = False,
         pack_gqa: int = 1,
         wg_local_epilogue: bool = True,
+        cluster_m: int = 1,
     ):
         reason = self.can_implement(
-            dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa
+            dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
+            cluster_m,
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -178,6 +180,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         self.persistent = persistent
         # Pack GQA (common/pack_gqa.py): a tile's rows are the pack_gqa query heads of one KV head.
         self.pack_gqa = pack_gqa
+        # Clusters of cluster_m CTAs along M (dense, no mask): the CTAs of a cluster compute
+        # adjacent m_blocks of one (batch, head) and each TMA-loads 1/cluster_m of every K/V block,
+        # multicast into all of them, so K/V cross the L2 -> SM fabric once per cluster (FA3's
+        # ClusterShape). A K/V stage is free only when the consumers of every CTA released it.
+        self.cluster_m = cluster_m
         # Causal/local tiles differ in cost: CTAs take the next tile from an atomic counter.
         self.dynamic_schedule = persistent and (is_causal or is_local)
         self.o_aliases_q = not (
@@ -206,7 +213,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     @staticmethod
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
-        pack_gqa=1,
+        pack_gqa=1, cluster_m=1,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -225,6 +232,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             return f"num_stages must be >= 1, got {num_stages}"
         if pack_gqa < 1 or tile_m % pack_gqa != 0:
             return f"pack_gqa ({pack_gqa}) must divide tile_m ({tile_m}) (a tile holds whole queries)"
+        if cluster_m not in (1, 2):
+            return f"cluster_m must be 1 or 2, got {cluster_m}"
+        if cluster_m > 1 and (is_causal or is_local or pack_gqa > 1):
+            # The CTAs of a cluster must visit the same key blocks in the same order.
+            return "cluster_m > 1 needs no causal/local mask and no pack_gqa"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -329,6 +341,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         varlen_k = const_expr(mCuSeqlensK is not None)
         mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        if const_expr(self.cluster_m > 1 and (varlen_q or varlen_k)):
+            raise ValueError("cluster_m > 1 is implemented for dense layouts only")
         if const_expr(self.pack_gqa > 1):
             if const_expr(varlen_q):
                 raise ValueError("pack_gqa is implemented for dense layouts only")
@@ -340,14 +354,18 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         # (head[, batch]) and shifts to its sequence at issue time. Boxes past the tensor are
         # zero-filled and still count their full bytes.
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        # K/V with clusters: each CTA issues its 1/cluster_m share of a block, multicast to all.
+        tma_load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else tma_load
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, sQ_layout, (self.tile_m, self.head_dim)
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim), 1
+            tma_load_kv, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim),
+            self.cluster_m,
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v), 1
+            tma_load_kv, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v),
+            self.cluster_m,
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, self._sO_store_layout(sO_layout),
@@ -360,17 +378,19 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
         num_batch = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen_q) else mQ.shape[3]
         scheduler = self._scheduler(mQ, num_batch, varlen_q, mTileCounter)
+        cluster = {"cluster": [self.cluster_m, 1, 1]} if const_expr(self.cluster_m > 1) else {}
         self.kernel(
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, SharedStorage,
         ).launch(
-            grid=[TileScheduler.grid_size(scheduler.num_tiles, max_ctas, self.persistent), 1, 1],
+            grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            **cluster,
         )
 
     def _scheduler(
@@ -388,6 +408,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent,
             longest_first=self.is_causal or self.is_local,
             mTileCounter=mTileCounter if const_expr(self.dynamic_schedule) else None,
+            cluster_m=self.cluster_m,
         )
 
     # ------------------------------------------------------------------ device code
@@ -433,22 +454,29 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         if const_expr(not self.o_aliases_q):
             storage, sO_storage = storage.base, storage.sO
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6).
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6); with
+        # clusters lane r of each warp arrives on CTA r's barrier, so a K/V stage's empty
+        # barrier counts the MMA warps of every CTA of the cluster.
+        num_mma_warps = self.num_mma_threads // 32
+        cluster_layout = cute.make_layout((1, self.cluster_m, 1, 1))  # (V, M, N, K) of the cluster
+        cluster_shape_mn = (self.cluster_m, 1) if const_expr(self.cluster_m > 1) else None
         pipes = Pipelines(
             *(
                 pipeline.PipelineTmaAsync.create(
-                    num_stages=stages, producer_group=producer, consumer_group=consumers,
+                    num_stages=stages, producer_group=producer,
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps * ctas),
                     tx_count=tx, barrier_storage=mbar.data_ptr(), defer_sync=True,
+                    cta_layout_vmnk=cluster_layout if const_expr(ctas > 1) else None,
                 )
-                for stages, tx, mbar in (
-                    (1, self.tx_bytes_q, storage.mbar_q),
-                    (self.num_stages, self.tx_bytes_k, storage.mbar_k),
-                    (self.num_stages, self.tx_bytes_v, storage.mbar_v),
+                for stages, tx, mbar, ctas in (
+                    (1, self.tx_bytes_q, storage.mbar_q, 1),
+                    (self.num_stages, self.tx_bytes_k, storage.mbar_k, self.cluster_m),
+                    (self.num_stages, self.tx_bytes_v, storage.mbar_v, self.cluster_m),
                 )
             )
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+        # Clusters: no CTA may arrive on, or multicast into, a peer before its barriers exist.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn, is_relaxed=True)
 
         sQ_layout, sK_layout, sV_layout, sO_layout = self._smem_layouts()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -478,7 +506,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             seqlen_q_static=mQ.shape[0][1] if const_expr(self.pack_gqa > 1) else mQ.shape[0],
             seqlen_k_static=mK.shape[0],
         )
-        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -2,8 +2,8 @@
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Load`` is a mixin of
 ``FlashFwdSm90``; it reads the kernel's static configuration (``tile_m``, ``tile_n``, ``head_dim``,
-``head_dim_v``, ``intra_wg_overlap``, ``release_q_before_next_q``, ``num_stages``) and its
-``tile_work`` from ``self``.
+``head_dim_v``, ``intra_wg_overlap``, ``release_q_before_next_q``, ``num_stages``, ``cluster_m``)
+and its ``tile_work`` from ``self``.
 """
 
 import cutlass
@@ -53,6 +53,12 @@ class FwdSm90Load:
                         sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
                     )
             tile_idx = walk.scheduler.next_tile_producer(tile_idx, walk.handoff)
+        if const_expr(self.cluster_m > 1):
+            # A peer's consumers arrive on this CTA's empty barriers, and its TMA writes into
+            # this CTA's stages: stay until every stage is released by every CTA's consumers
+            # (then nothing of the peer's is in flight towards this CTA).
+            pipes.k.producer_tail(kv_state.clone())  # (producer_tail advances the state it gets)
+            pipes.v.producer_tail(kv_state)
 
     @cute.jit
     def load_tile(
@@ -73,16 +79,18 @@ class FwdSm90Load:
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
         gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
-        cta_layout = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(
-            atoms.q, 0, cta_layout, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            atoms.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        # ((atom, rest), stage) and ((atom, rest), n_block)
+        # ((atom, rest), stage) and ((atom, rest), n_block); with clusters this CTA's share of
+        # each block (its rank's slice), multicast to every CTA of the cluster.
+        kv_cta_layout = cute.make_layout(self.cluster_m)
+        kv_rank = cute.arch.block_idx()[0] % self.cluster_m if const_expr(self.cluster_m > 1) else 0
         tKsK, tKgK = cpasync.tma_partition(
-            atoms.k, 0, cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            atoms.k, kv_rank, kv_cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            atoms.v, 0, cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            atoms.v, kv_rank, kv_cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
         # (Persistent: K of this tile may land while the previous tile's epilogue still owns sQ.)
@@ -112,9 +120,11 @@ class FwdSm90Load:
         return q_state, kv_state
 
     def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
-        """Wait for a free stage, expect its bytes, issue the TMA of key block ``n_block`` into it."""
+        """Wait for a free stage, expect its bytes (the whole block, whichever CTA sends them),
+        issue the TMA of (this CTA's share of) key block ``n_block`` into it."""
         pipe.producer_acquire(state)
+        mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if const_expr(self.cluster_m > 1) else {}
         cute.copy(
             tma_atom, tXgX[None, n_block], tXsX[None, state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(state),
+            tma_bar_ptr=pipe.producer_get_barrier(state), **mcast,
         )

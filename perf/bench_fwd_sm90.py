@@ -12,7 +12,9 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup),
   ``memset-counter`` (causal: a freshly zeroed tile counter per call instead of the stream's own),
   ``padded-v`` (with ``--head-dim-v`` below hdim: V zero-padded to q's head dim, the 192 row's tile),
-  ``stages3`` / ``stages4`` (a K/V ring of 3 / 4 shared-memory stages instead of 2);
+  ``stages3`` / ``stages4`` (a K/V ring of 3 / 4 shared-memory stages instead of 2),
+  ``cluster2`` / ``cluster1`` (clusters of 2 CTAs sharing K/V by TMA multicast / no clusters;
+  non-causal cells only, '-' under causal);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -40,6 +42,8 @@ VARIANTS = {
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
     "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
     "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
+    # clusters of 2 CTAs along M sharing K/V by TMA multicast / none (non-causal cells only)
+    "cluster2": {"cluster_m": 2}, "cluster1": {"cluster_m": 1},
 }
 
 
@@ -56,6 +60,8 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     key = family._key(target_arch(), dtype, q.shape[-1], q.shape[1], v.shape[-1], causal=causal)
     overrides = dict(overrides)
+    if overrides.get("cluster_m", 1) > 1 and causal:
+        return None  # clusters need every CTA of one to visit the same key blocks
     memset_counter = overrides.pop("memset_counter", False)
     if overrides.pop("pad_v", False) and v.shape[-1] != q.shape[-1]:
         tile = configs.sm90_fwd_tile(q.shape[-1], causal, q.shape[1])
@@ -236,6 +242,7 @@ def main(argv: list[str]) -> int:
                     ref = sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
                 flops = 2 * batch * nheads * seqlen * seqlen * (hdim + hdim_v) * (0.5 if causal else 1.0)
                 fns = {f"sm90-{name}": sm90_variant_fn(q, k, v, causal, VARIANTS[name]) for name in args.variants}
+                fns = {name: fn for name, fn in fns.items() if fn is not None}
                 for m, n in extra_tiles.get(hdim, []):
                     fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, {}, (m, n))
                 if not args.no_baselines:

@@ -65,6 +65,10 @@ def test_variant_compiles_with_tensor_cores_and_no_spills(compiled, arch, name, 
         assert counts[opcode] > 0, f"{name}: no {opcode} in the SASS: {counts}"
     if "-stmatrix_pds" in name:  # sm_90 backward rows that store P/dS with stmatrix
         assert counts["STSM"] > 0, f"{name}: no STSM in the SASS: {counts}"
+    if "-cluster_m2" in name:  # sm90 forward rows whose CTA pairs share K/V by TMA multicast
+        assert counts["UTMALDG.MULTICAST"] > 0, f"{name}: no multicast TMA load in the SASS: {counts}"
+    elif name.startswith("fwd_sm90"):
+        assert counts["UTMALDG.MULTICAST"] == 0, f"{name}: multicast TMA without a cluster: {counts}"
     spills = counts["LDL"] + counts["STL"]
     if head_dim <= 128:
         assert spills == 0, f"{name} spills to local memory: {counts['LDL']} LDL, {counts['STL']} STL"

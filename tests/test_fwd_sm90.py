@@ -405,3 +405,63 @@ def test_fwd_sm90_pack_gqa_poisoned_outputs(always_pack, causal):
     """Every (query, head) row of a packed tile is written, including the partial last tile."""
     q, k, v = make_qkv(2, 77, 300, 8, 1, 128)
     check_poisoned_outputs(q, k, v, causal, "sm90")
+
+
+@pytest.fixture
+def cluster_of(monkeypatch):
+    """Force ``cluster_m`` (and optionally ``persistent``) into every sm90 key that can take it
+    (dense, no causal/local mask, no pack_gqa; the others keep 1), whatever the table ships."""
+    import dataclasses
+
+    from flashattn_hopper.backends import sm90_fwd
+
+    key_of = sm90_fwd.FwdSm90._key
+
+    def force(cluster_m: int, **fields):
+        def key(self, *a, **kw):
+            k = key_of(self, *a, **kw)
+            if k.causal or k.local or k.varlen or k.pack_gqa > 1:
+                return k
+            return dataclasses.replace(k, cluster_m=cluster_m, **fields)
+
+        monkeypatch.setattr(sm90_fwd.FwdSm90, "_key", key)
+
+    return force
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
+@pytest.mark.parametrize("seqlens", SEQLENS_FAST, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_cluster_pairs(cluster_of, head_dim, seqlens, heads):
+    """Clusters of 2 CTAs multicasting K/V: seqlens with an odd number of query tiles (1, 17,
+    113, 239 and 1023 rows: the cluster's second CTA computes a tile past the end and stores
+    nothing), GQA/MQA heads."""
+    cluster_of(2)
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v = make_qkv(2, s_q, s_k, h, h_k, head_dim, dtype=torch.bfloat16)
+    check_parity(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one_cluster_per_tile"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
+    """More tile pairs than clusters (persistent: each cluster walks several pairs in lockstep,
+    states carried over; else several waves), an odd tile count per head (1041 rows), fp16,
+    poisoned outputs, bitwise equal repeats."""
+    cluster_of(2, persistent=persistent)
+    q, k, v = make_qkv(3, 1041, 1300, 16, 4, head_dim, dtype=torch.float16)
+    check_parity(q, k, v, causal=False)
+    check_poisoned_outputs(q, k, v, False, "sm90")
+    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
+    for _ in range(20):
+        out2, lse2 = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):
+    """Causal, window and varlen calls cannot use clusters (the CTAs of one visit different key
+    blocks): forcing them keeps cluster_m = 1 and the results right."""
+    cluster_of(2)
+    q, k, v = make_qkv(2, 333, 517, 8, 2, 128)
+    check_parity(q, k, v, causal=True)
+    check_features(q, k, v, window=(64, 0))

@@ -43,6 +43,7 @@ class FwdSm90Key(KernelKey):
     pack_gqa: int = 1  # query heads per KV head packed into one tile's rows (1: not packed)
     wg_local_epilogue: bool = True  # each MMA warpgroup stores its own rows (no CTA-wide barrier)
     num_stages: int = 2  # K/V shared-memory stages
+    cluster_m: int = 1  # CTAs per cluster along M, K/V multicast to all (dense, unmasked, unpacked)
 
 
 class FwdSm90(FwdLauncher):
@@ -78,10 +79,15 @@ class FwdSm90(FwdLauncher):
         if tile is None:
             masked = flags.get("causal", False) or flags.get("local", False)
             tile = configs.sm90_fwd_tile(hdim, masked, seqlen_q, hdim_v)
+        # Clusters need every CTA of one to visit the same key blocks: dense, no mask, no packing.
+        clusters_ok = not (
+            flags.get("causal") or flags.get("local") or flags.get("varlen") or flags.get("pack_gqa", 1) > 1
+        )
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
-            persistent=tile.persistent, num_stages=tile.num_stages, **flags,
+            persistent=tile.persistent, num_stages=tile.num_stages,
+            cluster_m=configs.sm90_fwd_cluster_m(tile, seqlen_q) if clusters_ok else 1, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -110,7 +116,7 @@ class FwdSm90(FwdLauncher):
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
         softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and the
-        short-sequence tiles (45 keys).
+        short-sequence tiles, and the rows with clusters also without them (51 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -125,6 +131,11 @@ class FwdSm90(FwdLauncher):
         keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
         # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile.
         keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
+        # Rows with clusters also run without them below configs.FWD_SM90_CLUSTER_MIN_SEQLEN.
+        keys += [
+            self._key(arch, dtype, hdim, configs.FWD_SM90_CLUSTER_MIN_SEQLEN // 2, causal=False)
+            for hdim, tile in self.tiles.items() if tile.cluster_m > 1 for dtype in ("bf16", "fp16")
+        ]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
@@ -141,7 +152,7 @@ class FwdSm90(FwdLauncher):
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
-            num_stages=key.num_stages,
+            num_stages=key.num_stages, cluster_m=key.cluster_m,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

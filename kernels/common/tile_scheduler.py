@@ -18,6 +18,12 @@ run bottom-up, since the bottom tiles see the most keys. (Measured on H200, 2026
 schedule over tiles sorted by cost across all heads balanced the CTAs but lost 5-15 % causal,
 K/V of 132 different heads at once no longer fitting in L2; perf/NOTES.md.)
 
+Clusters (``cluster_m > 1``, dense only): the CTAs of a cluster (consecutive in x) walk one index
+sequence in lockstep, an index naming a group of ``cluster_m`` adjacent m_blocks of one (batch, head),
+of which CTA rank ``r`` takes the ``r``-th; they then share every K/V block (TMA multicast). The
+last group of an odd count holds an m_block past the end: its CTA loads and computes with the
+others (zero-filled Q) and stores nothing (the TMA store clips it, LSE stores are row-predicated).
+
 Varlen: ``num_batch = 1`` and ``num_m_blocks`` an upper bound of tiles over all sequences; the
 kernel maps the ``m_block`` it gets to ``(sequence, m_block)`` with ``seqlen.varlen_tile_coord``.
 
@@ -60,37 +66,50 @@ class TileHandoff:
 
 @dataclass(frozen=True)
 class TileScheduler:
-    num_m_blocks: Int32  # query tiles per (batch, head)
+    num_m_blocks: Int32  # query tiles (with clusters: groups of cluster_m) per (batch, head)
     num_heads: Int32
     num_batch: Int32
-    num_tiles: Int32
+    num_tiles: Int32  # indices walked: m_block groups (of cluster_m) x heads x batches
     persistent: bool
     longest_first: bool
     mTileCounter: cute.Tensor | None  # (1,) Int32 in gmem, zero at launch and left zero: dynamic schedule
+    cluster_m: int = 1  # CTAs per cluster, each taking one m_block of an index's group
 
     @staticmethod
     def create(
         num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, persistent: bool,
-        longest_first: bool, mTileCounter: cute.Tensor | None = None,
+        longest_first: bool, mTileCounter: cute.Tensor | None = None, cluster_m: int = 1,
     ) -> "TileScheduler":
+        assert cluster_m == 1 or mTileCounter is None, "clusters walk a static schedule"
+        num_groups = (num_m_blocks + (cluster_m - 1)) // cluster_m if cluster_m > 1 else num_m_blocks
         return TileScheduler(
-            num_m_blocks, num_heads, num_batch, num_m_blocks * num_heads * num_batch,
-            persistent, longest_first, mTileCounter,
+            num_groups, num_heads, num_batch, num_groups * num_heads * num_batch,
+            persistent, longest_first, mTileCounter, cluster_m,
         )
 
-    @staticmethod
-    def grid_size(num_tiles: Int32, max_ctas: Int32, persistent: bool) -> Int32:
-        """CTAs to launch: one per tile, or (persistent) at most ``max_ctas`` (one per SM)."""
-        if persistent:
-            return cutlass.min(num_tiles, max_ctas)
-        return num_tiles
+    def grid_size(self, max_ctas: Int32) -> Int32:
+        """CTAs to launch: one per tile, or (persistent) at most ``max_ctas`` (one per SM); a
+        multiple of ``cluster_m``."""
+        if self.persistent:
+            if cutlass.const_expr(self.cluster_m > 1):
+                return cutlass.min(self.num_tiles, max_ctas // self.cluster_m) * self.cluster_m
+            return cutlass.min(self.num_tiles, max_ctas)
+        return self.num_tiles * self.cluster_m
 
     @property
     def dynamic(self) -> bool:
         return self.persistent and self.mTileCounter is not None
 
     def first_tile(self) -> Int32:
+        if cutlass.const_expr(self.cluster_m > 1):
+            return cute.arch.block_idx()[0] // self.cluster_m  # the cluster's index
         return cute.arch.block_idx()[0]
+
+    def _stride(self) -> Int32:
+        """Indices between a static persistent CTA's tiles: the number of CTAs (clusters)."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            return cute.arch.grid_dim()[0] // self.cluster_m
+        return cute.arch.grid_dim()[0]
 
     @cute.jit
     def next_tile_producer(self, tile_idx: Int32, handoff: TileHandoff | None) -> Int32:
@@ -120,7 +139,7 @@ class TileScheduler:
             for group in cutlass.range_constexpr(num_groups):
                 cute.arch.barrier_arrive(barrier_id=barrier_full + group, number_of_threads=num_threads)
         elif cutlass.const_expr(self.persistent):
-            next_idx = tile_idx + cute.arch.grid_dim()[0]
+            next_idx = tile_idx + self._stride()
         return next_idx
 
     @cute.jit
@@ -139,7 +158,7 @@ class TileScheduler:
                 barrier_id=handoff.barrier_empty + group, number_of_threads=handoff.num_threads
             )
         elif cutlass.const_expr(self.persistent):
-            next_idx = tile_idx + cute.arch.grid_dim()[0]
+            next_idx = tile_idx + self._stride()
         return next_idx
 
     def consumer_start(self, handoff: TileHandoff | None, group: Int32 | int = 0) -> None:
@@ -151,11 +170,14 @@ class TileScheduler:
 
     @cute.jit
     def coords(self, tile_idx: Int32):
-        """``(m_block, head, batch)`` of tile ``tile_idx`` (``0 <= tile_idx < num_tiles``)."""
+        """``(m_block, head, batch)`` of tile ``tile_idx`` (``0 <= tile_idx < num_tiles``) for this
+        CTA (with clusters: the m_block of its rank in the index's group)."""
         bh = tile_idx // self.num_m_blocks
         m_block = tile_idx - bh * self.num_m_blocks
         batch = bh // self.num_heads
         head = bh - batch * self.num_heads
         if cutlass.const_expr(self.longest_first):
             m_block = self.num_m_blocks - 1 - m_block
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_block = m_block * self.cluster_m + cute.arch.block_idx()[0] % self.cluster_m
         return m_block, head, batch
