@@ -79,11 +79,11 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # Measured vs 128x128 with 2 WGs (H200, bf16, 16k tokens, 2026-11-21): +7..23% at every seqlen
     # 512-16k non-causal (519 vs 423 TFLOP/s at 16k); causal -1..+8% at >= 2k but -9% at 512-1k
     # (more diagonal waste per 192-row tile). Numbers in perf/NOTES.md.
-    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, cluster_m=2),
+    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     # 128x128, 2 MMA WGs (FA4's tile): smem 160 KB, regs S 64 + O 64 + P 32 = 160 of the 240 each MMA
     # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
     # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
-    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, cluster_m=2),
+    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     # 192x128 with 3 WGs would need S 64 + O 32 + P 32 + ... > the 128 accumulator registers of a
     # 160-register thread, and FA3/FA4's 192x144 is an SS P.V (P through smem), which this kernel
     # lacks; so 128x128 on 2 WGs as for 128: S 64 + O 48 + P 32 = 144 regs, smem 24 + 48 + 48 KB.
@@ -96,17 +96,16 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     192: FwdTileSm90(tile_m=128, tile_n=112, intra_wg_overlap=True, pingpong=False, persistent=True),
     # 128x80 (FA3/FA4): O takes 128 regs/thread, so S 40 + P 20 keep it under 240; smem 64 + 80 + 80
     # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
-    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True, cluster_m=2),
+    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
 
-# Clusters of 2 (a row's cluster_m) only from this seqlen_q up, and only when the pairs waste little:
-# a cluster's CTAs take adjacent m_blocks of one (batch, head), so an odd m_block count leaves one
-# CTA of the last pair computing a tile past the end. Measured on H100, bf16, 16k tokens, non-causal,
-# 2026-11-21 (perf/NOTES.md, "Clusters of 2"): cluster / none +0.3..+6.7 % at 16k (hdim 64/128/256),
-# -1..+6 % at 8k, -3..0 % at 4k, -1..+0.3 % at 512-2k with an even count, -8 % / -23 % at hdim 64
-# 2k / 512 (11 / 3 m_blocks of 192 rows: 8 % / 25 % of the slots wasted).
-FWD_SM90_CLUSTER_MIN_SEQLEN = 8192
-FWD_SM90_CLUSTER_ODD_MIN_BLOCKS = 64  # an odd count wastes at most 1/(2*64) of the slots from here
+# No row uses clusters (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA
+# multicast, FA3's ClusterShape for d >= 128 non-causal). Measured, H100, bf16, 16k tokens, non-causal,
+# 2026-11-21, cluster / none in the same interleaved run (perf/NOTES.md, "Clusters of 2"): at >= 8k
+# +0.3..+3.1 % and -0.9..+5.7 % on one machine (3 and 5 repeats), -2.3..-3.7 % on another (7 repeats)
+# at hdim 128/256; at <= 4k -3..+0.3 %; at hdim 64 2k / 512 -8 % / -23 % (11 / 3 m_blocks of 192 rows:
+# the odd one's pair wastes a CTA). No consistent gain: the K/V fabric traffic it halves is not what
+# bounds these kernels.
 
 
 
@@ -143,19 +142,6 @@ def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | N
     if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
     return FWD_SM90_TILES[hdim]
-
-
-def sm90_fwd_cluster_m(tile: FwdTileSm90, seqlen_q: int | None) -> int:
-    """CTAs per cluster for a dense, unmasked, unpacked sm90 forward with this tile (``seqlen_q``
-    None: the table row's own choice, the long-sequence shape)."""
-    if tile.cluster_m == 1 or seqlen_q is None:
-        return tile.cluster_m
-    m_blocks = -(-seqlen_q // tile.tile_m)
-    if seqlen_q < FWD_SM90_CLUSTER_MIN_SEQLEN:
-        return 1
-    if m_blocks % tile.cluster_m != 0 and m_blocks < FWD_SM90_CLUSTER_ODD_MIN_BLOCKS:
-        return 1
-    return tile.cluster_m
 
 
 def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -> int | None:

@@ -14,6 +14,8 @@ os.environ["CUTE_DSL_ARCH"] = sys.argv[1]
 
 from flashattn_hopper import dispatch, sass  # noqa: E402
 
+from ._variant_keys import variant_keys  # noqa: E402
+
 
 def main() -> None:
     arch, out_json, dump_root = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
@@ -21,7 +23,7 @@ def main() -> None:
     results = []
     families = [f for backend in dispatch.BACKENDS_FOR_TARGET[arch] for f in dispatch.families(backend)]
     for spec in families:
-        for key in spec.all_keys(arch):
+        for key in variant_keys(spec, arch):
             dump_dir = dump_root / key.name
             dump_dir.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()

@@ -87,7 +87,7 @@ class FwdSm90(FwdLauncher):
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
             persistent=tile.persistent, num_stages=tile.num_stages,
-            cluster_m=configs.sm90_fwd_cluster_m(tile, seqlen_q) if clusters_ok else 1, **flags,
+            cluster_m=tile.cluster_m if clusters_ok else 1, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -116,7 +116,7 @@ class FwdSm90(FwdLauncher):
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
         softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and the
-        short-sequence tiles, and the rows with clusters also without them (51 keys).
+        short-sequence tiles (45 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -131,11 +131,6 @@ class FwdSm90(FwdLauncher):
         keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
         # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile.
         keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
-        # Rows with clusters also run without them below configs.FWD_SM90_CLUSTER_MIN_SEQLEN.
-        keys += [
-            self._key(arch, dtype, hdim, configs.FWD_SM90_CLUSTER_MIN_SEQLEN // 2, causal=False)
-            for hdim, tile in self.tiles.items() if tile.cluster_m > 1 for dtype in ("bf16", "fp16")
-        ]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
