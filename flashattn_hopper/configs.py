@@ -122,6 +122,10 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
     # in the last block of 512); at 1k -7 % non-causal but +3 % causal (449 vs 437, fewer masked keys
     # on the diagonal); at 2k causal -1 %.
     256: (768, 1536, FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True)),
+    # hdim 192, 128x64 vs 128x112 (H100, 5 repeats, 2026-11-21): 500 vs 458 non-causal and 305 vs 266 causal at
+    # 512, 591 vs 547 and 452 vs 406 at 1k (a 112-key block leaves 12.5 % / 8.6 % of the last block padded at
+    # 512 / 1k; 64 divides both; its smem also has room for an own sO), -2 % / +4 % at 2k, -7 % / -2 % at 4k.
+    192: (1024, 2048, FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True)),
 }
 
 

@@ -126,6 +126,7 @@ def test_sm90_key_runs_a_smaller_v_head_dim_at_its_own_width(head_dim, head_dim_
     (64, False, 512, (192, 128)), (64, True, 512, (128, 128)), (64, True, 1536, (128, 128)), (64, True, 2048, (192, 128)),
     (256, False, 768, (128, 64)), (256, False, 1024, (128, 80)), (256, True, 1024, (128, 64)), (256, True, 2048, (128, 80)),
     (128, True, 512, (128, 128)),
+    (192, False, 1024, (128, 64)), (192, False, 2048, (128, 112)), (192, True, 2048, (128, 64)), (192, True, 4096, (128, 112)),
 ])
 def test_sm90_short_sequence_tiles(head_dim, causal, seqlen, expected):
     p = problem(head_dim=head_dim, head_dim_v=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal)
