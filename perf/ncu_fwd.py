@@ -1,0 +1,44 @@
+"""One sm90 forward of ours and one of SDPA cuDNN on the same inputs, for Nsight Compute (not a test).
+
+    ncu --clock-control none --profile-from-start off --set full --page details \
+        python perf/ncu_fwd.py HDIM SEQLEN CAUSAL(0|1)
+
+bf16, 16k tokens, nheads * hdim = 2048 (the bench sizes). Both run three times unprofiled first (our
+compile, cuDNN's plan), then once each between cudaProfilerStart/Stop, so ncu sees two kernels.
+"""
+
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from flashattn_hopper import flash_attn_func
+
+
+def main(argv: list[str]) -> None:
+    hdim, seqlen, causal = int(argv[0]), int(argv[1]), bool(int(argv[2]))
+    batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+    q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def ours():
+        return flash_attn_func(q, k, v, causal=causal, backend="sm90")
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(qt, kt, vt, is_causal=causal)
+
+    for _ in range(3):
+        ours()
+        cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    ours()
+    cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
