@@ -108,7 +108,6 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
 # bounds these kernels.
 
 
-
 # Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
 # tall causal tile; too few key blocks per tile to amortise a wide one): (largest seqlen_q without a
 # causal/local mask, largest with one, tile); 0 = never. Measured persistent, H200, bf16, 16k tokens,
