@@ -409,22 +409,22 @@ def test_fwd_sm90_pack_gqa_poisoned_outputs(always_pack, causal):
 
 @pytest.fixture
 def cluster_of(monkeypatch):
-    """Force ``cluster_m`` (and optionally ``persistent``) into every sm90 key that can take it
-    (dense, no causal/local mask, no pack_gqa; the others keep 1), whatever the table ships."""
+    """Give every sm90 tile the table picks ``cluster_m`` (and optionally ``persistent``), whatever
+    the table ships, and turn automatic pack_gqa off (packed calls keep cluster_m = 1): the
+    launcher's own rule then keys clusters only for dense, unmasked calls."""
     import dataclasses
 
+    from flashattn_hopper import configs
     from flashattn_hopper.backends import sm90_fwd
 
-    key_of = sm90_fwd.FwdSm90._key
+    tile_of = configs.sm90_fwd_tile
 
     def force(cluster_m: int, **fields):
-        def key(self, *a, **kw):
-            k = key_of(self, *a, **kw)
-            if k.causal or k.local or k.varlen or k.pack_gqa > 1:
-                return k
-            return dataclasses.replace(k, cluster_m=cluster_m, **fields)
-
-        monkeypatch.setattr(sm90_fwd.FwdSm90, "_key", key)
+        monkeypatch.setattr(
+            configs, "sm90_fwd_tile",
+            lambda *a, **kw: dataclasses.replace(tile_of(*a, **kw), cluster_m=cluster_m, **fields),
+        )
+        monkeypatch.setattr(sm90_fwd, "pack_gqa_factor", lambda *a, **kw: 1)
 
     return force
 
@@ -433,9 +433,9 @@ def cluster_of(monkeypatch):
 @pytest.mark.parametrize("seqlens", SEQLENS_FAST, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}k{h[1]}")
 def test_fwd_sm90_cluster_pairs(cluster_of, head_dim, seqlens, heads):
-    """Clusters of 2 CTAs multicasting K/V: seqlens with an odd number of query tiles (1, 17,
-    113, 239 and 1023 rows: the cluster's second CTA computes a tile past the end and stores
-    nothing), GQA/MQA heads."""
+    """Clusters of 2 CTAs multicasting K/V over short shapes, GQA/MQA heads: one query tile (1, 17,
+    113 and 128 rows: the cluster's second CTA computes a tile past the end and stores nothing), a
+    few (239, 1023 rows), seqlen_q != seqlen_k."""
     cluster_of(2)
     (s_q, s_k), (h, h_k) = seqlens, heads
     q, k, v = make_qkv(2, s_q, s_k, h, h_k, head_dim, dtype=torch.bfloat16)
@@ -443,13 +443,14 @@ def test_fwd_sm90_cluster_pairs(cluster_of, head_dim, seqlens, heads):
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one_cluster_per_tile"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
 def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
     """More tile pairs than clusters (persistent: each cluster walks several pairs in lockstep,
-    states carried over; else several waves), an odd tile count per head (1041 rows), fp16,
+    states carried over; else several waves), an odd tile count per head (2100 rows: 17 tiles of
+    128, 11 of 192), the table's long-sequence tiles (hdim 192: 128x112, hdim 256: 128x80), fp16,
     poisoned outputs, bitwise equal repeats."""
     cluster_of(2, persistent=persistent)
-    q, k, v = make_qkv(3, 1041, 1300, 16, 4, head_dim, dtype=torch.float16)
+    q, k, v = make_qkv(3, 2100, 1300, 16, 4, head_dim, dtype=torch.float16)
     check_parity(q, k, v, causal=False)
     check_poisoned_outputs(q, k, v, False, "sm90")
     out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
@@ -460,8 +461,11 @@ def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
 
 def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):
     """Causal, window and varlen calls cannot use clusters (the CTAs of one visit different key
-    blocks): forcing them keeps cluster_m = 1 and the results right."""
+    blocks): with every tile offering clusters, the launcher keys them with cluster_m = 1 (the
+    kernel would refuse the others) and the results stay right."""
     cluster_of(2)
     q, k, v = make_qkv(2, 333, 517, 8, 2, 128)
     check_parity(q, k, v, causal=True)
     check_features(q, k, v, window=(64, 0))
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, 4, 2, 128, 128, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, causal=False, max_seqlen_q=300)
