@@ -53,7 +53,7 @@ from .common.sm90_utils import (
     acc_to_frag_a_sm90, make_smem_layout_sm90, same_smem_atom, select_head, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
-from .common.tile_scheduler import TileHandoff, TileScheduler
+from .common.tile_scheduler import TileHandoff, TileScheduler, section_heads
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -150,6 +150,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         pack_gqa: int = 1,
         wg_local_epilogue: bool = True,
         cluster_m: int = 1,
+        section_l2_mb: int = 16,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
@@ -188,8 +189,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         # multicast into all of them, so K/V cross the L2 -> SM fabric once per cluster (FA3's
         # ClusterShape). A K/V stage is free only when the consumers of every CTA released it.
         self.cluster_m = cluster_m
-        # Causal/local tiles differ in cost: CTAs take the next tile from an atomic counter.
+        # Causal/local tiles differ in cost: CTAs take the next tile from an atomic counter, in
+        # sections of heads whose K/V fit in section_l2_mb MiB, longest first across a section
+        # (0: one (batch, head) per section, the order before 2026-11-21 session 9).
         self.dynamic_schedule = persistent and (is_causal or is_local)
+        self.section_l2_mb = section_l2_mb
         self.o_aliases_q = not (
             persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
             <= _SMEM_CAPACITY
@@ -380,7 +384,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         else:
             softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
         num_batch = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen_q) else mQ.shape[3]
-        scheduler = self._scheduler(mQ, num_batch, varlen_q, mTileCounter)
+        scheduler = self._scheduler(mQ, mK, num_batch, varlen_q, mTileCounter)
         cluster = {"cluster": [self.cluster_m, 1, 1]} if const_expr(self.cluster_m > 1) else {}
         self.kernel(
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
@@ -397,21 +401,34 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         )
 
     def _scheduler(
-        self, mQ: cute.Tensor, num_batch: Int32, varlen_q: bool, mTileCounter: cute.Tensor | None
+        self, mQ: cute.Tensor, mK: cute.Tensor, num_batch: Int32, varlen_q: bool,
+        mTileCounter: cute.Tensor | None,
     ) -> TileScheduler:
         """Dense: ``ceil(seqlen_q / tile_m)`` tiles per (batch, head). Varlen: an upper bound of
-        tiles over all sequences per head (``num_batch`` of the scheduler is 1)."""
+        tiles over all sequences per head (``num_batch`` of the scheduler is 1). Causal/local:
+        sections of heads sized by L2, counting a varlen call's mean key length."""
         if const_expr(varlen_q):
             num_m_blocks = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
             scheduler_batch = Int32(1)
         else:
             num_m_blocks = (cute.size(mQ, mode=[0]) + (self.tile_m - 1)) // self.tile_m
             scheduler_batch = num_batch
+        longest_first = self.is_causal or self.is_local
+        heads_per_section = None
+        if const_expr(longest_first):
+            # mK's rows: seqlen_k, or (varlen) the keys of all num_batch sequences; mQ's head mode
+            # counts KV heads when packed (pack_gqa), so the ratio is then 1.
+            seqlen_k = cute.size(mK, mode=[0]) // (num_batch if const_expr(len(mK.shape) == 3) else 1)
+            heads_per_section = Int32(1)
+            if const_expr(self.section_l2_mb > 0):
+                heads_per_section = section_heads(
+                    seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+                    mQ.shape[2] // mK.shape[2], self.section_l2_mb * 2**20,
+                )
         return TileScheduler.create(
-            num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent,
-            longest_first=self.is_causal or self.is_local,
+            num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent, longest_first=longest_first,
             mTileCounter=mTileCounter if const_expr(self.dynamic_schedule) else None,
-            cluster_m=self.cluster_m,
+            cluster_m=self.cluster_m, heads_per_section=heads_per_section,
         )
 
     # ------------------------------------------------------------------ device code
@@ -492,7 +509,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         walk = TileWalk(
-            scheduler=self._scheduler(mQ, num_batch, varlen_q, mTileCounter),
+            scheduler=self._scheduler(mQ, mK, num_batch, varlen_q, mTileCounter),
             handoff=TileHandoff(
                 storage.next_tile.get_tensor(cute.make_layout(1)),
                 int(NamedBarrierFwd.TILE_FULL), int(NamedBarrierFwd.TILE_EMPTY),

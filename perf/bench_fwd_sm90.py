@@ -14,7 +14,9 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``padded-v`` (with ``--head-dim-v`` below hdim: V zero-padded to q's head dim, the 192 row's tile),
   ``stages3`` / ``stages4`` (a K/V ring of 3 / 4 shared-memory stages instead of 2),
   ``cluster2`` / ``cluster1`` (clusters of 2 CTAs sharing K/V by TMA multicast / no clusters;
-  non-causal cells only, '-' under causal);
+  non-causal cells only, '-' under causal), ``per-head-order`` / ``sections-32mb`` / ``sections-8mb``
+  (causal: tiles head by head, longest first within each / longest first across sections of heads
+  whose K/V fit in 32 / 8 MiB, instead of the shipped 16);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -44,6 +46,10 @@ VARIANTS = {
     "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
     # clusters of 2 CTAs along M sharing K/V by TMA multicast / none (non-causal cells only)
     "cluster2": {"cluster_m": 2}, "cluster1": {"cluster_m": 1},
+    # causal: tiles head by head, longest first within each (before session 9), or longest first
+    # across sections of heads whose K/V fit in 32 / 8 MiB of L2 (shipped: 16)
+    "per-head-order": {"section_l2_mb": 0}, "sections-32mb": {"section_l2_mb": 32},
+    "sections-8mb": {"section_l2_mb": 8},
 }
 
 

@@ -129,6 +129,23 @@ def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_causal_tiles_in_head_sections(head_dim, heads):
+    """Causal/local tiles are walked in L2-sized sections of (batch, head) pairs (kernels/common/
+    tile_scheduler.py, 16 MiB of K/V): 5000 keys make sections of 3 (hdim 256) or 6 (hdim 128)
+    pairs, 12 or 16 (the cap) with GQA 8:2, so the 16 pairs mostly end in a partial section;
+    every tile is computed exactly once."""
+    h, h_k = heads
+    q, k, v = make_qkv(2, 700, 5000, h, h_k, head_dim)
+    check_parity(q, k, v, causal=True)
+    check_poisoned_outputs(q, k, v, True, "sm90")
+    check_features_dense(q, k, v, "sm90", window=(2000, 0))
+    lens = [(300, 4000), (700, 6000), (0, 3000), (517, 5000)]  # mean 4500 keys: 3-pair sections at 256
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(lens, h, h_k, head_dim, head_dim, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, causal=True)
+
+
 def _tile_counter_value() -> int:
     from flashattn_hopper.backends.sm90_fwd import tile_counter
 

@@ -44,6 +44,9 @@ class FwdSm90Key(KernelKey):
     wg_local_epilogue: bool = True  # each MMA warpgroup stores its own rows (no CTA-wide barrier)
     num_stages: int = 2  # K/V shared-memory stages
     cluster_m: int = 1  # CTAs per cluster along M, K/V multicast to all (dense, unmasked, unpacked)
+    # causal/local tile order: longest first across sections of heads whose K/V fit in this many
+    # MiB of L2 (0: head by head)
+    section_l2_mb: int = 16
 
 
 class FwdSm90(FwdLauncher):
@@ -147,7 +150,7 @@ class FwdSm90(FwdLauncher):
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
-            num_stages=key.num_stages, cluster_m=key.cluster_m,
+            num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

@@ -13,10 +13,14 @@ Persistent CTAs (FA3 section 3.1) pay the prologue (barrier init, descriptor pre
 overlap the next tile's loads with this tile's epilogue.
 
 Index order: ``m_block`` fastest, then head, then batch, so CTAs running together share one
-(batch, head)'s K/V in L2; with ``longest_first`` (causal/local) the m_blocks of a (batch, head)
-run bottom-up, since the bottom tiles see the most keys. (Measured on H200, 2026-11-21: a static
-schedule over tiles sorted by cost across all heads balanced the CTAs but lost 5-15 % causal,
-K/V of 132 different heads at once no longer fitting in L2; perf/NOTES.md.)
+(batch, head)'s K/V in L2. With ``longest_first`` (causal/local, where tiles near the bottom see
+the most keys) the (batch, head) pairs are cut into sections of ``heads_per_section`` pairs whose
+K/V fit in L2 together (``section_heads``: 16 MiB, at most 16 pairs); within a section the order is
+m_block slowest, bottom-up, and head fastest (FA3's L2 swizzle). Greedy CTAs then take every
+section's longest tiles first. Head by head, the last head's longest tiles start with only that
+head's work left to hide them behind (modelled 5-14 % past the ideal finish at hdim 128-256 and
+2k-8k; sections measured +2-10 % there, perf/NOTES.md "Session 9"); sorting across all heads loses
+5-15 % (H200, 2026-11-21: K/V of 132 heads at once no longer fit in L2).
 
 Clusters (``cluster_m > 1``, dense only): the CTAs of a cluster (consecutive in x) walk one index
 sequence in lockstep, an index naming a group of ``cluster_m`` adjacent m_blocks of one (batch, head),
@@ -47,6 +51,20 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
+def section_heads(
+    seqlen_k: Int32, kv_bytes_per_key: int, heads_per_kv_head: Int32, l2_bytes: int, max_pairs: int = 16
+) -> Int32:
+    """(batch, head) pairs per longest-first section: as many as have their K and V (``seqlen_k``
+    keys of ``kv_bytes_per_key`` bytes, K's row plus V's) in ``l2_bytes`` at once, counting the
+    ``heads_per_kv_head`` query heads that read one KV head (GQA) as one; at least 1, at most
+    ``max_pairs``. A head's tiles are a section's width apart in the order, so its K/V must stay in
+    L2 that long: short sequences, whose K/V would allow 32-128 pairs, measured 2-13 % slower with
+    them than head by head (H100, perf/NOTES.md "Session 9"); 16 pairs still balance the CTAs."""
+    keys_in_l2 = l2_bytes // kv_bytes_per_key
+    pairs = cutlass.max(keys_in_l2 // cutlass.max(seqlen_k, 1), 1) * heads_per_kv_head
+    return cutlass.min(pairs, max_pairs)
+
+
 @dataclass(frozen=True)
 class TileHandoff:
     """The shared-memory slot and named barriers of the dynamic scheduler's producer -> consumers
@@ -74,17 +92,25 @@ class TileScheduler:
     longest_first: bool
     mTileCounter: cute.Tensor | None  # (1,) Int32 in gmem, zero at launch and left zero: dynamic schedule
     cluster_m: int = 1  # CTAs per cluster, each taking one m_block of an index's group
+    # longest_first only: (batch, head) pairs per section, 1 <= it <= num_heads * num_batch
+    heads_per_section: Int32 | None = None
 
     @staticmethod
     def create(
         num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, persistent: bool,
         longest_first: bool, mTileCounter: cute.Tensor | None = None, cluster_m: int = 1,
+        heads_per_section: Int32 | None = None,
     ) -> "TileScheduler":
+        """``heads_per_section`` (longest_first only): (batch, head) pairs whose K/V share L2 at
+        once (``section_heads``); clamped here to ``[1, num_heads * num_batch]``."""
         assert cluster_m == 1 or mTileCounter is None, "clusters walk a static schedule"
+        assert not longest_first or heads_per_section is not None, "longest_first walks sections"
         num_groups = (num_m_blocks + (cluster_m - 1)) // cluster_m if cluster_m > 1 else num_m_blocks
+        if longest_first:
+            heads_per_section = cutlass.max(cutlass.min(heads_per_section, num_heads * num_batch), 1)
         return TileScheduler(
             num_groups, num_heads, num_batch, num_groups * num_heads * num_batch,
-            persistent, longest_first, mTileCounter, cluster_m,
+            persistent, longest_first, mTileCounter, cluster_m, heads_per_section,
         )
 
     def grid_size(self, max_ctas: Int32) -> Int32:
@@ -172,12 +198,22 @@ class TileScheduler:
     def coords(self, tile_idx: Int32):
         """``(m_block, head, batch)`` of tile ``tile_idx`` (``0 <= tile_idx < num_tiles``) for this
         CTA (with clusters: the m_block of its rank in the index's group)."""
-        bh = tile_idx // self.num_m_blocks
-        m_block = tile_idx - bh * self.num_m_blocks
+        if cutlass.const_expr(self.longest_first):
+            # Section s holds pairs [s * H, s * H + h_s), h_s = H except in the last section;
+            # within it, index r names m_rank r // h_s (0: the bottom m_block) of pair r % h_s.
+            tiles_per_section = self.heads_per_section * self.num_m_blocks
+            section = tile_idx // tiles_per_section
+            first_bh = section * self.heads_per_section
+            rank = tile_idx - section * tiles_per_section
+            heads_here = cutlass.min(self.heads_per_section, self.num_heads * self.num_batch - first_bh)
+            m_rank = rank // heads_here
+            bh = first_bh + rank - m_rank * heads_here
+            m_block = self.num_m_blocks - 1 - m_rank
+        else:
+            bh = tile_idx // self.num_m_blocks
+            m_block = tile_idx - bh * self.num_m_blocks
         batch = bh // self.num_heads
         head = bh - batch * self.num_heads
-        if cutlass.const_expr(self.longest_first):
-            m_block = self.num_m_blocks - 1 - m_block
         if cutlass.const_expr(self.cluster_m > 1):
             m_block = m_block * self.cluster_m + cute.arch.block_idx()[0] % self.cluster_m
         return m_block, head, batch
