@@ -66,10 +66,6 @@ class FwdTileSm90:
     # CTAs per cluster along M sharing each K/V block by TMA multicast (dense, no causal/local mask,
     # no pack_gqa; other calls run the row with 1)
     cluster_m: int = 1
-    # of every 8 exponentials of an S row, how many run as a polynomial on the FMA pipe, not on MUFU.
-    # No row sets it: 1-3 of 8 measured 2-13 % slower at hdim 64 and 128 (H100, perf/NOTES.md
-    # "Session 9"): the softmax is bound by instruction issue, not by MUFU's throughput.
-    fma_exp2_per_8: int = 0
 
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.

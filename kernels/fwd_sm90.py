@@ -151,7 +151,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         wg_local_epilogue: bool = True,
         cluster_m: int = 1,
         section_l2_mb: int = 16,
-        fma_exp2_per_8: int = 0,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
@@ -195,9 +194,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         # (0: one (batch, head) per section, the order before 2026-11-21 session 9).
         self.dynamic_schedule = persistent and (is_causal or is_local)
         self.section_l2_mb = section_l2_mb
-        # Of every 8 columns of S, how many exponentials run on the FMA pipe instead of MUFU
-        # (common/softmax.py, exp2_on_fma): MUFU's 16/clock/SM bind at small head dims.
-        self.fma_exp2_per_8 = fma_exp2_per_8
         self.o_aliases_q = not (
             persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
             <= _SMEM_CAPACITY
@@ -623,10 +619,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
             if has_tile:
                 acc_O.fill(0.0)
-                softmax = OnlineSoftmax(
-                    scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
-                    fma_exp2_per_8=self.fma_exp2_per_8,
-                )
+                softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
                     walk.block_info.window_left, walk.block_info.window_right, self.pack_gqa,

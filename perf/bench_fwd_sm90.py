@@ -16,8 +16,7 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``cluster2`` / ``cluster1`` (clusters of 2 CTAs sharing K/V by TMA multicast / no clusters;
   non-causal cells only, '-' under causal), ``per-head-order`` / ``sections-32mb`` / ``sections-8mb``
   (causal: tiles head by head, longest first within each / longest first across sections of heads
-  whose K/V fit in 32 / 8 MiB, instead of the shipped 16), ``mufu-exp`` / ``fma-exp1`` / ``2`` / ``3``
-  (0-3 of every 8 exponentials as a polynomial on the FMA pipe instead of MUFU);
+  whose K/V fit in 32 / 8 MiB, instead of the shipped 16);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -51,8 +50,6 @@ VARIANTS = {
     # across sections of heads whose K/V fit in 32 / 8 MiB of L2 (shipped: 16)
     "per-head-order": {"section_l2_mb": 0}, "sections-32mb": {"section_l2_mb": 32},
     "sections-8mb": {"section_l2_mb": 8},
-    # 1 / 2 / 3 of every 8 exponentials on the FMA pipe (common/softmax.py exp2_on_fma) instead of MUFU
-    "mufu-exp": {"fma_exp2_per_8": 0}, "fma-exp1": {"fma_exp2_per_8": 1}, "fma-exp2": {"fma_exp2_per_8": 2}, "fma-exp3": {"fma_exp2_per_8": 3},
 }
 
 

@@ -47,7 +47,6 @@ class FwdSm90Key(KernelKey):
     # causal/local tile order: longest first across sections of heads whose K/V fit in this many
     # MiB of L2 (0: head by head)
     section_l2_mb: int = 16
-    fma_exp2_per_8: int = 0  # of every 8 exponentials of a row, how many run on the FMA pipe (not MUFU)
 
 
 class FwdSm90(FwdLauncher):
@@ -91,7 +90,7 @@ class FwdSm90(FwdLauncher):
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
             persistent=tile.persistent, num_stages=tile.num_stages,
-            cluster_m=tile.cluster_m if clusters_ok else 1, fma_exp2_per_8=tile.fma_exp2_per_8, **flags,
+            cluster_m=tile.cluster_m if clusters_ok else 1, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -152,7 +151,6 @@ class FwdSm90(FwdLauncher):
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
-            fma_exp2_per_8=key.fma_exp2_per_8,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

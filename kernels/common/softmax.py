@@ -16,15 +16,6 @@ Numerics (design doc 1.6, pitfall 18):
   ``seqlen_q > seqlen_k``) gets output scale 0 and LSE ``-inf``; otherwise
   ``O *= 1 / row_sum`` and ``LSE = (row_max * scale_log2 + log2(row_sum)) * ln(2)`` (natural log).
 
-Exponentials on the FMA pipe (``fma_exp2_per_8 > 0``, FA4's trick, our own polynomial): the MUFU
-unit does 16 ``ex2`` per SM per clock against 128 FP32 FMAs, and at head dim 64 a block's
-exponentials take as long as its GEMMs. ``exp2_on_fma`` computes some columns' ``2^x`` as
-``2^round(x) * p(x - round(x))``: the rounding by adding and subtracting 1.5 * 2^23 (+ the exponent
-bias, so the sum's low bits are the biased exponent), a degree-3 polynomial on [-0.5, 0.5]
-(relative error 7.5e-5, below fp16's 4.9e-4 rounding of P), and the power of two built by shifting
-those bits into the exponent field: 8 FP32-pipe instructions and one shift, no MUFU. Inputs at or
-below -126.5 (masked: -inf) give exactly 0, so empty rows stay empty.
-
 Softcap (Gemma-2 style, ``s = softcap * tanh(s * softmax_scale / softcap)``): ``apply_softcap``
 runs on S before masking and ``update`` and leaves ``tanh(s * softmax_scale / softcap)``; the
 caller then builds ``OnlineSoftmax`` with ``scale_log2 = softcap * log2(e)`` so the exponent and
@@ -40,41 +31,8 @@ the rescaling of O deferred to the end).
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .utils import LN_2, LOG2_E, acc_rows_cols
-
-# 2^f on [-0.5, 0.5] ~ C0 + C1 f + C2 f^2 + C3 f^3, minimax in relative error (7.5e-5), as fp32 bits.
-_EXP2_POLY = ("0f3F7FFB4A", "0f3F31798D", "0f3E786EFB", "0f3D61FB78")
-_ROUND_AND_BIAS = "0f4B40007F"  # 1.5 * 2^23 + 127: sum's low mantissa bits = round(x) + 127
-
-
-@dsl_user_op
-def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``2^x`` for ``x <= 0`` without MUFU (module docstring); inline PTX so that the add and
-    subtract of the rounding constant are not folded away."""
-    c0, c1, c2, c3 = _EXP2_POLY
-    asm = (
-        "{ .reg .f32 xc, t, j, f, p; .reg .b32 bits;"
-        " max.f32 xc, $1, 0fC2FE0000;"  # -127: -inf and anything below rounds to scale 0
-        f" add.rn.f32 t, xc, {_ROUND_AND_BIAS};"
-        f" sub.rn.f32 j, t, {_ROUND_AND_BIAS};"
-        " sub.rn.f32 f, xc, j;"
-        f" fma.rn.f32 p, f, {c3}, {c2};"
-        f" fma.rn.f32 p, p, f, {c1};"
-        f" fma.rn.f32 p, p, f, {c0};"
-        " mov.b32 bits, t;"
-        " shl.b32 bits, bits, 23;"  # (round(x) + 127) << 23 = 2^round(x); 0 = +0.0
-        " mov.b32 t, bits;"
-        " mul.rn.f32 $0, p, t; }"
-    )
-    return Float32(
-        llvm.inline_asm(
-            T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
 
 
 def softcap_scale_log2(softmax_scale: Float32, softcap: Float32) -> tuple[Float32, Float32]:
@@ -111,11 +69,9 @@ def _chained_reduce(row: cute.Tensor, op, num_chains: int):
 class OnlineSoftmax:
     """Running softmax statistics for ``num_rows`` accumulator rows of the calling thread."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, fma_exp2_per_8: int = 0):
-        """``fma_exp2_per_8``: of every 8 columns of a row, how many take ``exp2_on_fma``."""
+    def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
-        self.fma_exp2_per_8 = fma_exp2_per_8
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
@@ -144,10 +100,7 @@ class OnlineSoftmax:
             row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
             neg_max_scaled = -(row_max_safe * scale_log2)
             for c in cutlass.range_constexpr(cute.size(row)):
-                if cutlass.const_expr(c % 8 < self.fma_exp2_per_8):
-                    row[c] = exp2_on_fma(row[c] * scale_log2 + neg_max_scaled)
-                else:
-                    row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
+                row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
             row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
