@@ -82,10 +82,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
-    fastest; causal/local: over sections of heads whose K/V fit in ``section_l2_mb`` MiB of L2 (at
-    most 16 heads), bottom m_blocks (the most keys) of every head of a section first; varlen tiles over an
-    upper bound per head, mapped to ``(sequence, m_block)`` by a warp scan of ``cu_seqlens_q``
-    (``common/seqlen.py``). ``persistent``: one CTA per SM walks tiles (static stride, or an
+    fastest; causal/local: over sections of (batch, head) pairs whose K/V fit in ``section_l2_mb``
+    MiB of L2 (at most 16 pairs), the bottom m_blocks (the most keys) of a section's pairs first;
+    varlen tiles over an upper bound per head, mapped to ``(sequence, m_block)`` by a warp scan of
+    ``cu_seqlens_q`` (``common/seqlen.py``). ``persistent``: one CTA per SM walks tiles (static stride, or an
     atomic counter for causal/local), the pipeline states and ping-pong turn carrying over; else
     one CTA per tile. ``pack_gqa = g``: a tile's rows are the g query heads of one KV head
     (``common/pack_gqa.py``). ``cluster_m = 2`` (dense, unmasked, unpacked; built and tested, no

@@ -15,8 +15,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``stages3`` / ``stages4`` (a K/V ring of 3 / 4 shared-memory stages instead of 2),
   ``cluster2`` / ``cluster1`` (clusters of 2 CTAs sharing K/V by TMA multicast / no clusters;
   non-causal cells only, '-' under causal), ``per-head-order`` / ``sections-32mb`` / ``sections-8mb``
-  (causal: tiles head by head, longest first within each / longest first across sections of heads
-  whose K/V fit in 32 / 8 MiB, instead of the shipped 16);
+  (causal only, '-' otherwise: tiles head by head, longest first within each / longest first across
+  sections of heads whose K/V fit in 32 / 8 MiB, instead of the shipped 16);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -68,6 +68,8 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     overrides = dict(overrides)
     if overrides.get("cluster_m", 1) > 1 and causal:
         return None  # clusters need every CTA of one to visit the same key blocks
+    if "section_l2_mb" in overrides and not causal:
+        return None  # the section order is the causal/local tile order only
     memset_counter = overrides.pop("memset_counter", False)
     if overrides.pop("pad_v", False) and v.shape[-1] != q.shape[-1]:
         tile = configs.sm90_fwd_tile(q.shape[-1], causal, q.shape[1])

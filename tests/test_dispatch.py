@@ -151,6 +151,27 @@ def test_sm90_clusters_only_for_dense_unmasked_unpacked_calls(monkeypatch):
     assert family.key(problem(**long, is_varlen=True), "sm_90a", varlen=varlen).cluster_m == 1
 
 
+def test_sm90_causal_section_sizes():
+    """(batch, head) pairs per section of the causal/local tile order (kernels/common/tile_scheduler.py):
+    as many as fit 16 MiB of K/V, GQA groups counted once and kept whole, at most 16 pairs (at least
+    one KV head's query heads)."""
+    from flashattn_hopper.kernels.common.tile_scheduler import section_heads
+
+    budget = 16 * 2**20
+    bf16_bytes = lambda d, dv: (d + dv) * 2  # noqa: E731 (K's row plus V's)
+    assert section_heads(5000, bf16_bytes(256, 256), 1, budget) == 3
+    assert section_heads(5000, bf16_bytes(128, 128), 1, budget) == 6
+    assert section_heads(8192, bf16_bytes(256, 256), 1, budget) == 2
+    assert section_heads(16384, bf16_bytes(256, 256), 1, budget) == 1
+    assert section_heads(100_000, bf16_bytes(128, 128), 1, budget) == 1  # never below one pair
+    assert section_heads(512, bf16_bytes(64, 64), 1, budget) == 16  # the cap (128 would fit)
+    assert section_heads(5000, bf16_bytes(256, 256), 4, budget) == 12  # 3 KV heads of 4 query heads
+    assert section_heads(5000, bf16_bytes(128, 128), 4, budget) == 16  # 6 KV heads capped to 4
+    assert section_heads(512, bf16_bytes(64, 64), 6, budget) == 12  # whole groups: 2 of 6, not 16
+    assert section_heads(512, bf16_bytes(64, 64), 32, budget) == 32  # one group even past the cap
+    assert section_heads(0, bf16_bytes(64, 64), 1, budget) == 16  # no keys: no division by zero
+
+
 def test_key_holds_no_shapes():
     spec = dispatch.FWD_KERNELS["sm80"]
     short, long = spec.key(problem(batch=1, seqlen_q=17, seqlen_k=5), "sm_80"), spec.key(problem(batch=64, seqlen_q=8192, seqlen_k=8192), "sm_80")

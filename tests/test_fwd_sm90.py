@@ -133,15 +133,17 @@ def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=lambda h: f"h{h[0]}k{h[1]}")
 def test_fwd_sm90_causal_tiles_in_head_sections(head_dim, heads):
     """Causal/local tiles are walked in L2-sized sections of (batch, head) pairs (kernels/common/
-    tile_scheduler.py, 16 MiB of K/V): 5000 keys make sections of 3 (hdim 256) or 6 (hdim 128)
-    pairs, 12 or 16 (the cap) with GQA 8:2, so the 16 pairs mostly end in a partial section;
-    every tile is computed exactly once."""
+    tile_scheduler.py, 16 MiB of K/V, at most 16 pairs): 5000 keys make sections of 3 (hdim 256)
+    or 6 (hdim 128) pairs, 12 or 16 with GQA 8:2; 16 pairs of 9 m_blocks are 144 tiles, more than
+    the SMs, so persistent CTAs cross section boundaries into a partial last section (all but the
+    16-pair case). Every tile must be computed exactly once."""
     h, h_k = heads
-    q, k, v = make_qkv(2, 700, 5000, h, h_k, head_dim)
+    q, k, v = make_qkv(2, 1100, 5000, h, h_k, head_dim)
     check_parity(q, k, v, causal=True)
     check_poisoned_outputs(q, k, v, True, "sm90")
     check_features_dense(q, k, v, "sm90", window=(2000, 0))
-    lens = [(300, 4000), (700, 6000), (0, 3000), (517, 5000)]  # mean 4500 keys: 3-pair sections at 256
+    # mean 4500 keys: sections of 3 pairs at hdim 256 (3 + 3 + 2 heads), of 7 at hdim 128 (7 + 1)
+    lens = [(600, 4000), (900, 6000), (0, 3000), (817, 5000)]
     q, k, v, cu_q, cu_k, _, _ = make_varlen(lens, h, h_k, head_dim, head_dim, torch.bfloat16)
     check_varlen(q, k, v, cu_q, cu_k, causal=True)
 
@@ -392,8 +394,10 @@ def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
     check_parity(q, k, v, causal)
 
 
-@pytest.mark.parametrize("variant", [{"persistent": False}, {"wg_local_epilogue": False}],
-                         ids=["one_cta_per_tile", "cta_wide_epilogue"])
+@pytest.mark.parametrize(
+    "variant", [{"persistent": False}, {"wg_local_epilogue": False}, {"section_l2_mb": 0}],
+    ids=["one_cta_per_tile", "cta_wide_epilogue", "head_by_head_order"],
+)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fwd_sm90_unshipped_variants(monkeypatch, variant, head_dim, causal):

@@ -19,8 +19,8 @@ K/V fit in L2 together (``section_heads``: 16 MiB, at most 16 pairs); within a s
 m_block slowest, bottom-up, and head fastest (FA3's L2 swizzle). Greedy CTAs then take every
 section's longest tiles first. Head by head, the last head's longest tiles start with only that
 head's work left to hide them behind (modelled 5-14 % past the ideal finish at hdim 128-256 and
-2k-8k; sections measured +2-10 % there, perf/NOTES.md "Session 9"); sorting across all heads loses
-5-15 % (H200, 2026-11-21: K/V of 132 heads at once no longer fit in L2).
+2k-8k; sections measured -0.5..+9 % there on H100, 2026-11-21, perf/NOTES.md "Session 9"); sorting
+across all heads loses 5-15 % (H200, 2026-11-21: K/V of 132 heads at once no longer fit in L2).
 
 Clusters (``cluster_m > 1``, dense only): the CTAs of a cluster (consecutive in x) walk one index
 sequence in lockstep, an index naming a group of ``cluster_m`` adjacent m_blocks of one (batch, head),
@@ -52,17 +52,19 @@ from cutlass import Int32
 
 
 def section_heads(
-    seqlen_k: Int32, kv_bytes_per_key: int, heads_per_kv_head: Int32, l2_bytes: int, max_pairs: int = 16
+    seqlen_k: Int32, kv_bytes_per_key: int, qhead_per_kvhead: Int32, l2_bytes: int, max_pairs: int = 16
 ) -> Int32:
     """(batch, head) pairs per longest-first section: as many as have their K and V (``seqlen_k``
     keys of ``kv_bytes_per_key`` bytes, K's row plus V's) in ``l2_bytes`` at once, counting the
-    ``heads_per_kv_head`` query heads that read one KV head (GQA) as one; at least 1, at most
-    ``max_pairs``. A head's tiles are a section's width apart in the order, so its K/V must stay in
-    L2 that long: short sequences, whose K/V would allow 32-128 pairs, measured 2-13 % slower with
-    them than head by head (H100, perf/NOTES.md "Session 9"); 16 pairs still balance the CTAs."""
+    ``qhead_per_kvhead`` query heads that read one KV head (GQA) as one; at least one KV head's
+    query heads, at most ``max_pairs`` rounded down to whole KV heads (and never below one). A
+    head's tiles are a section's width apart in the order, so its K/V must stay in L2 that long:
+    short sequences, whose K/V would allow 32-128 pairs, measured 2-13 % slower with them than
+    head by head (H100, 2026-11-21, perf/NOTES.md "Session 9"); 16 pairs still balance the CTAs."""
     keys_in_l2 = l2_bytes // kv_bytes_per_key
-    pairs = cutlass.max(keys_in_l2 // cutlass.max(seqlen_k, 1), 1) * heads_per_kv_head
-    return cutlass.min(pairs, max_pairs)
+    kv_heads = cutlass.max(keys_in_l2 // cutlass.max(seqlen_k, 1), 1)
+    max_kv_heads = cutlass.max(max_pairs // qhead_per_kvhead, 1)
+    return cutlass.min(kv_heads, max_kv_heads) * qhead_per_kvhead
 
 
 @dataclass(frozen=True)
