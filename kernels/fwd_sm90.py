@@ -417,11 +417,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         longest_first = self.is_causal or self.is_local
         heads_per_section = None
         if const_expr(longest_first):
-            # mK's rows: seqlen_k, or (varlen) the keys of all num_batch sequences; mQ's head mode
-            # counts KV heads when packed (pack_gqa), so the ratio is then 1.
-            seqlen_k = cute.size(mK, mode=[0]) // (num_batch if const_expr(len(mK.shape) == 3) else 1)
             heads_per_section = Int32(1)
             if const_expr(self.section_l2_mb > 0):
+                # mK's rows: seqlen_k, or (varlen) the keys of all num_batch sequences; mQ's head
+                # mode counts KV heads when packed (pack_gqa), so the ratio is then 1.
+                seqlen_k = cute.size(mK, mode=[0]) // (num_batch if const_expr(len(mK.shape) == 3) else 1)
                 heads_per_section = section_heads(
                     seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
                     mQ.shape[2] // mK.shape[2], self.section_l2_mb * 2**20,

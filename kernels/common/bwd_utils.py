@@ -31,6 +31,8 @@ Constraints: 16-bit inputs, fp32 scratch; ``head_dim`` a multiple of 16.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 
 # Every scratch buffer pads its sequence length to a multiple of this; tiles must divide it.
 SEQ_PAD = 128
@@ -204,9 +206,6 @@ def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor, vec: cutlass.Constexpr[int
                 scope="gpu",
             )
     else:
-        from cutlass._mlir import ir
-        from cutlass._mlir.dialects import vector
-
         vec_type = ir.VectorType.get([vec], cutlass.Float32.mlir_type)
         for j in cutlass.range_constexpr(cute.size(acc) // vec):
             values = vector.from_elements(vec_type, [acc[j * vec + e].ir_value() for e in range(vec)])

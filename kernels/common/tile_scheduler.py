@@ -59,7 +59,7 @@ def section_heads(
     ``qhead_per_kvhead`` query heads that read one KV head (GQA) as one; at least one KV head's
     query heads, at most ``max_pairs`` rounded down to whole KV heads (and never below one). A
     head's tiles are a section's width apart in the order, so its K/V must stay in L2 that long:
-    short sequences, whose K/V would allow 32-128 pairs, measured 2-13 % slower with them than
+    short sequences, whose K/V would allow 32-256 pairs, measured 2-13 % slower with them than
     head by head (H100, 2026-11-21, perf/NOTES.md "Session 9"); 16 pairs still balance the CTAs."""
     keys_in_l2 = l2_bytes // kv_bytes_per_key
     kv_heads = cutlass.max(keys_in_l2 // cutlass.max(seqlen_k, 1), 1)
