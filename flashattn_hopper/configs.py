@@ -66,6 +66,10 @@ class FwdTileSm90:
     # CTAs per cluster along M sharing each K/V block by TMA multicast (dense, no causal/local mask,
     # no pack_gqa; other calls run the row with 1)
     cluster_m: int = 1
+    # Spanning tiles (dense, unmasked, unpacked calls whose heads have >= tile_m / 64 - 1 blocks of 64
+    # rows; others run the row without): the warpgroups of a tile take consecutive 64-row blocks that may
+    # run on into the next (batch, head), whose K/V come through a second ring of num_stages stages
+    span_heads: bool = False
 
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
@@ -79,7 +83,8 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # Measured vs 128x128 with 2 WGs (H200, bf16, 16k tokens, 2026-11-21): +7..23% at every seqlen
     # 512-16k non-causal (519 vs 423 TFLOP/s at 16k); causal -1..+8% at >= 2k but -9% at 512-1k
     # (more diagonal waste per 192-row tile). Numbers in perf/NOTES.md.
-    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
+    # Spanning tiles where 192-row tiles would compute >= 2 % of rows past the sequence (SPAN_MIN_PADDING).
+    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, span_heads=True),
     # 128x128, 2 MMA WGs (FA4's tile): smem 160 KB, regs S 64 + O 64 + P 32 = 160 of the 240 each MMA
     # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
     # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
@@ -134,6 +139,21 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
 FWD_SM90_DV_TILES: dict[tuple[int, int], FwdTileSm90] = {
     (192, 128): FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
+
+
+# Spanning tiles (FwdTileSm90.span_heads) pay where whole tiles would compute many rows past each sequence:
+# H100, bf16, 16k tokens, hdim 64 non-causal, 2026-11-21 (perf/NOTES.md "Session 10"), span / not:
+# 384 / 362 TFLOP/s at 512 and 447 / 407 at 1k (192-row tiles pad 12.5 %), 479 / 470 and 492 / 487 at
+# 2k / 4k (3.1 %); where nothing is padded they cost 0-2 % (5 repeats: 514 / 512 at 6k, 507 / 517 at 12k;
+# 8k / 16k, 0.8 / 0.4 % padded: 520 / 527, 518 / 525). So only from this fraction of padded rows up.
+SPAN_MIN_PADDING = 0.02
+
+
+def span_pays(tile_m: int, seqlen_q: int) -> bool:
+    """Whether whole ``tile_m``-row tiles would compute at least ``SPAN_MIN_PADDING`` of a sequence's
+    rows past its end (spanning tiles compute none but in a launch's last tile)."""
+    padded = -(-seqlen_q // tile_m) * tile_m - seqlen_q
+    return padded >= SPAN_MIN_PADDING * seqlen_q
 
 
 def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | None = None) -> FwdTileSm90:

@@ -28,6 +28,7 @@ Constraints:
 
 Files by role: this one (configuration, launch, prologue, the MMA warpgroups' main loop),
 ``fwd_sm90_load.py`` (the producer warp's TMA loads), ``fwd_sm90_epilogue.py`` (O and LSE out),
+``fwd_sm90_tiles.py`` (the tile scheduler's setup and each tile's coordinates and key blocks),
 ``fwd_sm90_parts.py`` (the records and named barriers they share).
 
 Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
@@ -48,12 +49,11 @@ from cutlass.memory import SmemAllocator
 from .common.block_info import BlockInfo
 from .common.mask import AttentionMask
 from .common.pack_gqa import pack_gqa_view
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .common.sm90_utils import (
     acc_to_frag_a_sm90, make_smem_layout_sm90, same_smem_atom, select_head, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
-from .common.tile_scheduler import TileHandoff, TileScheduler, section_heads
+from .common.tile_scheduler import TileHandoff
 from .common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -63,6 +63,7 @@ from .common.utils import (
 )
 from .fwd_sm90_epilogue import FwdSm90Epilogue
 from .fwd_sm90_load import FwdSm90Load
+from .fwd_sm90_tiles import FwdSm90Tiles
 from .fwd_sm90_parts import (
     WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
     TmaAtoms,
@@ -78,7 +79,7 @@ _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
+class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -152,10 +153,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         wg_local_epilogue: bool = True,
         cluster_m: int = 1,
         section_l2_mb: int = 16,
+        span_heads: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
-            cluster_m,
+            cluster_m, span_heads,
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -169,6 +171,14 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         self.has_softcap = has_softcap
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
+        # Spanning tiles (dense, unmasked): a tile's warpgroups take consecutive 64-row blocks of
+        # the flat (batch, head, row block) order, so a tile may end in the next head, whose K/V
+        # then stream through a second ring of num_stages K and V stages (ring B; the first head's
+        # is ring A). Rows past a sequence's end are then computed only in the launch's last tile
+        # (a 192-row tile over 512 rows otherwise computes 576). A warpgroup that skips a ring's
+        # stage has the producer release it for it (an mbarrier arrive counting its 4 warps).
+        self.span_heads = span_heads
+        self.num_rings = 2 if span_heads else 1
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
@@ -196,7 +206,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         self.dynamic_schedule = persistent and (is_causal or is_local)
         self.section_l2_mb = section_l2_mb
         self.o_aliases_q = not (
-            persistent and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, True)
+            persistent
+            and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True)
             <= _SMEM_CAPACITY
         )
         if self.o_aliases_q and not same_smem_atom(dtype, head_dim, head_dim_v):
@@ -214,6 +225,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         # half a block ahead) survives tile boundaries. A packed tile splits into per-warpgroup
         # boxes only when pack_gqa divides 64.
         self.wg_local_epilogue = wg_local_epilogue and 64 % pack_gqa == 0
+        if span_heads and not self.wg_local_epilogue:
+            raise ValueError("FlashFwdSm90: span_heads stores each warpgroup's rows on their own (wg_local_epilogue)")
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
         self.tx_bytes_k = tile_n * head_dim * elem_bytes
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
@@ -221,7 +234,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     @staticmethod
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
-        pack_gqa=1, cluster_m=1,
+        pack_gqa=1, cluster_m=1, span_heads=False,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -245,6 +258,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         if cluster_m > 1 and (is_causal or is_local or pack_gqa > 1):
             # The CTAs of a cluster must visit the same key blocks in the same order.
             return "cluster_m > 1 needs no causal/local mask and no pack_gqa"
+        if span_heads and (is_causal or is_local or pack_gqa > 1 or cluster_m > 1 or tile_m < 128):
+            # Every warpgroup of a spanning tile must visit the same key blocks in the same order.
+            return "span_heads needs no causal/local mask, no pack_gqa, no clusters and tile_m >= 128"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -253,7 +269,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                 f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[num_wg]} "
                 f"with {num_wg} MMA warpgroups); use a smaller tile_n"
             )
-        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, False)
+        rings = 2 if span_heads else 1
+        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, False)
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None
@@ -277,11 +294,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     # ------------------------------------------------------------------ static building blocks
 
     def _smem_layouts(self):
-        """sQ, sK, sV (stages last) and sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
+        """sQ, sK, sV (stages last; ring A's, then ring B's) and sO; sO fits in sQ's buffer
+        (head_dim_v <= head_dim)."""
+        kv_stages = self.num_stages * self.num_rings
         return (
             make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim),
-            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, self.num_stages),
-            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, self.num_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
             make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
         )
 
@@ -305,8 +324,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
             next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
             sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
             sK: buffer(cute.cosize(sK_layout))
@@ -364,8 +383,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         # K/V with clusters: each CTA issues its 1/cluster_m share of a block, multicast to all.
         tma_load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else tma_load
+        if const_expr(self.span_heads and (varlen_q or varlen_k)):
+            raise ValueError("span_heads is implemented for dense layouts only")
+        # Spanning tiles load Q per warpgroup (its 64 rows may belong to another head).
+        q_rows = 64 if const_expr(self.span_heads) else self.tile_m
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, sQ_layout, (self.tile_m, self.head_dim)
+            tma_load, mQ, self._rows_layout(sQ_layout, self.head_dim, q_rows), (q_rows, self.head_dim)
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             tma_load_kv, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim),
@@ -399,37 +422,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             stream=stream,
             min_blocks_per_mp=1,
             **cluster,
-        )
-
-    def _scheduler(
-        self, mQ: cute.Tensor, mK: cute.Tensor, num_batch: Int32, varlen_q: bool,
-        mTileCounter: cute.Tensor | None,
-    ) -> TileScheduler:
-        """Dense: ``ceil(seqlen_q / tile_m)`` tiles per (batch, head). Varlen: an upper bound of
-        tiles over all sequences per head (``num_batch`` of the scheduler is 1). Causal/local:
-        sections of heads sized by L2, counting a varlen call's mean key length."""
-        if const_expr(varlen_q):
-            num_m_blocks = num_varlen_tiles_upper_bound(mQ.shape[0], num_batch, self.tile_m)
-            scheduler_batch = Int32(1)
-        else:
-            num_m_blocks = (cute.size(mQ, mode=[0]) + (self.tile_m - 1)) // self.tile_m
-            scheduler_batch = num_batch
-        longest_first = self.is_causal or self.is_local
-        heads_per_section = None
-        if const_expr(longest_first):
-            heads_per_section = Int32(1)
-            if const_expr(self.section_l2_mb > 0):
-                # mK's rows: seqlen_k, or (varlen) the keys of all num_batch sequences; mQ's head
-                # mode counts KV heads when packed (pack_gqa), so the ratio is then 1.
-                seqlen_k = cute.size(mK, mode=[0]) // (num_batch if const_expr(len(mK.shape) == 3) else 1)
-                heads_per_section = section_heads(
-                    seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
-                    mQ.shape[2] // mK.shape[2], self.section_l2_mb * 2**20,
-                )
-        return TileScheduler.create(
-            num_m_blocks, mQ.shape[2], scheduler_batch, self.persistent, longest_first=longest_first,
-            mTileCounter=mTileCounter if const_expr(self.dynamic_schedule) else None,
-            cluster_m=self.cluster_m, heads_per_section=heads_per_section,
         )
 
     # ------------------------------------------------------------------ device code
@@ -491,8 +483,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                 )
                 for stages, tx, mbar, ctas in (
                     (1, self.tx_bytes_q, storage.mbar_q, 1),
-                    (self.num_stages, self.tx_bytes_k, storage.mbar_k, self.cluster_m),
-                    (self.num_stages, self.tx_bytes_v, storage.mbar_v, self.cluster_m),
+                    (self.num_stages * self.num_rings, self.tx_bytes_k, storage.mbar_k, self.cluster_m),
+                    (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m),
                 )
             )
         )
@@ -539,28 +531,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                 mO, mLSE, sQ, sK, sV, sO, atoms.o, pipes, walk, scale_log2,
                 softcap_scale if const_expr(self.has_softcap) else None,
             )
-
-    @cute.jit
-    def tile_work(self, walk: TileWalk, tile_idx: Int32):
-        """``(has_tile, batch_idx, head_idx, seqlen, tile)`` of tile ``tile_idx``; varlen tiles past
-        the last sequence's have none (``has_tile`` is a compile-time True when dense)."""
-        m_block, head_idx, batch_idx = walk.scheduler.coords(tile_idx)
-        has_tile = True
-        mCuSeqlensQ, _, mSeqUsedQ, _ = walk.seqlen_args
-        if const_expr(mCuSeqlensQ is not None):
-            # Every warp scans cu_seqlens_q and reaches the same (batch, m_block): CTA-uniform.
-            batch_idx, m_block = varlen_tile_coord(
-                m_block, walk.num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
-            )
-            has_tile = batch_idx >= 0
-        seqlen = SeqlenInfo.create(
-            cutlass.max(batch_idx, 0), walk.seqlen_q_static, walk.seqlen_k_static, *walk.seqlen_args
-        )
-        n_block_min, n_block_max = walk.block_info.n_block_min_max(
-            seqlen.seqlen_q, seqlen.seqlen_k, m_block
-        )
-        tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
-        return has_tile, batch_idx, head_idx, seqlen, tile
 
     @cute.jit
     def mma(
@@ -612,12 +582,32 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                 )
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # Spanning tiles: K/V stages loaded so far into ring A / ring B. Every warpgroup counts
+        # every stage, consumed or released for it by the producer, so each knows both rings' states.
+        ring_count_a, ring_count_b = Int32(0), Int32(0)
         # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
         handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
         walk.scheduler.consumer_start(walk.handoff, handoff_group)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
-            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+            ring_offset = None
+            if const_expr(self.span_heads):
+                # Every warpgroup computes (one past the last block repeats the last block's
+                # rows); only blocks in range are stored.
+                has_tile = True
+                in_range, batch_idx, head_idx, m_block, ring_b, mixed, seqlen, tile = self.span_tile_work(
+                    walk, tile_idx, wg_idx
+                )
+                row0 = (m_block - wg_idx) * 64
+                count = ring_count_a + ring_b * (ring_count_b - ring_count_a)
+                kv_state = pipeline.PipelineState(
+                    self.num_stages, count, count % self.num_stages, (count // self.num_stages) % 2
+                )
+                ring_offset = ring_b * self.num_stages
+            else:
+                has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+                in_range = True
+                row0 = tile.m_block * self.tile_m
             if has_tile:
                 acc_O.fill(0.0)
                 softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
@@ -626,7 +616,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                     walk.block_info.window_left, walk.block_info.window_right, self.pack_gqa,
                 )
                 step = BlockStep(
-                    mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale
+                    mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
+                    ring_offset, self.num_stages * self.num_rings,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -639,13 +630,18 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
                         pipes.q.consumer_release(q_state)
                     pipes.q.consumer_wait(q_state)
                     kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
+                    if const_expr(self.span_heads):
+                        num_blocks = tile.n_block_max - tile.n_block_min
+                        ring_count_a = ring_count_a + num_blocks
+                        ring_count_b = ring_count_b + mixed * num_blocks
                 o_scale, lse = softmax.finalize()
                 softmax.rescale_O(acc_O, o_scale)
-                self.epilogue(
-                    acc_O, lse, seqlen.q_view(select_head(mO, head_idx, 2), batch_idx),
-                    seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
-                    tma_atom_O, tidx, wg_idx, tile.m_block, tile.seqlen_q * self.pack_gqa,
-                )
+                if in_range:
+                    self.epilogue(
+                        acc_O, lse, seqlen.q_view(select_head(mO, head_idx, 2), batch_idx),
+                        seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
+                        tma_atom_O, tidx, wg_idx, row0, tile.seqlen_q * self.pack_gqa,
+                    )
                 if has_keys:
                     q_state.advance()
             tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_group)
@@ -725,14 +721,15 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
         """Intra-WG overlap prologue: S = Q K^T of the first block, its softmax and P; no P.V."""
         mma = step.mma
-        step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
+        k_state = step.kv(kv_state)
+        step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
         # A ping-pong turn like every later block's GEMMs (FA3): the warpgroups enter each tile
         # in turn instead of both issuing the first QK^T at once.
         self._scheduler_sync(step.wg_idx)
-        acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=-1)
+        acc_S = self._qk_gemm(mma, k_state.index, wg_wait=-1)
         self._scheduler_arrive(step.wg_idx)
         warpgroup.wait_group(0)
-        step.pipeline_k.consumer_release(kv_state)
+        step.pipeline_k.consumer_release(k_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
         step.softmax.update(acc_S, is_first=True)
         self._store_p(mma, acc_S)
@@ -742,12 +739,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
     def last_half_block(self, step: BlockStep, kv_state):
         """Intra-WG overlap epilogue: O += P V of the last block visited."""
         mma = step.mma
-        step.pipeline_v.consumer_wait(kv_state, step.pipeline_v.consumer_try_wait(kv_state))
+        v_state = step.kv(kv_state)
+        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
         wgmma(
-            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_state.index],
+            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
             zero_init=False, wg_wait=0,
         )
-        step.pipeline_v.consumer_release(kv_state)
+        step.pipeline_v.consumer_release(v_state)
         kv_state.advance()
         return kv_state
 
@@ -766,11 +764,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
         softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
         mma = step.mma
         if const_expr(self.intra_wg_overlap):
-            v_state = kv_state.clone()
+            v_state = step.kv(kv_state.clone())
             kv_state.advance()
-            step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
+            k_state = step.kv(kv_state)
+            step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
             self._scheduler_sync(step.wg_idx)
-            acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=-1)
+            acc_S = self._qk_gemm(mma, k_state.index, wg_wait=-1)
             step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
             wgmma(
                 mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
@@ -778,7 +777,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             )
             self._scheduler_arrive(step.wg_idx)
             warpgroup.wait_group(1)  # S_j has landed; P.V may still run
-            step.pipeline_k.consumer_release(kv_state)
+            step.pipeline_k.consumer_release(k_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=False)
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
@@ -786,20 +785,21 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue):
             self._store_p(mma, acc_S)
             step.softmax.rescale_O(mma.acc_O, row_scale)
         else:
-            step.pipeline_k.consumer_wait(kv_state, step.pipeline_k.consumer_try_wait(kv_state))
-            acc_S = self._qk_gemm(mma, kv_state.index, wg_wait=0)
-            step.pipeline_k.consumer_release(kv_state)
+            kv_cur = step.kv(kv_state)
+            step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
+            acc_S = self._qk_gemm(mma, kv_cur.index, wg_wait=0)
+            step.pipeline_k.consumer_release(kv_cur)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=is_first)
             self._store_p(mma, acc_S)
             if const_expr(not is_first):
                 step.softmax.rescale_O(mma.acc_O, row_scale)
-            step.pipeline_v.consumer_wait(kv_state, step.pipeline_v.consumer_try_wait(kv_state))
+            step.pipeline_v.consumer_wait(kv_cur, step.pipeline_v.consumer_try_wait(kv_cur))
             wgmma(
-                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_state.index],
+                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_cur.index],
                 zero_init=False, wg_wait=0,
             )
-            step.pipeline_v.consumer_release(kv_state)
+            step.pipeline_v.consumer_release(kv_cur)
             kv_state.advance()
         return kv_state
 

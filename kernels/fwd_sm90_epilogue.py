@@ -20,14 +20,16 @@ class FwdSm90Epilogue:
         """Rows of O one store covers: a warpgroup's 64 (warpgroup-local epilogue) or the tile."""
         return 64 if self.wg_local_epilogue else self.tile_m
 
+    def _rows_layout(self, layout, cols: int, rows: int):
+        """A ``(tile_m, cols)`` smem layout restricted to its first ``rows`` rows (a TMA box; a
+        warpgroup's rows are the same layout shifted by whole 64-row swizzle periods)."""
+        if rows == self.tile_m:
+            return layout
+        return cute.composition(layout, cute.make_layout((rows, cols), stride=(1, self.tile_m)))
+
     def _sO_store_layout(self, sO_layout):
-        """sO's layout restricted to the rows one store covers (rows 0..; a warpgroup's rows
-        are the same layout shifted by whole 64-row swizzle periods)."""
-        if not self.wg_local_epilogue:
-            return sO_layout
-        return cute.composition(
-            sO_layout, cute.make_layout((64, self.head_dim_v), stride=(1, self.tile_m))
-        )
+        """sO's layout restricted to the rows one store covers."""
+        return self._rows_layout(sO_layout, self.head_dim_v, self._o_store_rows())
 
     def _is_o_storer(self, tidx: Int32):
         """The warp that issues (and waits for) TMA stores of O: the first warp of each MMA
@@ -47,7 +49,7 @@ class FwdSm90Epilogue:
         tma_atom_O: cute.CopyAtom | None,
         tidx: Int32,
         wg_idx: Int32,
-        m_block: Int32,
+        row0: Int32,  # the sequence row of the tile's row 0 (spanning tiles: may be < 0)
         seqlen_q: Int32,
     ):
         """O (normalised) -> 16-bit -> ``stmatrix`` into sO -> gmem; LSE per row.
@@ -86,13 +88,13 @@ class FwdSm90Epilogue:
         tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                row = row0 + tOcO_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE_cur[row] = lse[r]
 
         # This group's rows of sO and of O (row blocks of `rows` rows).
         sO_rows = cute.local_tile(sO, (rows, self.head_dim_v), (row_block, 0))
-        gO_row_block = m_block * (self.tile_m // rows) + row_block
+        gO_row_block = row0 // rows + row_block  # row0 is a multiple of rows
         if const_expr(tma_atom_O is not None):
             # Generic-proxy smem writes must be visible to the async proxy (TMA) that reads them.
             cute.arch.fence_view_async_shared()

@@ -12,6 +12,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from .common.seqlen import SeqlenInfo
 from .common.sm90_utils import select_head
 from .fwd_sm90_parts import Pipelines, TileCoord, TileWalk, TmaAtoms
 
@@ -37,21 +38,27 @@ class FwdSm90Load:
             # sQ is not free at the start: the consumers release it before each Q they need.
             q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        kv_state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
-            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
-            if has_tile:
-                if tile.n_block_max > tile.n_block_min:
-                    head_idx_kv = head_idx // walk.qhead_per_kvhead
-                    # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the sequence).
-                    # (Assigned, not just passed: the DSL carries a loop's state through
-                    # the names the body assigns or calls methods on.)
-                    q_state, kv_state = self.load_tile(
-                        seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx),
-                        seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx),
-                        seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
-                        sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
-                    )
+            if const_expr(self.span_heads):
+                q_state, kv_state, kv_state_b = self.load_span_tile(
+                    mQ, mK, mV, sQ, sK, sV, atoms, pipes, walk, tile_idx, q_state, kv_state, kv_state_b
+                )
+            else:
+                has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+                if has_tile:
+                    if tile.n_block_max > tile.n_block_min:
+                        head_idx_kv = head_idx // walk.qhead_per_kvhead
+                        # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the
+                        # sequence). (Assigned, not just passed: the DSL carries a loop's state
+                        # through the names the body assigns or calls methods on.)
+                        q_state, kv_state = self.load_tile(
+                            seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx),
+                            seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx),
+                            seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
+                            sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
+                        )
             tile_idx = walk.scheduler.next_tile_producer(tile_idx, walk.handoff)
         if const_expr(self.cluster_m > 1):
             # A peer's consumers arrive on this CTA's empty barriers, and its TMA writes into
@@ -118,6 +125,110 @@ class FwdSm90Load:
                 self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
         kv_state.advance()
         return q_state, kv_state
+
+    @cute.jit
+    def load_span_tile(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        atoms: TmaAtoms,
+        pipes: Pipelines,
+        walk: TileWalk,
+        tile_idx: Int32,
+        q_state: pipeline.PipelineState,
+        kv_state_a: pipeline.PipelineState,
+        kv_state_b: pipeline.PipelineState,
+    ):
+        """One spanning tile (``span_heads``): each warpgroup's 64 Q rows from its own (batch,
+        head), the first pair's K/V through ring A and, when the tile ends in the next pair, that
+        pair's through ring B, block by block in the consumers' order. Each stage is released at
+        once for the warpgroups that do not read it. Returns the three states advanced."""
+        sched = walk.scheduler
+        num_wg = self.num_mma_wg
+        first_block = tile_idx * num_wg
+        last_block = sched.num_blocks - 1
+        bh_first = first_block // sched.num_m_blocks
+        bh_last = cutlass.min(first_block + num_wg - 1, last_block) // sched.num_m_blocks
+        mixed = bh_last > bh_first
+        wgs_b = Int32(0)  # warpgroups reading ring B (a block past the last repeats the last)
+        for w in cutlass.range_constexpr(num_wg):
+            wgs_b += cutlass.min(first_block + w, last_block) // sched.num_m_blocks - bh_first
+        wgs_a = num_wg - wgs_b
+        batch_a, batch_b = bh_first // sched.num_heads, bh_last // sched.num_heads
+        head_a, head_b = bh_first - batch_a * sched.num_heads, bh_last - batch_b * sched.num_heads
+        seqlen = SeqlenInfo.create(batch_a, walk.seqlen_q_static, walk.seqlen_k_static, *walk.seqlen_args)
+        n_block_min, n_block_max = walk.block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, Int32(0))
+        if n_block_max > n_block_min:
+            qpk = walk.qhead_per_kvhead
+            kv_a = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_a // qpk, batch_a)
+            kv_b = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_b // qpk, batch_b)
+            ring_b = self.num_stages
+            self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_max - 1, kv_state_a, 0, wgs_b)
+            if mixed:
+                self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_max - 1, kv_state_b, ring_b, wgs_a)
+            pipes.q.producer_acquire(q_state)
+            for w in cutlass.range_constexpr(num_wg):
+                m_block, head_idx, batch_idx = sched.coords(cutlass.min(first_block + w, last_block))
+                gQ = cute.local_tile(
+                    seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (64, self.head_dim), (m_block, 0)
+                )
+                sQ_rows = cute.local_tile(sQ, (64, self.head_dim), (w, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    atoms.q, 0, cute.make_layout(1), cute.group_modes(sQ_rows, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+            q_state.advance()
+            # V lags K by one block (intra-warpgroup overlap), ring B right behind ring A.
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block_prev = n_block_max - 1 - i
+                prev_a = kv_state_a.clone()
+                kv_state_a.advance()
+                self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_prev - 1, kv_state_a, 0, wgs_b)
+                prev_b = kv_state_b.clone()
+                if mixed:
+                    kv_state_b.advance()
+                    self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_prev - 1, kv_state_b, ring_b, wgs_a)
+                self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_prev, prev_a, 0, wgs_b)
+                if mixed:
+                    self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_prev, prev_b, ring_b, wgs_a)
+            self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_min, kv_state_a, 0, wgs_b)
+            kv_state_a.advance()
+            if mixed:
+                self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_min, kv_state_b, ring_b, wgs_a)
+                kv_state_b.advance()
+        return q_state, kv_state_a, kv_state_b
+
+    def _kv_partitions(self, seqlen, mK, mV, sK, sV, atoms: TmaAtoms, head_kv: Int32, batch_idx: Int32):
+        """(tKgK, tKsK, tVgV, tVsV) of one (batch, kv head): ((atom, rest), n_block | stage)."""
+        gK = cute.local_tile(seqlen.k_view(select_head(mK, head_kv, 2), batch_idx), (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(seqlen.k_view(select_head(mV, head_kv, 2), batch_idx), (self.tile_n, self.head_dim_v), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            atoms.k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            atoms.v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return tKgK, tKsK, tVgV, tVsV
+
+    @cute.jit
+    def _load_kv_ring(
+        self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, ring_offset: int, idle_wgs: Int32
+    ) -> None:
+        """``_load_kv`` into a ring (its stages start at ``ring_offset``), then release the stage
+        for the ``idle_wgs`` warpgroups that will not read it: 4 arrivals each (one per warp, as
+        ``consumer_release``). The producer has acquired the stage, so they count towards the
+        phase the readers complete."""
+        ring_state = pipeline.PipelineState(
+            self.num_stages * self.num_rings, state.count, state.index + ring_offset, state.phase
+        )
+        self._load_kv(tma_atom, tXgX, tXsX, pipe, n_block, ring_state)
+        if idle_wgs > 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipe.consumer_get_barrier(ring_state), arrive_count=idle_wgs * 4)
 
     def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
         """Wait for a free stage, expect its bytes (the whole block, whichever CTA sends them),

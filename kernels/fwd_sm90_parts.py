@@ -106,3 +106,13 @@ class BlockStep:
     m_block: Int32
     wg_idx: Int32  # MMA warpgroup index, 0-based
     softcap_scale: Float32 | None
+    # Spanning tiles: the first stage of this warpgroup's K/V ring in the pipelines (ring B's is
+    # num_stages) and the pipelines' stage count; None: one ring, states index the stages as is.
+    ring_offset: Int32 | None = None
+    kv_stages: int = 0
+
+    def kv(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
+        """The pipeline state (barrier and stage index) of a ring-local K/V state."""
+        if self.ring_offset is None:
+            return state
+        return pipeline.PipelineState(self.kv_stages, state.count, state.index + self.ring_offset, state.phase)

@@ -151,6 +151,29 @@ def test_sm90_clusters_only_for_dense_unmasked_unpacked_calls(monkeypatch):
     assert family.key(problem(**long, is_varlen=True), "sm_90a", varlen=varlen).cluster_m == 1
 
 
+def test_sm90_spanning_tiles_only_where_a_tile_spans_two_heads_at_most(monkeypatch):
+    """A row with spanning tiles keys them only for dense, unmasked, unpacked calls whose heads have at
+    least tile_m / 64 - 1 blocks of 64 rows (so a tile spans at most two (batch, head) pairs) and
+    whose whole tiles would pad enough rows for spanning to pay."""
+    family = dispatch.FWD_KERNELS["sm90"]
+    monkeypatch.setitem(configs.FWD_SM90_TILES, 64, dataclasses.replace(configs.FWD_SM90_TILES[64], span_heads=True))
+    dims = dict(head_dim=64, head_dim_v=64)
+    assert family.key(problem(**dims, seqlen_q=512, seqlen_k=512), "sm_90a").span_heads
+    assert family.key(problem(**dims, seqlen_q=65, seqlen_k=512), "sm_90a").span_heads  # 2 blocks, 3 WGs
+    assert not family.key(problem(**dims, seqlen_q=64, seqlen_k=512), "sm_90a").span_heads
+    # only where 192-row tiles would pad >= 2 % of the rows (configs.span_pays)
+    assert family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096), "sm_90a").span_heads  # 3.1 %
+    assert not family.key(problem(**dims, seqlen_q=8192, seqlen_k=8192), "sm_90a").span_heads  # 0.8 %
+    assert not family.key(problem(**dims, seqlen_q=6144, seqlen_k=6144), "sm_90a").span_heads  # none
+    assert not family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096, causal=True), "sm_90a").span_heads
+    assert not family.key(
+        problem(**dims, seqlen_q=4096, seqlen_k=4096, window_left=256, window_right=0), "sm_90a"
+    ).span_heads
+    assert not family.key(problem(**dims, seqlen_q=100, seqlen_k=4096, nheads=32, nheads_k=4), "sm_90a").span_heads
+    varlen = VarlenArgs(None, None, None, None, None, None)
+    assert not family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096, is_varlen=True), "sm_90a", varlen=varlen).span_heads
+
+
 def test_sm90_causal_section_sizes():
     """(batch, head) pairs per section of the causal/local tile order (kernels/common/tile_scheduler.py):
     as many as fit 16 MiB of K/V, GQA groups counted once and kept whole, at most 16 pairs (at least

@@ -395,8 +395,10 @@ def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
 
 
 @pytest.mark.parametrize(
-    "variant", [{"persistent": False}, {"wg_local_epilogue": False}, {"section_l2_mb": 0}],
-    ids=["one_cta_per_tile", "cta_wide_epilogue", "head_by_head_order"],
+    "variant",
+    [{"persistent": False}, {"wg_local_epilogue": False, "span_heads": False}, {"section_l2_mb": 0},
+     {"span_heads": False}],
+    ids=["one_cta_per_tile", "cta_wide_epilogue", "head_by_head_order", "tiles_within_heads"],
 )
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -490,3 +492,60 @@ def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):
     check_features(q, k, v, window=(64, 0))
     q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, 4, 2, 128, 128, torch.bfloat16)
     check_varlen(q, k, v, cu_q, cu_k, causal=False, max_seqlen_q=300)
+
+
+@pytest.fixture
+def span_heads(monkeypatch):
+    """Give every sm90 tile row spanning tiles (and optionally other fields) at every seqlen,
+    whatever the table ships; automatic pack_gqa off. The launcher keys them only for dense,
+    unmasked calls whose heads have >= tile_m / 64 - 1 blocks of 64 rows."""
+    import dataclasses
+
+    from flashattn_hopper import configs
+    from flashattn_hopper.backends import sm90_fwd
+
+    tile_of = configs.sm90_fwd_tile
+
+    def force(**fields):
+        monkeypatch.setattr(
+            configs, "sm90_fwd_tile",
+            lambda *a, **kw: dataclasses.replace(tile_of(*a, **kw), span_heads=True, **fields),
+        )
+        monkeypatch.setattr(sm90_fwd, "pack_gqa_factor", lambda *a, **kw: 1)
+        monkeypatch.setattr(configs, "span_pays", lambda *a, **kw: True)
+
+    return force
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])  # 3 MMA warpgroups (own sO) / 2 (sO in sQ's buffer)
+@pytest.mark.parametrize(
+    "seqlens", [(65, 65), (113, 517), (512, 512), (1023, 300), (1041, 1041), (17, 200)],
+    ids=lambda s: f"{s[0]}x{s[1]}",
+)
+@pytest.mark.parametrize("heads", [(16, 4), (8, 1), (5, 5)], ids=lambda h: f"h{h[0]}k{h[1]}")
+def test_fwd_sm90_span_heads_parity(span_heads, head_dim, seqlens, heads):
+    """Spanning tiles: a tile's warpgroups take consecutive 64-row blocks across (batch, head) pairs,
+    K/V of a second pair through ring B. Sequences of 2 blocks (65, 113: every tile spans heads),
+    whole and partial last blocks, GQA/MQA (ring B may hold the same KV head), seqlen_k != seqlen_q,
+    the launch's last tile past the end (3 * 5 heads * 9 blocks at 512 rows is not a multiple of 3).
+    17 rows: 1 block per head, not spanned (the launcher keys the row without)."""
+    span_heads()
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v = make_qkv(3, s_q, s_k, h, h_k, head_dim, dtype=torch.bfloat16)
+    check_parity(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one_cta_per_tile"])
+def test_fwd_sm90_span_heads_many_tiles(span_heads, persistent):
+    """More spanning tiles than SMs (persistent: each CTA walks several, both rings' states carried
+    over, the rings used unevenly), fp16, poisoned outputs, bitwise equal repeats; causal calls of the
+    same shape run the row without spanning."""
+    span_heads(persistent=persistent)
+    q, k, v = make_qkv(4, 1041, 1300, 16, 4, 64, dtype=torch.float16)
+    check_parity(q, k, v, causal=False)
+    check_parity(q, k, v, causal=True)
+    check_poisoned_outputs(q, k, v, False, "sm90")
+    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
+    for _ in range(20):
+        out2, lse2 = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)

@@ -47,6 +47,9 @@ class FwdSm90Key(KernelKey):
     # causal/local tile order: longest first across sections of heads whose K/V fit in this many
     # MiB of L2 (0: head by head)
     section_l2_mb: int = 16
+    # dense, unmasked, unpacked: a tile's warpgroups take consecutive 64-row blocks that may run on
+    # into the next (batch, head) (no rows past seqlen_q computed but in the launch's last tile)
+    span_heads: bool = False
 
 
 class FwdSm90(FwdLauncher):
@@ -82,15 +85,23 @@ class FwdSm90(FwdLauncher):
         if tile is None:
             masked = flags.get("causal", False) or flags.get("local", False)
             tile = configs.sm90_fwd_tile(hdim, masked, seqlen_q, hdim_v)
-        # Clusters need every CTA of one to visit the same key blocks: dense, no mask, no packing.
-        clusters_ok = not (
+        # Clusters need every CTA of one to visit the same key blocks: dense, no mask, no packing;
+        # so do the warpgroups of a spanning tile, which also needs every head to have at least
+        # tile_m / 64 - 1 blocks of 64 rows (a tile then spans at most two heads), and pays only
+        # where whole tiles would pad many rows (configs.span_pays; seqlen_q None: the row's key).
+        dense_unmasked = not (
             flags.get("causal") or flags.get("local") or flags.get("varlen") or flags.get("pack_gqa", 1) > 1
+        )
+        span_ok = (
+            dense_unmasked and seqlen_q is not None and -(-seqlen_q // 64) >= tile.tile_m // 64 - 1
+            and configs.span_pays(tile.tile_m, seqlen_q)
         )
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
             persistent=tile.persistent, num_stages=tile.num_stages,
-            cluster_m=tile.cluster_m if clusters_ok else 1, **flags,
+            cluster_m=tile.cluster_m if dense_unmasked else 1,
+            span_heads=tile.span_heads and span_ok, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -118,8 +129,8 @@ class FwdSm90(FwdLauncher):
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
-        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and the
-        short-sequence tiles (49 keys).
+        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128, the
+        spanning tiles and the short-sequence tiles (51 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -134,6 +145,11 @@ class FwdSm90(FwdLauncher):
         keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
         # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile.
         keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
+        # Spanning tiles (hdim 64 at 512 rows: 192-row tiles would pad 12.5 %), bf16/fp16.
+        keys += [
+            self._key(arch, dtype, hdim, 512, causal=False)
+            for hdim, tile in self.tiles.items() if tile.span_heads for dtype in ("bf16", "fp16")
+        ]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
@@ -151,6 +167,7 @@ class FwdSm90(FwdLauncher):
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
+            span_heads=key.span_heads,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

@@ -28,6 +28,12 @@ of which CTA rank ``r`` takes the ``r``-th; they then share every K/V block (TMA
 last group of an odd count holds an m_block past the end: its CTA loads and computes with the
 others (zero-filled Q) and stores nothing (the TMA store clips it, LSE stores are row-predicated).
 
+Spanning tiles (``blocks_per_tile = k > 1``, dense and unmasked): an index names ``k`` consecutive
+m_blocks of the flat ``(batch, head, m_block)`` order (m_block fastest), which may run on into the
+next head: the kernel's ``k`` MMA warpgroups each take one of them, so no warpgroup computes rows
+past its sequence's end unless the launch has no block left (its last index). ``coords`` then maps
+one m_block's flat index, not a tile index.
+
 Varlen: ``num_batch = 1`` and ``num_m_blocks`` an upper bound of tiles over all sequences; the
 kernel maps the ``m_block`` it gets to ``(sequence, m_block)`` with ``seqlen.varlen_tile_coord``.
 
@@ -96,24 +102,35 @@ class TileScheduler:
     cluster_m: int = 1  # CTAs per cluster, each taking one m_block of an index's group
     # longest_first only: (batch, head) pairs per section, 1 <= it <= num_heads * num_batch
     heads_per_section: Int32 | None = None
+    blocks_per_tile: int = 1  # > 1: spanning tiles of this many flat m_blocks (one per MMA warpgroup)
 
     @staticmethod
     def create(
         num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, persistent: bool,
         longest_first: bool, mTileCounter: cute.Tensor | None = None, cluster_m: int = 1,
-        heads_per_section: Int32 | None = None,
+        heads_per_section: Int32 | None = None, blocks_per_tile: int = 1,
     ) -> "TileScheduler":
         """``heads_per_section`` (longest_first only): (batch, head) pairs whose K/V share L2 at
-        once (``section_heads``); clamped here to ``[1, num_heads * num_batch]``."""
+        once (``section_heads``); clamped here to ``[1, num_heads * num_batch]``.
+        ``blocks_per_tile > 1``: spanning tiles (static schedule, no clusters, no sections)."""
         assert cluster_m == 1 or mTileCounter is None, "clusters walk a static schedule"
         assert not longest_first or heads_per_section is not None, "longest_first walks sections"
+        assert blocks_per_tile == 1 or (cluster_m == 1 and mTileCounter is None and not longest_first)
         num_groups = (num_m_blocks + (cluster_m - 1)) // cluster_m if cluster_m > 1 else num_m_blocks
         if longest_first:
             heads_per_section = cutlass.max(cutlass.min(heads_per_section, num_heads * num_batch), 1)
+        num_tiles = num_groups * num_heads * num_batch
+        if blocks_per_tile > 1:
+            num_tiles = (num_tiles + (blocks_per_tile - 1)) // blocks_per_tile
         return TileScheduler(
-            num_groups, num_heads, num_batch, num_groups * num_heads * num_batch,
-            persistent, longest_first, mTileCounter, cluster_m, heads_per_section,
+            num_groups, num_heads, num_batch, num_tiles,
+            persistent, longest_first, mTileCounter, cluster_m, heads_per_section, blocks_per_tile,
         )
+
+    @property
+    def num_blocks(self) -> Int32:
+        """m_blocks over every (batch, head): the flat indices ``coords`` accepts."""
+        return self.num_m_blocks * self.num_heads * self.num_batch
 
     def grid_size(self, max_ctas: Int32) -> Int32:
         """CTAs to launch: one per tile, or (persistent) at most ``max_ctas`` (one per SM); a
@@ -199,7 +216,8 @@ class TileScheduler:
     @cute.jit
     def coords(self, tile_idx: Int32):
         """``(m_block, head, batch)`` of tile ``tile_idx`` (``0 <= tile_idx < num_tiles``) for this
-        CTA (with clusters: the m_block of its rank in the index's group)."""
+        CTA (with clusters: the m_block of its rank in the index's group). Spanning tiles: of the
+        flat m_block index ``tile_idx`` (``0 <= tile_idx < num_blocks``)."""
         if cutlass.const_expr(self.longest_first):
             # Section s holds pairs [s * H, s * H + h_s), h_s = H except in the last section;
             # within it, index r names m_rank r // h_s (0: the bottom m_block) of pair r % h_s.
