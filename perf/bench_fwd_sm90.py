@@ -16,7 +16,9 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   ``cluster2`` / ``cluster1`` (clusters of 2 CTAs sharing K/V by TMA multicast / no clusters;
   non-causal cells only, '-' under causal), ``per-head-order`` / ``sections-32mb`` / ``sections-8mb``
   (causal only, '-' otherwise: tiles head by head, longest first within each / longest first across
-  sections of heads whose K/V fit in 32 / 8 MiB, instead of the shipped 16);
+  sections of heads whose K/V fit in 32 / 8 MiB, instead of the shipped 16), ``span`` / ``no-span``
+  (tiles whose warpgroups take consecutive 64-row blocks across (batch, head) pairs, or not; span is
+  non-causal only, '-' under causal);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -40,7 +42,7 @@ import torch
 VARIANTS = {
     "full": {}, "overlap": {"pingpong": False}, "serial": {"intra_wg_overlap": False, "pingpong": False},
     "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
-    "cta-epilogue": {"wg_local_epilogue": False},  # one O store per tile after a CTA-wide barrier
+    "cta-epilogue": {"wg_local_epilogue": False, "span_heads": False},  # one O store per tile, CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
     "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
     "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
@@ -50,6 +52,8 @@ VARIANTS = {
     # across sections of heads whose K/V fit in 32 / 8 MiB of L2 (shipped: 16)
     "per-head-order": {"section_l2_mb": 0}, "sections-32mb": {"section_l2_mb": 32},
     "sections-8mb": {"section_l2_mb": 8},
+    # non-causal: tiles whose warpgroups take consecutive 64-row blocks across heads, or not
+    "span": {"span_heads": True}, "no-span": {"span_heads": False},
 }
 
 
@@ -70,6 +74,8 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         return None  # clusters need every CTA of one to visit the same key blocks
     if "section_l2_mb" in overrides and not causal:
         return None  # the section order is the causal/local tile order only
+    if overrides.get("span_heads") and causal:
+        return None  # spanning tiles need every warpgroup to visit the same key blocks
     memset_counter = overrides.pop("memset_counter", False)
     if overrides.pop("pad_v", False) and v.shape[-1] != q.shape[-1]:
         tile = configs.sm90_fwd_tile(q.shape[-1], causal, q.shape[1])
@@ -122,10 +128,13 @@ def make_timer():
 
 def time_interleaved(timer, fns: dict, names: list[str], repeat: int, flops: float) -> dict[str, float]:
     """TFLOP/s of each named callable, the median over ``repeat`` rounds. Rounds interleave the
-    columns, so a clock or thermal drift hits them all alike."""
+    columns, so a clock or thermal drift hits them all alike, and round ``r`` starts at column ``r``
+    (mod the count): the first timed column read up to 4 % low against the same kernel timed later
+    in its round (H100, 2026-11-21, perf/NOTES.md "Session 10")."""
     times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(repeat):
-        for name in names:
+    for r in range(repeat):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
             times[name].append(timer(fns[name]))
     return {name: flops / sorted(ms)[len(ms) // 2] / 1e9 for name, ms in times.items()}
 
