@@ -72,6 +72,8 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     overrides = dict(overrides)
     if overrides.get("cluster_m", 1) > 1 and causal:
         return None  # clusters need every CTA of one to visit the same key blocks
+    if overrides.get("cluster_m", 1) > 1:
+        overrides.setdefault("span_heads", False)  # a kernel takes clusters or spanning tiles
     if "section_l2_mb" in overrides and not causal:
         return None  # the section order is the causal/local tile order only
     if overrides.get("span_heads") and causal:

@@ -172,6 +172,10 @@ def test_sm90_spanning_tiles_only_where_a_tile_spans_two_heads_at_most(monkeypat
     assert not family.key(problem(**dims, seqlen_q=100, seqlen_k=4096, nheads=32, nheads_k=4), "sm_90a").span_heads
     varlen = VarlenArgs(None, None, None, None, None, None)
     assert not family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096, is_varlen=True), "sm_90a", varlen=varlen).span_heads
+    # a row with clusters too runs clusters (the kernel takes one or the other)
+    monkeypatch.setitem(configs.FWD_SM90_TILES, 64, dataclasses.replace(configs.FWD_SM90_TILES[64], cluster_m=2))
+    key = family.key(problem(**dims, seqlen_q=512, seqlen_k=512), "sm_90a")
+    assert key.cluster_m == 2 and not key.span_heads
 
 
 def test_sm90_causal_section_sizes():

@@ -89,19 +89,20 @@ class FwdSm90(FwdLauncher):
         # so do the warpgroups of a spanning tile, which also needs every head to have at least
         # tile_m / 64 - 1 blocks of 64 rows (a tile then spans at most two heads), and pays only
         # where whole tiles would pad many rows (configs.span_pays; seqlen_q None: the row's key).
+        # A row with both runs clusters (a cluster's CTAs take m_blocks of one head).
         dense_unmasked = not (
             flags.get("causal") or flags.get("local") or flags.get("varlen") or flags.get("pack_gqa", 1) > 1
         )
+        cluster_m = tile.cluster_m if dense_unmasked else 1
         span_ok = (
-            dense_unmasked and seqlen_q is not None and -(-seqlen_q // 64) >= tile.tile_m // 64 - 1
-            and configs.span_pays(tile.tile_m, seqlen_q)
+            dense_unmasked and cluster_m == 1 and seqlen_q is not None
+            and -(-seqlen_q // 64) >= tile.tile_m // 64 - 1 and configs.span_pays(tile.tile_m, seqlen_q)
         )
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
             persistent=tile.persistent, num_stages=tile.num_stages,
-            cluster_m=tile.cluster_m if dense_unmasked else 1,
-            span_heads=tile.span_heads and span_ok, **flags,
+            cluster_m=cluster_m, span_heads=tile.span_heads and span_ok, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
