@@ -89,10 +89,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
     ``cu_seqlens_q`` (``common/seqlen.py``). ``persistent``: one CTA per SM walks tiles (static stride, or an
     atomic counter for causal/local), the pipeline states and ping-pong turn carrying over; else
     one CTA per tile. ``pack_gqa = g``: a tile's rows are the g query heads of one KV head
-    (``common/pack_gqa.py``). ``cluster_m = 2`` (dense, unmasked, unpacked; built and tested, no
-    table row ships it, perf/NOTES.md): two CTAs of a cluster take adjacent m_blocks, each loads half
-    of every K/V block multicast into both, and a K/V stage's empty barrier counts both CTAs' MMA
-    warps. ``128 * (1 + tile_m / 64)`` threads:
+    (``common/pack_gqa.py``). ``span_heads`` (dense, unmasked, unpacked): a tile's MMA warpgroups
+    take consecutive 64-row blocks of the flat (batch, head, row block) order, so a tile may end in
+    the next (batch, head), whose K/V come through a second ring of stages (ring B); the producer
+    releases each stage for the warpgroups that do not read it. ``cluster_m = 2`` (dense, unmasked,
+    unpacked; built and tested, no table row ships it, perf/NOTES.md): two CTAs of a cluster take
+    adjacent m_blocks, each loads half of every K/V block multicast into both, and a K/V stage's
+    empty barrier counts both CTAs' MMA warps. ``128 * (1 + tile_m / 64)`` threads:
 
         | warpgroup | warps    | registers | role                                             |
         | WG0       | 0        | 24        | producer: TMA loads of Q, K[n], V[n]             |
