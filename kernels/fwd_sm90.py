@@ -91,8 +91,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
     one CTA per tile. ``pack_gqa = g``: a tile's rows are the g query heads of one KV head
     (``common/pack_gqa.py``). ``span_heads`` (dense, unmasked, unpacked): a tile's MMA warpgroups
     take consecutive 64-row blocks of the flat (batch, head, row block) order, so a tile may end in
-    the next (batch, head), whose K/V come through a second ring of stages (ring B); the producer
-    releases each stage for the warpgroups that do not read it. ``cluster_m = 2`` (dense, unmasked,
+    the next (batch, head), whose K/V come through a second ring of stages (ring B); in such a tile
+    every warpgroup waits for and releases the other ring's stages unread. ``cluster_m = 2`` (dense, unmasked,
     unpacked; built and tested, no table row ships it, perf/NOTES.md): two CTAs of a cluster take
     adjacent m_blocks, each loads half of every K/V block multicast into both, and a K/V stage's
     empty barrier counts both CTAs' MMA warps. ``128 * (1 + tile_m / 64)`` threads:
@@ -178,8 +178,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         # the flat (batch, head, row block) order, so a tile may end in the next head, whose K/V
         # then stream through a second ring of num_stages K and V stages (ring B; the first head's
         # is ring A). Rows past a sequence's end are then computed only in the launch's last tile
-        # (a 192-row tile over 512 rows otherwise computes 576). A warpgroup that skips a ring's
-        # stage has the producer release it for it (an mbarrier arrive counting its 4 warps).
+        # (a 192-row tile over 512 rows otherwise computes 576). Every warpgroup consumes every
+        # stage of both rings in order (waits for and releases the other ring's unread).
         self.span_heads = span_heads
         self.num_rings = 2 if span_heads else 1
         self.num_mma_wg = tile_m // 64
@@ -585,15 +585,15 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 )
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        # Spanning tiles: K/V stages loaded so far into ring A / ring B. Every warpgroup counts
-        # every stage, consumed or released for it by the producer, so each knows both rings' states.
+        # Spanning tiles: K/V stages loaded so far into ring A / ring B (every warpgroup consumes
+        # every stage of both, reading only its own ring's), so each knows both rings' states.
         ring_count_a, ring_count_b = Int32(0), Int32(0)
         # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
         handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
         walk.scheduler.consumer_start(walk.handoff, handoff_group)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
-            ring_offset = None
+            ring_offset, mixed, other_offset, other_delta = None, None, None, None
             if const_expr(self.span_heads):
                 # Every warpgroup computes (one past the last block repeats the last block's
                 # rows); only blocks in range are stored.
@@ -607,6 +607,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                     self.num_stages, count, count % self.num_stages, (count // self.num_stages) % 2
                 )
                 ring_offset = ring_b * self.num_stages
+                other_offset = (1 - ring_b) * self.num_stages
+                other_delta = (ring_count_b - ring_count_a) * (1 - 2 * ring_b)
             else:
                 has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
                 in_range = True
@@ -620,7 +622,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 )
                 step = BlockStep(
                     mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
-                    ring_offset, self.num_stages * self.num_rings,
+                    ring_offset, self.num_stages * self.num_rings, mixed, other_offset, other_delta,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -733,6 +735,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         self._scheduler_arrive(step.wg_idx)
         warpgroup.wait_group(0)
         step.pipeline_k.consumer_release(k_state)
+        self._pass_other_ring(step, step.pipeline_k, kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
         step.softmax.update(acc_S, is_first=True)
         self._store_p(mma, acc_S)
@@ -749,6 +752,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             zero_init=False, wg_wait=0,
         )
         step.pipeline_v.consumer_release(v_state)
+        self._pass_other_ring(step, step.pipeline_v, kv_state)
         kv_state.advance()
         return kv_state
 
@@ -767,7 +771,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
         mma = step.mma
         if const_expr(self.intra_wg_overlap):
-            v_state = step.kv(kv_state.clone())
+            v_local = kv_state.clone()
+            v_state = step.kv(v_local)
             kv_state.advance()
             k_state = step.kv(kv_state)
             step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
@@ -781,10 +786,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             self._scheduler_arrive(step.wg_idx)
             warpgroup.wait_group(1)  # S_j has landed; P.V may still run
             step.pipeline_k.consumer_release(k_state)
+            self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=False)
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
             step.pipeline_v.consumer_release(v_state)
+            self._pass_other_ring(step, step.pipeline_v, v_local)
             self._store_p(mma, acc_S)
             step.softmax.rescale_O(mma.acc_O, row_scale)
         else:
@@ -792,6 +799,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
             acc_S = self._qk_gemm(mma, kv_cur.index, wg_wait=0)
             step.pipeline_k.consumer_release(kv_cur)
+            self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=is_first)
             self._store_p(mma, acc_S)
@@ -803,6 +811,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 zero_init=False, wg_wait=0,
             )
             step.pipeline_v.consumer_release(kv_cur)
+            self._pass_other_ring(step, step.pipeline_v, kv_state)
             kv_state.advance()
         return kv_state
 
@@ -824,6 +833,18 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 acc_S, step.mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
                 mask_causal=mask_causal, mask_local=mask_local,
             )
+
+    @cute.jit
+    def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:
+        """Spanning tiles over two (batch, head) pairs: wait for and release, unread, the other
+        ring's stage of the block ring-local ``state`` names. Every warpgroup thus consumes every
+        stage of both rings in order, so its wait parities never fall a phase behind (a
+        warpgroup that skipped stages could see a stage two phases on and misread its parity)."""
+        if const_expr(step.mixed is not None):
+            if step.mixed > 0:
+                other = step.other(state)
+                pipe.consumer_wait(other, pipe.consumer_try_wait(other))
+                pipe.consumer_release(other)
 
     def _qk_gemm(self, mma: MmaParts, stage: Int32, wg_wait: int) -> cute.Tensor:
         acc_S = cute.make_rmem_tensor(

@@ -145,8 +145,9 @@ class FwdSm90Load:
     ):
         """One spanning tile (``span_heads``): each warpgroup's 64 Q rows from its own (batch,
         head), the first pair's K/V through ring A and, when the tile ends in the next pair, that
-        pair's through ring B, block by block in the consumers' order. Each stage is released at
-        once for the warpgroups that do not read it. Returns the three states advanced."""
+        pair's through ring B, block by block in the consumers' order (every warpgroup waits for
+        and releases each stage of both rings, reading only its own). Returns the three states
+        advanced."""
         sched = walk.scheduler
         num_wg = self.num_mma_wg
         first_block = tile_idx * num_wg
@@ -154,10 +155,6 @@ class FwdSm90Load:
         bh_first = first_block // sched.num_m_blocks
         bh_last = cutlass.min(first_block + num_wg - 1, last_block) // sched.num_m_blocks
         mixed = bh_last > bh_first
-        wgs_b = Int32(0)  # warpgroups reading ring B (a block past the last repeats the last)
-        for w in cutlass.range_constexpr(num_wg):
-            wgs_b += cutlass.min(first_block + w, last_block) // sched.num_m_blocks - bh_first
-        wgs_a = num_wg - wgs_b
         batch_a, batch_b = bh_first // sched.num_heads, bh_last // sched.num_heads
         head_a, head_b = bh_first - batch_a * sched.num_heads, bh_last - batch_b * sched.num_heads
         seqlen = SeqlenInfo.create(batch_a, walk.seqlen_q_static, walk.seqlen_k_static, *walk.seqlen_args)
@@ -167,9 +164,9 @@ class FwdSm90Load:
             kv_a = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_a // qpk, batch_a)
             kv_b = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_b // qpk, batch_b)
             ring_b = self.num_stages
-            self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_max - 1, kv_state_a, 0, wgs_b)
+            self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_max - 1, kv_state_a, 0)
             if mixed:
-                self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_max - 1, kv_state_b, ring_b, wgs_a)
+                self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_max - 1, kv_state_b, ring_b)
             pipes.q.producer_acquire(q_state)
             for w in cutlass.range_constexpr(num_wg):
                 m_block, head_idx, batch_idx = sched.coords(cutlass.min(first_block + w, last_block))
@@ -187,18 +184,18 @@ class FwdSm90Load:
                 n_block_prev = n_block_max - 1 - i
                 prev_a = kv_state_a.clone()
                 kv_state_a.advance()
-                self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_prev - 1, kv_state_a, 0, wgs_b)
+                self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_prev - 1, kv_state_a, 0)
                 prev_b = kv_state_b.clone()
                 if mixed:
                     kv_state_b.advance()
-                    self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_prev - 1, kv_state_b, ring_b, wgs_a)
-                self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_prev, prev_a, 0, wgs_b)
+                    self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_prev - 1, kv_state_b, ring_b)
+                self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_prev, prev_a, 0)
                 if mixed:
-                    self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_prev, prev_b, ring_b, wgs_a)
-            self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_min, kv_state_a, 0, wgs_b)
+                    self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_prev, prev_b, ring_b)
+            self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_min, kv_state_a, 0)
             kv_state_a.advance()
             if mixed:
-                self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_min, kv_state_b, ring_b, wgs_a)
+                self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_min, kv_state_b, ring_b)
                 kv_state_b.advance()
         return q_state, kv_state_a, kv_state_b
 
@@ -214,21 +211,12 @@ class FwdSm90Load:
         )
         return tKgK, tKsK, tVgV, tVsV
 
-    @cute.jit
-    def _load_kv_ring(
-        self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, ring_offset: int, idle_wgs: Int32
-    ) -> None:
-        """``_load_kv`` into a ring (its stages start at ``ring_offset``), then release the stage
-        for the ``idle_wgs`` warpgroups that will not read it: 4 arrivals each (one per warp, as
-        ``consumer_release``). The producer has acquired the stage, so they count towards the
-        phase the readers complete."""
+    def _load_kv_ring(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, ring_offset: int) -> None:
+        """``_load_kv`` into a ring whose stages start at ``ring_offset`` (``state`` is ring-local)."""
         ring_state = pipeline.PipelineState(
             self.num_stages * self.num_rings, state.count, state.index + ring_offset, state.phase
         )
         self._load_kv(tma_atom, tXgX, tXsX, pipe, n_block, ring_state)
-        if idle_wgs > 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(pipe.consumer_get_barrier(ring_state), arrive_count=idle_wgs * 4)
 
     def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
         """Wait for a free stage, expect its bytes (the whole block, whichever CTA sends them),

@@ -110,9 +110,23 @@ class BlockStep:
     # num_stages) and the pipelines' stage count; None: one ring, states index the stages as is.
     ring_offset: Int32 | None = None
     kv_stages: int = 0
+    # Spanning tiles whose blocks span two (batch, head) pairs (mixed = 1): the other ring's first
+    # stage and its stage count minus this ring's; each block's stage of it is waited for and released
+    # unread, so every warpgroup consumes every stage of both rings in order.
+    mixed: Int32 | None = None
+    other_offset: Int32 | None = None
+    other_delta: Int32 | None = None
 
     def kv(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
         """The pipeline state (barrier and stage index) of a ring-local K/V state."""
         if self.ring_offset is None:
             return state
         return pipeline.PipelineState(self.kv_stages, state.count, state.index + self.ring_offset, state.phase)
+
+    def other(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
+        """The pipeline state of the other ring's stage for the same block as ring-local ``state``."""
+        ring_stages = self.kv_stages // 2
+        count = state.count + self.other_delta
+        return pipeline.PipelineState(
+            self.kv_stages, count, count % ring_stages + self.other_offset, (count // ring_stages) % 2
+        )
