@@ -622,7 +622,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 )
                 step = BlockStep(
                     mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
-                    ring_offset, self.num_stages * self.num_rings, mixed, other_offset, other_delta,
+                    ring_offset, self.num_stages * self.num_rings,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -634,7 +634,20 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                         cute.arch.fence_view_async_shared()
                         pipes.q.consumer_release(q_state)
                     pipes.q.consumer_wait(q_state)
-                    kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
+                    if const_expr(self.span_heads):
+                        # Tiles over two pairs run a main loop that also passes the other ring's
+                        # stages; the others run the plain one (no such code in their loop).
+                        if mixed > 0:
+                            step_mixed = BlockStep(
+                                mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
+                                ring_offset, self.num_stages * self.num_rings, mixed, other_offset,
+                                other_delta,
+                            )
+                            self.mainloop(step_mixed, pipes.q, q_state, walk.block_info, tile, kv_state.clone())
+                        else:
+                            self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state.clone())
+                    else:
+                        kv_state = self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state)
                     if const_expr(self.span_heads):
                         num_blocks = tile.n_block_max - tile.n_block_min
                         ring_count_a = ring_count_a + num_blocks
@@ -841,10 +854,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         stage of both rings in order, so its wait parities never fall a phase behind (a
         warpgroup that skipped stages could see a stage two phases on and misread its parity)."""
         if const_expr(step.mixed is not None):
-            if step.mixed > 0:
-                other = step.other(state)
-                pipe.consumer_wait(other, pipe.consumer_try_wait(other))
-                pipe.consumer_release(other)
+            other = step.other(state)
+            pipe.consumer_wait(other, pipe.consumer_try_wait(other))
+            pipe.consumer_release(other)
 
     def _qk_gemm(self, mma: MmaParts, stage: Int32, wg_wait: int) -> cute.Tensor:
         acc_S = cute.make_rmem_tensor(
