@@ -142,10 +142,10 @@ FWD_SM90_DV_TILES: dict[tuple[int, int], FwdTileSm90] = {
 
 
 # Spanning tiles (FwdTileSm90.span_heads) pay where whole tiles would compute many rows past each sequence:
-# H100, bf16, 16k tokens, hdim 64 non-causal, 2026-11-21 (perf/NOTES.md "Session 10"), span / not:
-# 384 / 362 TFLOP/s at 512 and 447 / 407 at 1k (192-row tiles pad 12.5 %), 479 / 470 and 492 / 487 at
-# 2k / 4k (3.1 %); where nothing is padded they cost 0-2 % (5 repeats: 514 / 512 at 6k, 507 / 517 at 12k;
-# 8k / 16k, 0.8 / 0.4 % padded: 520 / 527, 518 / 525). So only from this fraction of padded rows up.
+# H100, bf16, 16k tokens, hdim 64 non-causal, 2026-11-21 (perf/NOTES.md "Session 10"), span / not, 5
+# repeats: 375 / 359 TFLOP/s at 512 and 450 / 406 at 1k (192-row tiles pad 12.5 %), 481 / 460 at 2k
+# (3.1 %); 518 / 515 at 8k (0.8 %). A first version (one main loop) cost 0-2 % where nothing is padded
+# (514 / 512 at 6k, 507 / 517 at 12k). Shipped from this fraction of padded rows up.
 SPAN_MIN_PADDING = 0.02
 
 
