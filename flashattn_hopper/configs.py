@@ -74,7 +74,8 @@ class FwdTileSm90:
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
 # Smem = (tile_m + 2 * 2 * tile_n) * hdim * 2 B (+ tile_m * hdim * 2 B for a persistent kernel's own sO
-# when that fits, hdim <= 128); MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
+# when that fits, hdim <= 128; spanning tiles double the K/V stages: hdim 64, 177 KB with its own sO);
+# MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
 # Every row is persistent (one CTA per SM; static schedule non-causal, atomic-counter dynamic schedule
 # causal/local): vs one CTA per tile, H200 bf16 16k tokens 2026-11-21, +19-24 % at s = 512, +9-14 % at
 # 1k, +2-9 % at 2k-4k, -1..+7 % at 16k over hdim 64/128/256 (perf/NOTES.md, "Persistent tile schedulers").

@@ -110,6 +110,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         | pipeline_k | 2      | TMA K[n] -> every MMA warp  | tile_n * head_dim * 2     |
         | pipeline_v | 2      | TMA V[n] -> every MMA warp  | tile_n * head_dim_v * 2   |
 
+    (``span_heads``: K and V have 2 x num_stages stages, ring A's then ring B's; per block the
+    producer issues K_a, K_b, then V_a, V_b, the B loads only in tiles over two pairs.)
+
     Key blocks run right to left (``n_block_max - 1`` down to ``n_block_min``) in up to four
     segments, each with its masking compiled in: the first block (``seqlen_k`` + causal/window
     mask; the only one cut by ``seqlen_k``), blocks that may cross the diagonal / right window
@@ -228,8 +231,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         # half a block ahead) survives tile boundaries. A packed tile splits into per-warpgroup
         # boxes only when pack_gqa divides 64.
         self.wg_local_epilogue = wg_local_epilogue and 64 % pack_gqa == 0
-        if span_heads and not self.wg_local_epilogue:
-            raise ValueError("FlashFwdSm90: span_heads stores each warpgroup's rows on their own (wg_local_epilogue)")
+        if span_heads and not (self.wg_local_epilogue and intra_wg_overlap):
+            # Each warpgroup stores its own rows; the producer loads in the overlap order (V lags K).
+            raise ValueError("FlashFwdSm90: span_heads needs wg_local_epilogue and intra_wg_overlap")
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
         self.tx_bytes_k = tile_n * head_dim * elem_bytes
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
@@ -593,7 +597,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         walk.scheduler.consumer_start(walk.handoff, handoff_group)
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
-            ring_offset, mixed, other_offset, other_delta = None, None, None, None
+            ring_offset, other_offset, other_delta = None, None, None
             if const_expr(self.span_heads):
                 # Every warpgroup computes (one past the last block repeats the last block's
                 # rows); only blocks in range are stored.
@@ -640,8 +644,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                         if mixed > 0:
                             step_mixed = BlockStep(
                                 mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
-                                ring_offset, self.num_stages * self.num_rings, mixed, other_offset,
-                                other_delta,
+                                ring_offset, self.num_stages * self.num_rings, other_offset, other_delta,
                             )
                             self.mainloop(step_mixed, pipes.q, q_state, walk.block_info, tile, kv_state.clone())
                         else:
@@ -853,7 +856,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         ring's stage of the block ring-local ``state`` names. Every warpgroup thus consumes every
         stage of both rings in order, so its wait parities never fall a phase behind (a
         warpgroup that skipped stages could see a stage two phases on and misread its parity)."""
-        if const_expr(step.mixed is not None):
+        if const_expr(step.other_offset is not None):
             other = step.other(state)
             pipe.consumer_wait(other, pipe.consumer_try_wait(other))
             pipe.consumer_release(other)

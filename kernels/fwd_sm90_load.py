@@ -2,8 +2,8 @@
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Load`` is a mixin of
 ``FlashFwdSm90``; it reads the kernel's static configuration (``tile_m``, ``tile_n``, ``head_dim``,
-``head_dim_v``, ``intra_wg_overlap``, ``release_q_before_next_q``, ``num_stages``, ``cluster_m``)
-and its ``tile_work`` from ``self``.
+``head_dim_v``, ``intra_wg_overlap``, ``release_q_before_next_q``, ``num_stages``, ``cluster_m``,
+``span_heads``, ``num_rings``, ``num_mma_wg``) and its ``tile_work`` / ``span_pairs`` from ``self``.
 """
 
 import cutlass
@@ -145,15 +145,12 @@ class FwdSm90Load:
     ):
         """One spanning tile (``span_heads``): each warpgroup's 64 Q rows from its own (batch,
         head), the first pair's K/V through ring A and, when the tile ends in the next pair, that
-        pair's through ring B, block by block in the consumers' order (every warpgroup waits for
-        and releases each stage of both rings, reading only its own). Returns the three states
-        advanced."""
+        pair's through ring B, block by block, V lagging K by one block (the intra-warpgroup
+        overlap order; span_heads requires it). Every warpgroup waits for and releases each stage
+        of both rings, reading only its own. Returns the three states advanced."""
         sched = walk.scheduler
         num_wg = self.num_mma_wg
-        first_block = tile_idx * num_wg
-        last_block = sched.num_blocks - 1
-        bh_first = first_block // sched.num_m_blocks
-        bh_last = cutlass.min(first_block + num_wg - 1, last_block) // sched.num_m_blocks
+        first_block, last_block, bh_first, bh_last = self.span_pairs(walk, tile_idx)
         mixed = bh_last > bh_first
         batch_a, batch_b = bh_first // sched.num_heads, bh_last // sched.num_heads
         head_a, head_b = bh_first - batch_a * sched.num_heads, bh_last - batch_b * sched.num_heads
@@ -163,10 +160,10 @@ class FwdSm90Load:
             qpk = walk.qhead_per_kvhead
             kv_a = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_a // qpk, batch_a)
             kv_b = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_b // qpk, batch_b)
-            ring_b = self.num_stages
+            ring_b_stage = self.num_stages  # ring B's first stage
             self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_max - 1, kv_state_a, 0)
             if mixed:
-                self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_max - 1, kv_state_b, ring_b)
+                self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_max - 1, kv_state_b, ring_b_stage)
             pipes.q.producer_acquire(q_state)
             for w in cutlass.range_constexpr(num_wg):
                 m_block, head_idx, batch_idx = sched.coords(cutlass.min(first_block + w, last_block))
@@ -188,14 +185,14 @@ class FwdSm90Load:
                 prev_b = kv_state_b.clone()
                 if mixed:
                     kv_state_b.advance()
-                    self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_prev - 1, kv_state_b, ring_b)
+                    self._load_kv_ring(atoms.k, kv_b[0], kv_b[1], pipes.k, n_block_prev - 1, kv_state_b, ring_b_stage)
                 self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_prev, prev_a, 0)
                 if mixed:
-                    self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_prev, prev_b, ring_b)
+                    self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_prev, prev_b, ring_b_stage)
             self._load_kv_ring(atoms.v, kv_a[2], kv_a[3], pipes.v, n_block_min, kv_state_a, 0)
             kv_state_a.advance()
             if mixed:
-                self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_min, kv_state_b, ring_b)
+                self._load_kv_ring(atoms.v, kv_b[2], kv_b[3], pipes.v, n_block_min, kv_state_b, ring_b_stage)
                 kv_state_b.advance()
         return q_state, kv_state_a, kv_state_b
 

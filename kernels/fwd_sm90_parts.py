@@ -110,10 +110,9 @@ class BlockStep:
     # num_stages) and the pipelines' stage count; None: one ring, states index the stages as is.
     ring_offset: Int32 | None = None
     kv_stages: int = 0
-    # Spanning tiles whose blocks span two (batch, head) pairs (mixed = 1; None: a tile of one pair):
-    # the other ring's first stage and its stage count minus this ring's; each block's stage of it is
-    # waited for and released unread, so every warpgroup consumes every stage of both rings in order.
-    mixed: Int32 | None = None
+    # Spanning tiles over two (batch, head) pairs (None: a tile of one pair): the other ring's first
+    # stage and its stage count minus this ring's; each block's stage of it is waited for and released
+    # unread, so every warpgroup consumes every stage of both rings in order.
     other_offset: Int32 | None = None
     other_delta: Int32 | None = None
 

@@ -4,7 +4,8 @@ Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm9
 ``FlashFwdSm90``; it reads the kernel's static configuration (``tile_m``, ``tile_n``, ``head_dim``,
 ``head_dim_v``, ``dtype``, ``num_mma_wg``, ``is_causal``, ``is_local``, ``persistent``, ``cluster_m``,
 ``section_l2_mb``, ``span_heads``, ``dynamic_schedule``) from ``self``. Both roles (load, MMA) call
-``tile_work`` / ``span_tile_work`` and so agree on every tile.
+``tile_work``, or ``span_pairs`` (the producer) and ``span_tile_work`` built on it (the MMA
+warpgroups), and so agree on every tile.
 """
 
 import cutlass
@@ -76,19 +77,28 @@ class FwdSm90Tiles:
         return has_tile, batch_idx, head_idx, seqlen, tile
 
     @cute.jit
+    def span_pairs(self, walk: TileWalk, tile_idx: Int32):
+        """Spanning tile ``tile_idx``: ``(first_block, last_block, bh_first, bh_last)``, its first
+        flat 64-row block, the launch's last block, and the flat (batch, head) pair of its first and
+        of its last block (the last clamped to the launch's last block). The launcher spans only
+        when a head has >= num_mma_wg - 1 blocks, so ``bh_last - bh_first`` is 0 or 1."""
+        sched = walk.scheduler
+        first_block = tile_idx * self.num_mma_wg
+        last_block = sched.num_blocks - 1
+        bh_first = first_block // sched.num_m_blocks
+        bh_last = cutlass.min(first_block + self.num_mma_wg - 1, last_block) // sched.num_m_blocks
+        return first_block, last_block, bh_first, bh_last
+
+    @cute.jit
     def span_tile_work(self, walk: TileWalk, tile_idx: Int32, wg_idx: Int32):
         """Spanning tile ``tile_idx``, warpgroup ``wg_idx``: ``(in_range, batch_idx, head_idx,
         m_block, ring_b, mixed, seqlen, tile)``. ``m_block`` counts 64-row blocks; a block index
         past the launch's last repeats the last (``in_range`` False: computed, not stored).
         ``ring_b`` (0/1): this block's (batch, head) is not the tile's first (its K/V come through
-        ring B); ``mixed`` (0/1): the tile's last block's is not. A tile spans at most two
-        (batch, head) pairs: the launcher spans only when a head has >= num_mma_wg - 1 blocks."""
+        ring B); ``mixed`` (0/1): the tile's last block's is not (``span_pairs``)."""
         sched = walk.scheduler
-        first_block = tile_idx * self.num_mma_wg
-        last_block = sched.num_blocks - 1
+        first_block, last_block, bh_first, bh_last = self.span_pairs(walk, tile_idx)
         block = first_block + wg_idx
-        bh_first = first_block // sched.num_m_blocks
-        bh_last = cutlass.min(first_block + self.num_mma_wg - 1, last_block) // sched.num_m_blocks
         m_block, head_idx, batch_idx = sched.coords(cutlass.min(block, last_block))
         ring_b = batch_idx * sched.num_heads + head_idx - bh_first
         seqlen = SeqlenInfo.create(batch_idx, walk.seqlen_q_static, walk.seqlen_k_static, *walk.seqlen_args)

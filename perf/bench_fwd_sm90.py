@@ -76,8 +76,10 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         overrides.setdefault("span_heads", False)  # a kernel takes clusters or spanning tiles
     if "section_l2_mb" in overrides and not causal:
         return None  # the section order is the causal/local tile order only
-    if overrides.get("span_heads") and causal:
-        return None  # spanning tiles need every warpgroup to visit the same key blocks
+    if overrides.get("span_heads") and (causal or -(-q.shape[1] // 64) < key.tile_m // 64 - 1):
+        return None  # spanning: the same key blocks for every warpgroup, a tile over <= 2 heads
+    if any(f in overrides for f in ("num_stages", "intra_wg_overlap")):
+        overrides.setdefault("span_heads", False)  # (ring depth / order variants of the plain tiles)
     memset_counter = overrides.pop("memset_counter", False)
     if overrides.pop("pad_v", False) and v.shape[-1] != q.shape[-1]:
         tile = configs.sm90_fwd_tile(q.shape[-1], causal, q.shape[1])

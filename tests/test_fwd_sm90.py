@@ -527,11 +527,12 @@ def test_fwd_sm90_span_heads_parity(span_heads, head_dim, seqlens, heads):
     """Spanning tiles: a tile's warpgroups take consecutive 64-row blocks across (batch, head) pairs,
     K/V of a second pair through ring B. Sequences of 2 blocks (65, 113: every tile spans heads),
     whole and partial last blocks, GQA/MQA (ring B may hold the same KV head), seqlen_k != seqlen_q,
-    the launch's last tile past the end (3 * 5 heads * 9 blocks at 512 rows is not a multiple of 3).
-    17 rows: 1 block per head, not spanned (the launcher keys the row without)."""
+    the launch's last tile past the end (hdim 64, batch 2: the block count is never a multiple of
+    3 here; hdim 96, batch 3: odd at 5 heads x 17 or 1 blocks). 17 rows: 1 block per head; hdim 64's
+    3 warpgroups are not spanned there (the launcher keys the row without), hdim 96's 2 are."""
     span_heads()
     (s_q, s_k), (h, h_k) = seqlens, heads
-    q, k, v = make_qkv(3, s_q, s_k, h, h_k, head_dim, dtype=torch.bfloat16)
+    q, k, v = make_qkv(2 if head_dim == 64 else 3, s_q, s_k, h, h_k, head_dim, dtype=torch.bfloat16)
     check_parity(q, k, v, causal=False)
 
 
