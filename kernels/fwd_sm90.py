@@ -36,6 +36,8 @@ ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); de
 ``fa3_cute_design.md`` sections 1 (1.9 masks, 1.10 epilogue, 1.14 varlen).
 """
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -92,10 +94,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
     (``common/pack_gqa.py``). ``span_heads`` (dense, unmasked, unpacked): a tile's MMA warpgroups
     take consecutive 64-row blocks of the flat (batch, head, row block) order, so a tile may end in
     the next (batch, head), whose K/V come through a second ring of stages (ring B); in such a tile
-    every warpgroup waits for and releases the other ring's stages unread. ``cluster_m = 2`` (dense, unmasked,
-    unpacked; built and tested, no table row ships it, perf/NOTES.md): two CTAs of a cluster take
-    adjacent m_blocks, each loads half of every K/V block multicast into both, and a K/V stage's
-    empty barrier counts both CTAs' MMA warps. ``128 * (1 + tile_m / 64)`` threads:
+    every warpgroup waits for and releases the other ring's stages unread. ``cluster_m = 2``
+    (dense, unmasked, unpacked; built and tested, no table row ships it, perf/NOTES.md): two CTAs
+    of a cluster take adjacent m_blocks, each loads half of every K/V block multicast into both,
+    and a K/V stage's empty barrier counts both CTAs' MMA warps. ``128 * (1 + tile_m / 64)`` threads:
 
         | warpgroup | warps    | registers | role                                             |
         | WG0       | 0        | 24        | producer: TMA loads of Q, K[n], V[n]             |
@@ -642,10 +644,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                         # Tiles over two pairs run a main loop that also passes the other ring's
                         # stages; the others run the plain one (no such code in their loop).
                         if mixed > 0:
-                            step_mixed = BlockStep(
-                                mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
-                                ring_offset, self.num_stages * self.num_rings, other_offset, other_delta,
-                            )
+                            step_mixed = dataclasses.replace(step, other_offset=other_offset, other_delta=other_delta)
                             self.mainloop(step_mixed, pipes.q, q_state, walk.block_info, tile, kv_state.clone())
                         else:
                             self.mainloop(step, pipes.q, q_state, walk.block_info, tile, kv_state.clone())

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .common.seqlen import SeqlenInfo
 from .common.sm90_utils import select_head
-from .fwd_sm90_parts import Pipelines, TileCoord, TileWalk, TmaAtoms
+from .fwd_sm90_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
 class FwdSm90Load:
@@ -84,21 +84,10 @@ class FwdSm90Load:
     ):
         """One tile's loads (at least one key block); returns both states advanced past them."""
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
-        gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             atoms.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        # ((atom, rest), stage) and ((atom, rest), n_block); with clusters this CTA's share of
-        # each block (its rank's slice), multicast to every CTA of the cluster.
-        kv_cta_layout = cute.make_layout(self.cluster_m)
-        kv_rank = cute.arch.block_idx()[0] % self.cluster_m if const_expr(self.cluster_m > 1) else 0
-        tKsK, tKgK = cpasync.tma_partition(
-            atoms.k, kv_rank, kv_cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            atoms.v, kv_rank, kv_cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tKgK, tKsK, tVgV, tVsV = self._kv_partitions(mK_cur, mV_cur, sK, sV, atoms)
         # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
         # (Persistent: K of this tile may land while the previous tile's epilogue still owns sQ.)
         load_k = (atoms.k, tKgK, tKsK, pipes.k)
@@ -158,8 +147,13 @@ class FwdSm90Load:
         n_block_min, n_block_max = walk.block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, Int32(0))
         if n_block_max > n_block_min:
             qpk = walk.qhead_per_kvhead
-            kv_a = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_a // qpk, batch_a)
-            kv_b = self._kv_partitions(seqlen, mK, mV, sK, sV, atoms, head_b // qpk, batch_b)
+            kv_a, kv_b = (
+                self._kv_partitions(
+                    seqlen.k_view(select_head(mK, head // qpk, 2), batch),
+                    seqlen.k_view(select_head(mV, head // qpk, 2), batch), sK, sV, atoms,
+                )
+                for head, batch in ((head_a, batch_a), (head_b, batch_b))
+            )
             ring_b_stage = self.num_stages  # ring B's first stage
             self._load_kv_ring(atoms.k, kv_a[0], kv_a[1], pipes.k, n_block_max - 1, kv_state_a, 0)
             if mixed:
@@ -196,24 +190,27 @@ class FwdSm90Load:
                 kv_state_b.advance()
         return q_state, kv_state_a, kv_state_b
 
-    def _kv_partitions(self, seqlen, mK, mV, sK, sV, atoms: TmaAtoms, head_kv: Int32, batch_idx: Int32):
-        """(tKgK, tKsK, tVgV, tVsV) of one (batch, kv head): ((atom, rest), n_block | stage)."""
-        gK = cute.local_tile(seqlen.k_view(select_head(mK, head_kv, 2), batch_idx), (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(seqlen.k_view(select_head(mV, head_kv, 2), batch_idx), (self.tile_n, self.head_dim_v), (None, 0))
+    def _kv_partitions(self, mK_cur: cute.Tensor, mV_cur: cute.Tensor, sK, sV, atoms: TmaAtoms):
+        """``(tKgK, tKsK, tVgV, tVsV)`` of one (batch, kv head)'s ``(seqlen_k, head_dim)`` views:
+        ``((atom, rest), n_block)`` and ``((atom, rest), stage)``; with clusters this CTA's share
+        of each block (its rank's slice), multicast to every CTA of the cluster."""
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
+        kv_cta_layout = cute.make_layout(self.cluster_m)
+        kv_rank = cute.arch.block_idx()[0] % self.cluster_m if const_expr(self.cluster_m > 1) else 0
         tKsK, tKgK = cpasync.tma_partition(
-            atoms.k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            atoms.k, kv_rank, kv_cta_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            atoms.v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            atoms.v, kv_rank, kv_cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return tKgK, tKsK, tVgV, tVsV
 
     def _load_kv_ring(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, ring_offset: int) -> None:
         """``_load_kv`` into a ring whose stages start at ``ring_offset`` (``state`` is ring-local)."""
-        ring_state = pipeline.PipelineState(
-            self.num_stages * self.num_rings, state.count, state.index + ring_offset, state.phase
+        self._load_kv(
+            tma_atom, tXgX, tXsX, pipe, n_block, ring_state(state, ring_offset, self.num_stages * self.num_rings)
         )
-        self._load_kv(tma_atom, tXgX, tXsX, pipe, n_block, ring_state)
 
     def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
         """Wait for a free stage, expect its bytes (the whole block, whichever CTA sends them),

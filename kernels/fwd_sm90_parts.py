@@ -34,6 +34,12 @@ class NamedBarrierFwd(enum.IntEnum):
     EPILOGUE_WG1 = 11
 
 
+def ring_state(state: pipeline.PipelineState, ring_offset, kv_stages: int) -> pipeline.PipelineState:
+    """Spanning tiles: the K/V pipelines' state (``kv_stages`` stages, barrier and stage index) of a
+    ring-local state whose ring starts at stage ``ring_offset`` (the phase is the ring's own)."""
+    return pipeline.PipelineState(kv_stages, state.count, state.index + ring_offset, state.phase)
+
+
 @dataclass(frozen=True)
 class TileCoord:
     """This CTA's query tile, its sequence's lengths and the key blocks it visits
@@ -120,7 +126,7 @@ class BlockStep:
         """The pipeline state (barrier and stage index) of a ring-local K/V state."""
         if self.ring_offset is None:
             return state
-        return pipeline.PipelineState(self.kv_stages, state.count, state.index + self.ring_offset, state.phase)
+        return ring_state(state, self.ring_offset, self.kv_stages)
 
     def other(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
         """The pipeline state of the other ring's stage for the same block as ring-local ``state``."""

@@ -37,6 +37,14 @@ def check_parity(q, k, v, causal, backend="sm90", **kwargs):
     return _check_parity(q, k, v, causal, backend, **kwargs)
 
 
+def check_bitwise_repeats(q, k, v, repeats, causal=False):
+    """``repeats`` more calls give the first call's out and LSE bit for bit (no races)."""
+    first, first_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+    for _ in range(repeats):
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -124,9 +132,7 @@ def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):
     # ping-pong turns and the O buffer carry over), a non-persistent grid runs several waves.
     q, k, v = make_qkv(3, 1041, 1041, 16, 4, head_dim)
     check_parity(q, k, v, causal)
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    out2, lse2 = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    check_bitwise_repeats(q, k, v, 1, causal)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -194,10 +200,7 @@ def test_fwd_sm90_causal_under_cuda_graph():
 
 def test_fwd_sm90_is_bitwise_deterministic():
     q, k, v = make_qkv(2, 1000, 1500, 8, 2, 128)
-    first, first_lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend="sm90")
-    for _ in range(100):
-        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend="sm90")
-        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    check_bitwise_repeats(q, k, v, 100, causal=True)
 
 
 def test_fwd_sm90_agrees_with_sm80():
@@ -476,10 +479,7 @@ def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
     q, k, v = make_qkv(3, 2100, 1300, 16, 4, head_dim, dtype=torch.float16)
     check_parity(q, k, v, causal=False)
     check_poisoned_outputs(q, k, v, False, "sm90")
-    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
-    for _ in range(20):
-        out2, lse2 = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
-        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    check_bitwise_repeats(q, k, v, 20)
 
 
 def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):
@@ -546,7 +546,4 @@ def test_fwd_sm90_span_heads_many_tiles(span_heads, persistent):
     check_parity(q, k, v, causal=False)
     check_parity(q, k, v, causal=True)
     check_poisoned_outputs(q, k, v, False, "sm90")
-    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
-    for _ in range(20):
-        out2, lse2 = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
-        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    check_bitwise_repeats(q, k, v, 20)
