@@ -179,18 +179,24 @@ def test_fwd_sm90_tile_counter_is_left_zero(head_dim):
     assert torch.equal(first, on_side) and _tile_counter_value() == 0
 
 
-def test_fwd_sm90_causal_under_cuda_graph():
-    # Under capture each call gets its own zeroed counter; replays must match eager calls.
-    q, k, v = make_qkv(2, 1041, 1041, 16, 4, 128)
-    eager = flash_attn_func(q, k, v, causal=True, backend="sm90")
+@pytest.mark.parametrize(
+    "causal, shape",
+    [(True, (2, 1041, 1041, 16, 4, 128)), (False, (2, 1041, 1041, 16, 4, 128)), (False, (3, 512, 512, 4, 4, 64))],
+    ids=["causal-128", "full-128", "full-64-span"],
+)
+def test_fwd_sm90_under_cuda_graph(causal, shape):
+    # Replays must match eager calls. Causal: under capture each call gets its own zeroed tile
+    # counter. hdim 64 at 512 tokens runs the spanning tiles (two K/V rings).
+    q, k, v = make_qkv(*shape)
+    eager = flash_attn_func(q, k, v, causal=causal, backend="sm90")
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
-        flash_attn_func(q, k, v, causal=True, backend="sm90")  # compiled before capture
+        flash_attn_func(q, k, v, causal=causal, backend="sm90")  # compiled before capture
     torch.cuda.current_stream().wait_stream(capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = flash_attn_func(q, k, v, causal=True, backend="sm90")
+        captured = flash_attn_func(q, k, v, causal=causal, backend="sm90")
     for _ in range(3):
         captured.fill_(float("nan"))
         graph.replay()

@@ -20,8 +20,8 @@ semaphores use the same offsets divided by the tile.
 
 Deterministic mode (design doc 2.9): an int32 semaphore per (batch, head, block) holds whose turn
 it is; a CTA waits (thread 0 spins with ``ld.acquire.gpu``, then a CTA barrier) until the value
-equals its turn, adds its contribution, and passes the turn on (CTA barrier, then thread 0:
-``fence.acq_rel.gpu`` + ``red.add``). A fixed order of fp32 additions gives bitwise-equal results.
+equals its turn, adds its contribution, and passes the turn on (every thread ``fence.acq_rel.gpu``,
+a CTA barrier, then thread 0's ``red.add``). A fixed order of fp32 additions gives bitwise-equal results.
 Waiting is deadlock-free as long as every CTA waits only for CTAs with a lower linear block index
 (those were dispatched first): the callers order turns that way.
 
@@ -228,10 +228,11 @@ def semaphore_wait(sem: cute.Tensor, idx, turn: Int32, tidx: Int32):
 
 @cute.jit
 def semaphore_signal(sem: cute.Tensor, idx, tidx: Int32):
-    """Pass the turn on once every thread's prior global reduce-adds are done."""
+    """Pass the turn on once every thread's prior global reduce-adds are done: each thread's fence
+    (a fence waits for its own warp's adds only), then a CTA barrier, then thread 0's count."""
+    cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier()
     if tidx == 0:
-        cute.arch.fence_acq_rel_gpu()
         cute.arch.red(
             elem_pointer(sem, idx), Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu"
         )
