@@ -32,9 +32,10 @@ from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 
 from .common.block_info import BlockInfo
 from .common.bwd_utils import (
-    SEQ_PAD, accum_tile, copy_threads_per_row, fragment_accum, m_block_min_max, red_add_tile,
-    scratch_offset, select_head, semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
+    SEQ_PAD, copy_threads_per_row, fragment_accum, m_block_min_max, red_add_tile, scratch_offset,
+    select_head, semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
 )
+from .bwd_sm80_epilogue import BwdSm80Epilogue
 from .common.gemm_sm80 import gemm_ss
 from .common.mask import AttentionMask
 from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
@@ -134,7 +135,7 @@ class MBlockStep:
     deterministic: Int32
 
 
-class FlashBwdSm80:
+class FlashBwdSm80(BwdSm80Epilogue):
     """FA2 backward on sm80: one CTA owns one key block ``(n_block, head, batch)``.
 
     Grid ``(ceil(seqlen_k / tile_n), nheads, batch)``; ``num_threads / 32`` warps, no warp
@@ -174,10 +175,23 @@ class FlashBwdSm80:
     ascending order each causal key block starts only after its left neighbour has passed the
     diagonal, a chain that measured 0.55x of FA2 on an H200; see perf/NOTES_sm80_bwd.md).
 
-    Epilogue: MHA converts ``dK * softmax_scale`` and ``dV`` to 16-bit through smem (reusing
-    sK/sV) with 128-bit predicated stores. GQA (``is_gqa``) reduce-adds the fp32 accumulators
-    into ``dKaccum``/``dVaccum`` (the postprocess scales and converts); deterministic: in
-    ascending query-head order per KV head.
+    Epilogue (``bwd_sm80_epilogue.py``): MHA converts ``dK * softmax_scale`` and ``dV`` to 16-bit
+    through smem (reusing sK/sV) with 128-bit predicated stores. GQA (``is_gqa``) reduce-adds the
+    fp32 accumulators into ``dKaccum``/``dVaccum`` (the postprocess scales and converts);
+    deterministic: in ascending query-head order per KV head.
+
+    Split tail (dense, no causal/local mask, not deterministic): with one CTA per SM and equal
+    key blocks, a launch of ``N`` key blocks on ``S`` SMs runs ``ceil(N / S)`` waves and its last
+    one holds ``N mod S`` CTAs while the other SMs idle (16k tokens at hidden 2048: 4096 or 2048
+    blocks on 132 SMs, 31.03 / 15.52 waves run as 32 / 16: 2-3 % measured, H100,
+    perf/NOTES_sm80_bwd.md). So the last ``tail_blocks`` key blocks of the grid's linear order
+    (n_block fastest) are skipped by this kernel and run by a second launch of the same class
+    with ``tail_split`` (the segments kernel): ``tail_segments`` CTAs per skipped block, over
+    consecutive ranges of its query blocks, a 1-D grid one wave wide. A segment's partial dK/dV
+    go to fp32 scratch (``epilogue_tail``; GQA: into the KV head's sums, as whole blocks do); its
+    dQ adds are those of a whole block. Two launches, not one grid with both: whole-block CTAs
+    then keep their coordinates in blockIdx (rematerialisable), where decoding them from a flat
+    index spilled 2-4 registers into the m_block loop at hdim 64/128 (SASS, sm_90a).
     """
 
     def __init__(
@@ -199,6 +213,7 @@ class FlashBwdSm80:
         dv_first: bool = False,
         dq_red_vec: int = 1,
         stmatrix_pds: bool = False,
+        tail_split: bool = False,
         arch: str = "sm_80",
     ):
         reason = self.can_implement(
@@ -207,6 +222,8 @@ class FlashBwdSm80:
         )
         if is_causal and is_local:
             reason = "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
+        if tail_split and (is_causal or is_local):
+            reason = "tail_split needs key blocks of equal length (no causal or local mask)"
         if reason is not None:
             raise ValueError(f"FlashBwdSm80 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -232,6 +249,9 @@ class FlashBwdSm80:
         # 32-bit stores, in a kernel whose warps wait on the MIO queue (ldmatrix, shared stores
         # and exp2 share it).
         self.stmatrix_pds = stmatrix_pds
+        # The last key blocks of a dense launch split into segments over their query blocks, so the
+        # launch's last wave is short (class docstring).
+        self.tail_split = tail_split
 
     @staticmethod
     def can_implement(
@@ -315,6 +335,8 @@ class FlashBwdSm80:
             sV: buffer(layouts["sV"])
             sP: buffer(layouts["sP"])
             sdS: buffer(layouts["sdS"])
+            # segments kernel: the arrival count, read by every thread (epilogue_tail)
+            sArrived: cute.struct.MemRange[Int32, 1 if self.tail_split else 0]
 
         return SharedStorage
 
@@ -342,10 +364,15 @@ class FlashBwdSm80:
         window_right: Int32,  # is_local only (else ignored); unbounded: a huge value
         softcap: Float32,  # has_softcap only (else ignored)
         deterministic: Int32,  # 0 or 1; the semaphores are only touched when 1
+        tail_blocks: Int32,  # dense: the grid's last key blocks, left to the segments kernel (or 0)
+        tail_segments: Int32,  # segments kernel: CTAs per split key block, >= 1 (else ignored)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32; given iff mCuSeqlensK is
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32
+        # segments kernel, MHA: (tail_blocks, 2, tile_n * head_dim) fp32 partial dK/dV sums, zeroed,
+        # with mdKV_sem (1, 1, tail_blocks) int32 zeroed arrival counts; else None
+        mdKV_tail: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -359,6 +386,8 @@ class FlashBwdSm80:
         if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
         varlen = const_expr(mCuSeqlensQ is not None)
+        if const_expr(self.tail_split and (varlen or (mdKV_tail is None) != self.is_gqa)):
+            raise TypeError("tail_split needs dense inputs, and mdKV_tail exactly when not GQA")
         modes = [0, 2, 1] if varlen else [1, 3, 2, 0]  # -> (s, d, h[, b])
         mQ, mK, mV, mdO = [select_modes(assume_strides_aligned(t), modes) for t in (mQ, mK, mV, mdO)]
         if const_expr(not self.is_gqa):
@@ -373,14 +402,17 @@ class FlashBwdSm80:
         if const_expr(varlen):
             num_batch = mCuSeqlensK.shape[0] - 1
             grid = [num_varlen_tiles_upper_bound(mK.shape[0], num_batch, self.tile_n), mQ.shape[2], 1]
+        elif const_expr(self.tail_split):
+            num_batch = mQ.shape[3]
+            grid = [tail_blocks * tail_segments, 1, 1]
         else:
             num_batch = mQ.shape[3]
             grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
         self.kernel(
             mQ, mK, mV, mdO, mLSE_log2, mdPsum, mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem,
             softmax_scale, scale_log2, softcap_scale, window_left, window_right,
-            qhead_per_kvhead, deterministic, num_batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-            mSeqUsedK, SharedStorage,
+            qhead_per_kvhead, deterministic, tail_blocks, tail_segments, num_batch, mCuSeqlensQ,
+            mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdKV_tail, SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -411,28 +443,46 @@ class FlashBwdSm80:
         window_right: Int32,
         qhead_per_kvhead: Int32,
         deterministic: Int32,
+        tail_blocks: Int32,
+        tail_segments: Int32,
         num_batch: Int32,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdKV_tail: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
-        """This CTA's (sequence, key block): a varlen CTA past the last tile exits."""
+        """This CTA's (sequence, key block[, segment]): a varlen CTA past the last tile, and a dense
+        one among the last ``tail_blocks`` (the segments kernel's), exit."""
         block_x, head_idx, block_z = cute.arch.block_idx()
         args = (
             mQ, mK, mV, mdO, mLSE_log2, mdPsum, mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem,
             softmax_scale, scale_log2, softcap_scale, window_left, window_right, qhead_per_kvhead,
-            deterministic, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
+            deterministic, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdKV_tail,
+            tail_segments, SharedStorage,
         )
         if const_expr(mCuSeqlensK is not None):
             batch_idx, n_block = varlen_tile_coord(
                 block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK
             )
             if batch_idx >= 0:
-                self.key_block(*args, n_block, head_idx, batch_idx)
+                self.key_block(*args, n_block, head_idx, batch_idx, Int32(-1), Int32(0))
+        elif const_expr(self.tail_split):
+            # Segment block_x % tail_segments of the whole kernel's skipped block block_x //
+            # tail_segments (in its linear order: n_block fastest, then head, then batch).
+            num_n_blocks = (mK.shape[0] + (self.tile_n - 1)) // self.tile_n
+            tail_index = block_x // tail_segments
+            block = num_n_blocks * mQ.shape[2] * num_batch - tail_blocks + tail_index
+            head_batch = block // num_n_blocks
+            self.key_block(
+                *args, block % num_n_blocks, head_batch % mQ.shape[2], head_batch // mQ.shape[2],
+                block_x % tail_segments, tail_index,
+            )
         else:
-            self.key_block(*args, block_x, head_idx, block_z)
+            grid_x, grid_y, grid_z = cute.arch.grid_dim()
+            if block_x + grid_x * (head_idx + grid_y * block_z) < grid_x * grid_y * grid_z - tail_blocks:
+                self.key_block(*args, block_x, head_idx, block_z, Int32(-1), Int32(0))
 
     @cute.jit
     def key_block(
@@ -459,10 +509,14 @@ class FlashBwdSm80:
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdKV_tail: cute.Tensor | None,
+        tail_segments: Int32,
         SharedStorage: cutlass.Constexpr,
         n_block: Int32,
         head_idx: Int32,
         batch_idx: Int32,
+        segment: Int32,  # segments kernel: this CTA's segment of its key block (else unused)
+        tail_index: Int32,  # segments kernel: the key block's index among the split ones
     ):
         """Prologue (partitions, K/V and first Q/dO loads), loop over m_blocks, epilogue.
 
@@ -492,6 +546,10 @@ class FlashBwdSm80:
             self.tile_m, self.tile_n, n_block, seqlen_q, seqlen_k, self.is_causal, self.is_local,
             window_left, window_right,
         )
+        if const_expr(self.tail_split):  # consecutive, near-equal ranges of the query blocks
+            num_m_blocks = m_block_max - m_block_min
+            m_block_max = m_block_min + (segment + 1) * num_m_blocks // tail_segments
+            m_block_min = m_block_min + segment * num_m_blocks // tail_segments
 
         layouts = self._smem_layouts()
         storage = SmemAllocator().allocate(SharedStorage)
@@ -596,12 +654,21 @@ class FlashBwdSm80:
                 qhead_per_kvhead, deterministic,
             )
         else:
-            acc_dK.store(acc_dK.load() * softmax_scale)
-            self.epilogue_mha(
-                acc_dK, acc_dV, seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
-                seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx), sK, sV,
-                tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
-            )
+            mdK_cur = seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx)
+            mdV_cur = seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx)
+
+            if const_expr(self.tail_split):
+                self.epilogue_tail(
+                    acc_dK, acc_dV, mdKV_tail[tail_index, None, None], mdKV_sem[0, 0, None],
+                    storage.sArrived.get_tensor(cute.make_layout(1)), tail_index, tail_segments,
+                    softmax_scale, mdK_cur, mdV_cur, sK, sV, tiled_mma_dkv, tidx, n_block,
+                    seqlen.seqlen_k,
+                )
+            else:
+                self.epilogue_mha(
+                    acc_dK, acc_dV, softmax_scale, mdK_cur, mdV_cur, sK, sV, tiled_mma_dkv, tidx,
+                    n_block, seqlen.seqlen_k,
+                )
 
     def _staged_load(self, gX, sX, rows: int, tidx) -> StagedLoad:
         tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=True)
@@ -793,82 +860,3 @@ class FlashBwdSm80:
                 acc_S, step.gemm_S.thr_mma, m_block, step.n_block, mask_seqlen=True,
                 mask_causal=self.is_causal, mask_local=self.is_local,
             )
-
-    @cute.jit
-    def epilogue_mha(
-        self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        mdK_cur: cute.Tensor,  # (seqlen_k, head_dim) of this (batch, kv head)
-        mdV_cur: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tiled_mma_dkv: cute.TiledMma,
-        tidx: Int32,
-        n_block: Int32,
-        seqlen_k: Int32,
-    ):
-        """dK, dV -> 16-bit -> smem (reusing sK, sV) -> 128-bit predicated stores.
-
-        Rows past ``seqlen_k`` are not stored; a block no query sees stores zeros.
-        """
-        rdK = convert_to_16bit(acc_dK, self.dtype)
-        rdV = convert_to_16bit(acc_dV, self.dtype)
-        # No cp.async may still land in sK/sV and every warp has issued its last ldmatrix.
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
-            tiled_mma_dkv,
-        ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
-        cute.arch.barrier()
-        self._store_tile(sK, mdK_cur, tidx, n_block, seqlen_k)
-        self._store_tile(sV, mdV_cur, tidx, n_block, seqlen_k)
-
-    @cute.jit
-    def _store_tile(self, sX: cute.Tensor, mX: cute.Tensor, tidx: Int32, n_block: Int32,
-                    seqlen_k: Int32):
-        """smem ``(tile_n, head_dim)`` -> registers -> 128-bit stores of rows ``< seqlen_k``."""
-        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
-        thr_copy = tiled_copy.get_slice(tidx)
-        tile = (self.tile_n, self.head_dim)
-        cX = cute.make_identity_tensor(tile)
-        tXcX = thr_copy.partition_S(cX)
-        t0XcX = tiled_copy.get_slice(0).partition_S(cX)
-        row_bound = seqlen_k - n_block * self.tile_n - tXcX[0][0]
-        tXsX = thr_copy.partition_S(sX)
-        tXrX = cute.make_fragment_like(tXsX, self.dtype)
-        cute.autovec_copy(tXsX, tXrX)
-        tXgX = thr_copy.partition_D(cute.local_tile(mX, tile, (n_block, 0)))
-        for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
-            if t0XcX[0, m, 0][0] < row_bound:
-                cute.copy(tiled_copy, tXrX[None, m, None], tXgX[None, m, None])
-
-    @cute.jit
-    def epilogue_gqa(
-        self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        mdKaccum: cute.Tensor,  # (seqlen_k_padded * head_dim,) fp32 of this (batch, kv head)
-        mdVaccum: cute.Tensor,
-        mdKV_sem: cute.Tensor,  # (seqlen_k_padded / tile_n,)
-        thr_mma_dkv: cute.ThrMma,
-        tidx: Int32,
-        k_block: Int32,  # this key block's tile in the scratch (padded offset + n_block)
-        head_idx: Int32,
-        head_idx_kv: Int32,
-        qhead_per_kvhead: Int32,
-        deterministic: Int32,
-    ):
-        """Reduce-add the fp32 dK (unscaled) and dV of this query head into the KV head's sums."""
-        gdK = accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block)
-        gdV = accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block)
-        if deterministic != 0:
-            # Turns in ascending query-head order: lower heads have lower block indices.
-            semaphore_wait(mdKV_sem, k_block, head_idx - head_idx_kv * qhead_per_kvhead, tidx)
-        red_add_tile(acc_dV, thr_mma_dkv.partition_C(gdV))
-        red_add_tile(acc_dK, thr_mma_dkv.partition_C(gdK))
-        if deterministic != 0:
-            semaphore_signal(mdKV_sem, k_block, tidx)

@@ -40,6 +40,7 @@ VARIANTS = {
     "stages-1-1": {"stages_q": 1, "stages_do": 1},  # one Q and one dO buffer
     "stages-2-1": {"stages_q": 2, "stages_do": 1},
     "stages-2-2": {"stages_q": 2, "stages_do": 2},
+    "no-tail": {"tail_split": False},  # the launch's last wave of key blocks not split (shipped: split)
 }
 
 

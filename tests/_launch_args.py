@@ -76,7 +76,10 @@ def main(arch: str) -> None:
     pre_tensors = [common.to_cute(t) for t in (bshd, bshd, rows, rows, rows, acc)]
     check(bwd.compile(pre_key), (*pre_tensors, None, None), 0x1234, "bwd_pre_sm80")
     main_tensors = [common.to_cute(t) for t in (bshd, bshd, bshd, bshd, rows, rows, acc, bshd, bshd, sem, sem)]
-    check(bwd.compile(main_key), (*main_tensors, 0.125, 7, 3, 1.0, 1, *varlen_none), 0x1234, "bwd_sm80")
+    # softmax_scale, window_left, window_right, softcap, deterministic, tail_blocks, tail_segments, varlen
+    # slots, the split tail's partial sums (None: not the segments kernel)
+    check(bwd.compile(main_key), (*main_tensors, 0.125, 7, 3, 1.0, 1, 5, 2, *varlen_none, None), 0x1234,
+          "bwd_sm80")
     post_tensors = [common.to_cute(acc), common.to_cute(bshd)]
     check(bwd.compile(post_dq), (*post_tensors, 0.125, None, None), 0x1234, "bwd_post_sm80")
 

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
+from flashattn_hopper import configs, flash_attn_func, flash_attn_varlen_func
 from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
 
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_SLOW
@@ -118,6 +118,40 @@ def test_bwd_under_cuda_graph(heads):
             # (not bitwise: dQ, and dK/dV under GQA, are fp32 reduce-adds in any order)
             assert torch.isfinite(a).all(), f"{name}: NaN left after replay"
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"{name} differs after replay"
+
+
+# Split tail (kernels/bwd_sm80.py): (batch, s_q, s_k, nheads, nheads_k, head_dim, SMs the launcher is
+# told the GPU has, expected (tail_blocks, tail_segments)). Small problems on a pretend SM count give
+# the splits the big ones get on 132 SMs: partial last key blocks among the split ones, uneven
+# segments (18 query blocks in 4), every block split (fewer blocks than SMs), GQA/MQA sums.
+SPLIT_TAIL_CASES = [
+    (2, 1023, 1000, 4, 4, 64, 30, (4, 2)),
+    (2, 1023, 1000, 8, 2, 64, 41, (5, 2)),
+    (1, 1500, 1500, 3, 3, 128, 16, (4, 4)),
+    (1, 1100, 1500, 3, 3, 128, 16, (4, 4)),
+    (1, 2000, 300, 2, 1, 64, 132, (6, 4)),
+    (1, 1100, 1100, 2, 2, 256, 16, (4, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", SPLIT_TAIL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-h{c[3]}k{c[4]}-d{c[5]}-sm{c[6]}")
+def test_bwd_split_tail_parity(monkeypatch, dtype, case):
+    """The last wave's key blocks split into segments: gradients as the reference's, every dK/dV row
+    written (outputs land in NaN-filled memory), and as the unsplit launch's."""
+    from flashattn_hopper.backends import sm80_bwd
+
+    batch, s_q, s_k, h, h_k, d, sms, plan = case
+    tile = configs.bwd_sm80_tiles("sm_90a")[d]
+    assert sm80_bwd.tail_plan(batch, s_q, s_k, h, tile.tile_m, tile.tile_n, sms) == plan
+    q, k, v, dout = make_inputs(batch, s_q, s_k, h, h_k, d, dtype=dtype)
+    monkeypatch.setattr(sm80_bwd, "num_sms", lambda device_index: sms)
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # freed: dq, dk, dv reuse them
+    del poison
+    split = check_grads(q, k, v, dout, False)
+    monkeypatch.setattr(sm80_bwd, "num_sms", lambda device_index: 1)  # one SM: whole waves, no split
+    for name, a, b in zip(("dq", "dk", "dv"), split, ours(q, k, v, dout, False)[1:]):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"{name}: split and unsplit differ"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -294,3 +294,40 @@ def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
     main_keys = [k for k in family.all_keys(arch) if k.kernel == "bwd_sm80"]
     post_keys = [k for k in family.all_keys(arch) if k.kernel == "bwd_post_sm80" and k.atom_m]
     assert {k.dq_red_vec for k in main_keys} == {k.dq_red_vec for k in post_keys} == {expected}
+
+
+def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
+    """The split tail (kernels/bwd_sm80.py): a dense, unmasked, non-deterministic backward whose key
+    blocks leave a short last wave on the GPU's SMs splits that wave's blocks into segments; causal,
+    local, varlen and deterministic calls never do, nor calls whose blocks fill whole waves."""
+    from flashattn_hopper.backends.sm80_bwd import TAIL_MAX_SEGMENTS, TAIL_MIN_M_BLOCKS, tail_plan
+
+    # FA3-paper sizes on 132 SMs: hdim 64 (128x128 tiles) leaves 4 of 4096 blocks, hdim 128 68 of 2048.
+    assert tail_plan(1, 16384, 16384, 32, 128, 128, 132) == (4, TAIL_MAX_SEGMENTS)
+    assert tail_plan(1, 16384, 16384, 16, 64, 128, 132) == (68, 15)  # 1020 segments: 8 waves of T / 15
+    assert tail_plan(1, 16384, 16384, 33, 128, 128, 132) == (0, 1)  # 4224 blocks: 32 whole waves
+    assert tail_plan(32, 512, 512, 16, 64, 128, 132) == (0, 1)  # 8 query blocks: 2 segments gain nothing
+    assert tail_plan(1, 2 * 128 * TAIL_MIN_M_BLOCKS - 1, 16384, 32, 128, 128, 132) == (4, 2)  # 8 query blocks: 2 segments at most
+    for tail, segments in (tail_plan(b, s, s, h, 64, 128, 132) for b in (1, 3) for s in (1000, 4097) for h in (5, 16)):
+        assert tail == 0 or (2 <= segments <= TAIL_MAX_SEGMENTS and -(-tail * segments // 132) / segments <= 0.9)
+
+    family = dispatch.BWD_KERNELS["sm80"]
+    split = dict(batch=1, seqlen_q=16384, seqlen_k=16384, nheads=32, head_dim=64, head_dim_v=64)
+    for arch in ("sm_80", "sm_90a"):
+        for nheads_k in (32, 8):
+            p = problem(**split, nheads_k=nheads_k)
+            assert family.keys(p, arch, sms=132)[1].tail_split
+            assert not family.keys(p, arch)[1].tail_split  # no SM count: no split
+            assert not family.keys(p, arch, deterministic=True, sms=132)[1].tail_split
+            assert not family.keys(problem(**split, nheads_k=nheads_k, causal=True), arch, sms=132)[1].tail_split
+            local = problem(**split, nheads_k=nheads_k, window_left=256, window_right=0)
+            assert not family.keys(local, arch, sms=132)[1].tail_split
+            varlen = VarlenArgs(None, None, None, None, None, None)
+            assert not family.keys(p, arch, varlen, sms=132)[1].tail_split
+            assert not family.keys(problem(**{**split, "nheads": 33}, nheads_k=33 if nheads_k == 32 else 11),
+                                   arch, sms=132)[1].tail_split
+    # every split key is precompiled beside its whole-block kernel
+    keys = family.all_keys("sm_90a")
+    for key in keys:
+        if key.kernel == "bwd_sm80" and getattr(key, "tail_split", False):
+            assert dataclasses.replace(key, tail_split=False) in keys

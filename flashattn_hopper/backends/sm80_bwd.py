@@ -13,6 +13,7 @@ flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, current_stream, cutlass_dtype, fake_bshd, int_ready,
-    int_to_cute, kernel_arg, launch, mask_flags, pad_head_dim, to_cute, window_args,
+    int_to_cute, kernel_arg, launch, mask_flags, num_sms, pad_head_dim, to_cute, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
@@ -86,12 +87,48 @@ class BwdKey(KernelKey):
     seqused_k: bool = False
     dq_red_vec: int = 1  # fp32 values per dQ reduce-add (configs.bwd_dq_red_vec)
     stmatrix_pds: bool = False  # P and dS to smem with stmatrix (sm_90 targets)
+    # The call's last key blocks are split into segments (tail_plan): the key compiles the segments
+    # kernel, launched after the whole-block kernel (this key with tail_split False).
+    tail_split: bool = False
+
+
+# Split tail: at most this many segments per key block, each at least this many query blocks long
+# (a segment reloads its K/V and reduce-adds a whole fp32 dK/dV tile: short ones cost more than
+# they balance).
+TAIL_MAX_SEGMENTS = 16
+TAIL_MIN_M_BLOCKS = 4
+
+
+def tail_plan(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, tile_m: int, tile_n: int,
+              num_sms: int) -> tuple[int, int]:
+    """``(tail_blocks, tail_segments)`` of a dense unmasked backward (kernels/bwd_sm80.py, split
+    tail). Its ``N`` key blocks run one CTA per SM, so the last wave holds ``r = N mod num_sms`` of
+    them, each as long as a whole one (``T``), while the other SMs idle. Split into ``s`` segments,
+    those ``r * s`` CTAs of ``T / s`` take ``ceil(r * s / num_sms) * T / s``: ``s`` minimises that
+    (the smallest on ties), from 2 to ``TAIL_MAX_SEGMENTS`` with at least ``TAIL_MIN_M_BLOCKS``
+    query blocks each, and the tail is split only when that saves at least a tenth of ``T``
+    (``r`` = 4 of 132 SMs: ``s`` = 16, ``T / 16``; ``r`` = 68: ``s`` = 15, ``0.53 T``).
+    ``(0, 1)``: no split."""
+    num_blocks = -(-seqlen_k // tile_n) * nheads * batch
+    tail = num_blocks % num_sms
+    max_segments = min(TAIL_MAX_SEGMENTS, -(-seqlen_q // tile_m) // TAIL_MIN_M_BLOCKS)
+    if tail == 0 or max_segments < 2:
+        return 0, 1
+    segments = min(range(2, max_segments + 1), key=lambda s: (-(-tail * s // num_sms) / s, s))
+    if -(-tail * segments // num_sms) / segments > 0.9:
+        return 0, 1
+    return tail, segments
 
 
 def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
-    """A fake tensor with ``to_cute``'s ABI: dynamic shapes and strides, unit last stride."""
+    """A fake tensor with ``to_cute``'s ABI: dynamic shapes and strides, unit last stride. Every extent
+    must be symbolic: ``to_cute`` passes all of them, and a static one shifts the strides the kernel
+    reads (a static 2 once made the split tail's dV sums land on the dK sums two blocks on)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
+
+    if any(isinstance(extent, int) for extent in shape):
+        raise TypeError(f"fake tensor extents must be symbolic (cute.sym_int), got {shape}")
 
     strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(len(shape) - 1))
     return make_fake_tensor(dtype, shape, stride=(*strides, 1), assumed_align=16)
@@ -160,9 +197,10 @@ class BwdSm80:
 
     # ------------------------------------------------------------------ keys
 
-    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None
-             ) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
-        """(pre, main, post for dQ, post for the GQA dK/dV sums)."""
+    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
+             sms: int | None = None) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
+        """(pre, main, post for dQ, post for the GQA dK/dV sums). ``sms``: the GPU's SM count, for the
+        split tail of dense unmasked non-deterministic calls (None: no split)."""
         hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
         assert hdim is not None, "can_implement() must accept the problem first"
         dtype = DTYPE_NAMES[p.dtype]
@@ -174,6 +212,10 @@ class BwdSm80:
             arch, dtype, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k,
         )
+        if sms is not None and not (deterministic or is_varlen or causal or local):
+            plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
+            if plan[0] > 0:
+                main = dataclasses.replace(main, tail_split=True)
         post_dq, post_kv = self._post_keys(arch, dtype, hdim, is_varlen, su_q, su_k)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, varlen=is_varlen, seqused=su_q),
@@ -203,10 +245,11 @@ class BwdSm80:
         )
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """The variants users hit, for precompile and the compile-only tests (45 per arch): head dims 64
+        """The variants users hit, for precompile and the compile-only tests: head dims 64
         and 128 dense in both dtypes (causal or not, MHA or GQA); 96/192/256 bf16 dense MHA (causal or
-        not); bf16 d128 causal varlen (MHA), sliding window and causal softcap. Rarer ones (fp16
-        features, GQA at 96-256, seqused, varlen GQA, window + varlen, ...) compile on first use."""
+        not), each non-causal one with its split-tail segments kernel; bf16 d128 causal varlen (MHA),
+        sliding window and causal softcap. Rarer ones (fp16 features, GQA at 96-256, seqused, varlen
+        GQA, window + varlen, ...) compile on first use."""
         keys: list[KernelKey] = []
         for hdim in self.tiles:
             common = hdim in (64, 128)
@@ -217,6 +260,11 @@ class BwdSm80:
                 for causal in (False, True):
                     for gqa in (False, True) if common else (False,):
                         keys.append(self._main_key(arch, dtype, hdim, causal, gqa))
+                        # Dense unmasked calls split their last wave (tail_plan) with a segments kernel;
+                        # sm_80's d128 MHA one spills 1 register (1 LDL + 1 STL; it runs at most one
+                        # short wave) and compiles on first use.
+                        if not causal and (arch.startswith("sm_90") or gqa or hdim != 128):
+                            keys.append(self._main_key(arch, dtype, hdim, causal, gqa, tail_split=True))
         if 128 in self.tiles:
             keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, varlen=True))
             keys.append(self._post_keys(arch, "bf16", 128, varlen=True)[0])
@@ -277,7 +325,7 @@ class BwdSm80:
             dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
             k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, stages_q=k.stages_q,
             stages_do=k.stages_do, dv_first=k.dv_first, dq_red_vec=k.dq_red_vec,
-            stmatrix_pds=k.stmatrix_pds, arch=k.arch,
+            stmatrix_pds=k.stmatrix_pds, tail_split=k.tail_split, arch=k.arch,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
@@ -292,8 +340,9 @@ class BwdSm80:
             _fake_ints(b1) if varlen else None, _fake_ints(b1) if varlen else None,
             _fake_ints(nb) if k.seqused_q else None, _fake_ints(nb) if k.seqused_k else None,
         )
-        scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0))
-        return cute.compile(kernel, *fakes, *scalars, *ints, stream, **kwargs)
+        scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0), i32(0), i32(0))
+        tail = _fake(f32, (cute.sym_int(), cute.sym_int(), cute.sym_int()), 4) if k.tail_split and not k.gqa else None
+        return cute.compile(kernel, *fakes, *scalars, *ints, tail, stream, **kwargs)
 
     # ------------------------------------------------------------------ launch
 
@@ -305,16 +354,20 @@ class BwdSm80:
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             # No keys or no queries: every gradient is 0.
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen)
+        dev = q.device
+        sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms)
         pre = compile_cache.get(pre_key, self.compile)
-        main = compile_cache.get(main_key, self.compile)
+        # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
+        main = compile_cache.get(dataclasses.replace(main_key, tail_split=False), self.compile)
+        segments = compile_cache.get(main_key, self.compile) if main_key.tail_split else None
         post_dq = compile_cache.get(post_dq_key, self.compile)
         post_kv = compile_cache.get(post_kv_key, self.compile) if main_key.gqa else None
         d = main_key.head_dim
         q_k, k_k, v_k, out_k, dout_k = (_ready(pad_head_dim(t, d)) for t in (q, k, v, out, dout))
         lse_k = _ready(lse)
         b, s_q, s_k, h, h_k = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k
-        dev, f32 = q.device, torch.float32
+        f32 = torch.float32
         if varlen is not None:
             # One "batch" row of scratch; sequence i starts at its padded offset (kernels/common/bwd_utils.py).
             b_scr = 1
@@ -345,10 +398,17 @@ class BwdSm80:
                       if main_key.gqa else sem_q)
         else:
             sem_q = sem_kv = _unused_semaphore(dev.index)
+        tail_blocks, tail_segments, tail_sums = 0, 1, None
+        if main_key.tail_split:
+            tail_blocks, tail_segments = tail_plan(b, s_q, s_k, h, main_key.tile_m, main_key.tile_n, sms)
+            if not main_key.gqa:  # MHA: the split blocks' partial dK/dV sums and arrival counts
+                tail_sums = torch.zeros(max(tail_blocks, 1), 2, main_key.tile_n * d, dtype=f32, device=dev)
+                sem_kv = torch.zeros(1, 1, max(tail_blocks, 1), dtype=torch.int32, device=dev)
         scale, one = kernel_arg(float(p.softmax_scale)), kernel_arg(1.0)
         window_left, window_right = window_args(p) if main_key.local else (0, 0)
         softcap = float(p.softcap) if main_key.softcap else 1.0
-        scalars = (scale, *(kernel_arg(x) for x in (window_left, window_right, softcap, int(deterministic))))
+        scalars = (scale, *(kernel_arg(x) for x in (
+            window_left, window_right, softcap, int(deterministic), tail_blocks, tail_segments)))
         cu_q, cu_k, su_q, su_k = (kernel_arg(x) for x in ints)
         with torch.cuda.device(dev):
             stream = current_stream(dev)
@@ -356,10 +416,13 @@ class BwdSm80:
             launch(
                 pre, to_cute(out_k), dout_arg, to_cute(lse_k), lse_log2_arg, dpsum_arg, dq_accum_arg, cu_q, su_q, stream,
             )
-            launch(
-                main, *(to_cute(t) for t in (q_k, k_k, v_k)), dout_arg, lse_log2_arg, dpsum_arg, dq_accum_arg,
-                *(to_cute(t) for t in (dk_main, dv_main, sem_q, sem_kv)), *scalars, cu_q, cu_k, su_q, su_k, stream,
+            main_args = (
+                *(to_cute(t) for t in (q_k, k_k, v_k)), dout_arg, lse_log2_arg, dpsum_arg, dq_accum_arg,
+                *(to_cute(t) for t in (dk_main, dv_main, sem_q, sem_kv)), *scalars, cu_q, cu_k, su_q, su_k,
             )
+            launch(main, *main_args, kernel_arg(None), stream)
+            if segments is not None and tail_blocks > 0:
+                launch(segments, *main_args, kernel_arg(None) if tail_sums is None else to_cute(tail_sums), stream)
             launch(post_dq, dq_accum_arg, to_cute(dq), scale, cu_q, su_q, stream)
             if post_kv is not None:
                 launch(post_kv, to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
