@@ -89,15 +89,22 @@ def check_grads(q, k, v, dout, causal, **kwargs):
     return grads
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_bwd_under_cuda_graph(heads):
+@pytest.mark.parametrize(
+    "shape, causal",
+    [((2, 333, 333, 4, 4, 128), True), ((2, 333, 333, 8, 2, 128), True), ((2, 1023, 1000, 4, 4, 64), False)],
+    ids=["mha", "gqa", "mha-split-tail"],
+)
+def test_bwd_under_cuda_graph(shape, causal):
     """Forward + backward captured in a CUDA graph replay to the eager gradients (training loops
-    capture whole steps; the backward's scratch and semaphore tensors must be capture-safe)."""
-    q, k, v, dout = make_inputs(2, 333, 333, *heads, 128)
+    capture whole steps; the backward's scratch and semaphore tensors must be capture-safe). The
+    non-causal case has fewer key blocks than SMs with 8 query blocks each: its tail is split
+    (tail_plan: 64 blocks in 2 segments on >= 128 SMs: H100, H200), scratch and arrival counts
+    captured too."""
+    q, k, v, dout = make_inputs(*shape)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def step():
-        out = flash_attn_func(q, k, v, causal=True, backend="sm80")
+        out = flash_attn_func(q, k, v, causal=causal, backend="sm80")
         return torch.autograd.grad(out, (q, k, v), dout)
 
     eager = step()
