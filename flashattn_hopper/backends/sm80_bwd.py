@@ -359,8 +359,10 @@ class BwdSm80:
         pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms)
         pre = compile_cache.get(pre_key, self.compile)
         # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
-        main = compile_cache.get(dataclasses.replace(main_key, tail_split=False), self.compile)
-        segments = compile_cache.get(main_key, self.compile) if main_key.tail_split else None
+        main, segments = compile_cache.get(main_key, self.compile), None
+        if main_key.tail_split:
+            segments = main
+            main = compile_cache.get(dataclasses.replace(main_key, tail_split=False), self.compile)
         post_dq = compile_cache.get(post_dq_key, self.compile)
         post_kv = compile_cache.get(post_kv_key, self.compile) if main_key.gqa else None
         d = main_key.head_dim
