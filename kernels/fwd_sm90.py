@@ -76,6 +76,9 @@ _SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 # (producer, MMA warpgroup) registers per thread after setmaxnreg, by number of MMA warpgroups:
 # 128 * (producer + sum of MMA) must fit the 64K register file (FA3/FA4's values, design doc 1.1).
 _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# Lazy rescale: a row's max is renewed only when a block's exceeds it by more than this many
+# powers of two (P <= 2**8 otherwise; FA4's threshold).
+_LAZY_RESCALE_THRESHOLD = 8.0
 # fp32 accumulator registers (S + O) plus the 16-bit P (S / 2) one MMA thread may hold: the
 # rest of the budget is operand descriptors, softmax state and addresses (design doc 1.2).
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
@@ -162,6 +165,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         cluster_m: int = 1,
         section_l2_mb: int = 16,
         span_heads: bool = False,
+        lazy_rescale: bool = True,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
@@ -179,6 +183,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         self.has_softcap = has_softcap
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
+        # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
+        # kept theirs skips the O rescale (common/softmax.py): fewer instructions at the power cap.
+        self.rescale_threshold = _LAZY_RESCALE_THRESHOLD if lazy_rescale else None
         # Spanning tiles (dense, unmasked): a tile's warpgroups take consecutive 64-row blocks of
         # the flat (batch, head, row block) order, so a tile may end in the next head, whose K/V
         # then stream through a second ring of num_stages K and V stages (ring B; the first head's
@@ -621,7 +628,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 row0 = tile.m_block * self.tile_m
             if has_tile:
                 acc_O.fill(0.0)
-                softmax = OnlineSoftmax(scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]))
+                softmax = OnlineSoftmax(
+                    scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
+                    rescale_threshold=self.rescale_threshold,
+                )
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
                     walk.block_info.window_left, walk.block_info.window_right, self.pack_gqa,

@@ -18,7 +18,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   (causal only, '-' otherwise: tiles head by head, longest first within each / longest first across
   sections of heads whose K/V fit in 32 / 8 MiB, instead of the shipped 16), ``span`` / ``no-span``
   (tiles whose warpgroups take consecutive 64-row blocks across (batch, head) pairs, or not; span is
-  non-causal only, '-' under causal);
+  non-causal only, '-' under causal), ``eager-rescale`` (O rescaled on every key block instead of
+  only when a row's max grows by more than 2**8);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -54,6 +55,8 @@ VARIANTS = {
     "sections-8mb": {"section_l2_mb": 8},
     # non-causal: tiles whose warpgroups take consecutive 64-row blocks across heads, or not
     "span": {"span_heads": True}, "no-span": {"span_heads": False},
+    # the O rescale on every block (before session 13) instead of the lazy one
+    "eager-rescale": {"lazy_rescale": False},
 }
 
 

@@ -125,6 +125,27 @@ def test_fwd_sm90_long_causal_many_blocks():
     check_parity(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_row_max_growing_across_key_blocks(dtype, head_dim, causal):
+    # Key blocks are visited right to left; keys grow in scale towards the left, and query rows
+    # differ in scale, so a row's max grows block after block, by less than the lazy rescale's
+    # threshold (2**8: P above 1, no O rescale) in some blocks and rows of a warp and by more in
+    # others (kernels/common/softmax.py), with a jump of x8 at key 300 that crosses it everywhere.
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, s, h = 2, 1100, 4
+    q = torch.randn(b, s, h, head_dim, device="cuda", generator=gen)
+    k = torch.randn(b, s, h, head_dim, device="cuda", generator=gen)
+    v = torch.randn(b, s, h, head_dim, device="cuda", generator=gen)
+    key_scale = 1.0 + 5.0 * torch.linspace(1.0, 0.0, s, device="cuda")
+    key_scale[:300] *= 8.0
+    row_scale = torch.linspace(0.3, 1.5, s, device="cuda")[torch.randperm(s, device="cuda", generator=gen)]
+    q = (q * row_scale[None, :, None, None]).to(dtype)
+    k = (k * key_scale[None, :, None, None]).to(dtype)
+    check_parity(q, k, v.to(dtype), causal)
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS_SM90_FAST)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fwd_sm90_more_tiles_than_sms(head_dim, causal):

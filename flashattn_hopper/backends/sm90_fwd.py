@@ -50,6 +50,8 @@ class FwdSm90Key(KernelKey):
     # dense, unmasked, unpacked: a tile's warpgroups take consecutive 64-row blocks that may run on
     # into the next (batch, head) (no rows past seqlen_q computed but in the launch's last tile)
     span_heads: bool = False
+    # the softmax keeps a row's max until a block's exceeds it by 2**8; warps skip the O rescale
+    lazy_rescale: bool = True
 
 
 class FwdSm90(FwdLauncher):
@@ -168,7 +170,7 @@ class FwdSm90(FwdLauncher):
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
-            span_heads=key.span_heads,
+            span_heads=key.span_heads, lazy_rescale=key.lazy_rescale,
         )
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor

@@ -22,6 +22,14 @@ caller then builds ``OnlineSoftmax`` with ``scale_log2 = softcap * log2(e)`` so 
 the LSE come out in the capped units (``softcap_scale_log2`` gives both constants). The max is
 still taken before the scale, which is right because ``softcap > 0``.
 
+Lazy rescale (``rescale_threshold``, FA4's trick, used by the sm90 forward): a row keeps its old
+max while the block's max exceeds it by at most ``threshold`` in exponent units, so P grows up to
+``2**threshold`` (256 at 8: far inside fp32, bf16 and fp16 range) and the row's scale is exactly 1;
+``rescale_O`` then skips the O multiply for a warp whose rows all kept theirs (one vote per block).
+The LSE stays exact: ``row_sum`` is kept relative to the max actually used. Why: the sm90 forward
+runs at the GPU's power cap, so instructions not issued (one FMUL per O element per block) are
+clock gained (perf/NOTES.md, session 13).
+
 Constraints: fp32 accumulators in the sm80/sm90 MMA C layout (see ``utils.acc_rows_cols``).
 
 Paper: FlashAttention-2 (Dao, 2023) section 3.1, Algorithm 1 lines 8-12 (online softmax with
@@ -69,9 +77,10 @@ def _chained_reduce(row: cute.Tensor, op, num_chains: int):
 class OnlineSoftmax:
     """Running softmax statistics for ``num_rows`` accumulator rows of the calling thread."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
+        self.rescale_threshold = rescale_threshold
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
@@ -94,7 +103,13 @@ class OnlineSoftmax:
             row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
             row_max_prev = self.row_max[r]
             if cutlass.const_expr(not is_first):
-                row_max_cur = cute.arch.fmax(row_max_cur, row_max_prev)
+                if cutlass.const_expr(self.rescale_threshold is not None):
+                    # Keep the old max unless this block's exceeds it by more than the threshold
+                    # (-inf - -inf = NaN compares false: an all-masked row stays at -inf).
+                    grows = (row_max_cur - row_max_prev) * scale_log2 > self.rescale_threshold
+                    row_max_cur = row_max_cur if grows else row_max_prev
+                else:
+                    row_max_cur = cute.arch.fmax(row_max_cur, row_max_prev)
             self.row_max[r] = row_max_cur
             # Fully masked row so far: offset 0 keeps exp2 at exp2(-inf) = 0, never NaN.
             row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
@@ -109,12 +124,28 @@ class OnlineSoftmax:
                 row_scale[r] = cute.math.exp2(
                     (row_max_prev - row_max_safe) * scale_log2, fastmath=True
                 )
+                if cutlass.const_expr(self.rescale_threshold is not None):
+                    # Exactly 1 for a kept max (also an all-masked row: -inf kept), so
+                    # rescale_O's vote sees it.
+                    row_scale[r] = Float32(1.0) if row_max_cur == row_max_prev else row_scale[r]
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum_cur
         return row_scale
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
-        """Multiply each row of the O accumulator by its scale."""
+        """Multiply each row of the O accumulator by its scale (lazy: only in a warp where some
+        row's scale is not 1)."""
+        if cutlass.const_expr(self.rescale_threshold is not None):
+            needed = row_scale[0] != 1.0
+            for r in cutlass.range_constexpr(1, self.num_rows):
+                needed = needed or row_scale[r] != 1.0
+            if cute.arch.vote_any_sync(needed):
+                self._scale_rows(acc_O, row_scale)
+        else:
+            self._scale_rows(acc_O, row_scale)
+
+    @cute.jit
+    def _scale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
         acc_O_mn = acc_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
