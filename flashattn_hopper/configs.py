@@ -70,6 +70,9 @@ class FwdTileSm90:
     # rows; others run the row without): the warpgroups of a tile take consecutive 64-row blocks that may
     # run on into the next (batch, head), whose K/V come through a second ring of num_stages stages
     span_heads: bool = False
+    # Q buffers in smem for seqlen_q <= FWD_SM90_Q_RING_MAX_SEQLEN (persistent rows with room for their
+    # own sO and 2 Q: hdim <= 128, not hdim 96's spanning tiles).
+    q_stages: int = 1
 
 
 # Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
@@ -85,17 +88,19 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # 512-16k non-causal (519 vs 423 TFLOP/s at 16k); causal -1..+8% at >= 2k but -9% at 512-1k
     # (more diagonal waste per 192-row tile). Numbers in perf/NOTES.md.
     # Spanning tiles where 192-row tiles would compute >= 2 % of rows past the sequence (SPAN_MIN_PADDING).
-    64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, span_heads=True),
+    64: FwdTileSm90(
+        tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, span_heads=True, q_stages=2
+    ),
     # 128x128, 2 MMA WGs (FA4's tile): smem 160 KB, regs S 64 + O 64 + P 32 = 160 of the 240 each MMA
     # thread gets after setmaxnreg. FA3 C++'s non-causal 128x176 measured no better here (H200,
     # 2026-11-21: 400-624 vs 431-635 TFLOP/s).
-    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
+    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, q_stages=2),
     # 192x128 with 3 WGs would need S 64 + O 32 + P 32 + ... > the 128 accumulator registers of a
     # 160-register thread, and FA3/FA4's 192x144 is an SS P.V (P through smem), which this kernel
     # lacks; so 128x128 on 2 WGs as for 128: S 64 + O 48 + P 32 = 144 regs, smem 24 + 48 + 48 KB.
     # Native instead of zero-padded to 128: 363-531 TFLOP/s non-causal at 512-8k vs ~325-482 padded;
     # 192x96 on 3 WGs is +4 % at >= 2k but -7 % at 512 (H200, bf16, 2026-11-21, perf/NOTES.md).
-    96: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
+    96: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, q_stages=2),
     # 128x112 (FA3/FA4 for d = dv = 192): S 56 + O 96 + P 28 = 180 regs; smem 48 + 84 + 84 = 216 KB
     # (128x128 would need 240 KB). No ping-pong above 128 (FA3/FA4). Native instead of padded to 256:
     # 448-680 TFLOP/s non-causal at 512-8k vs ~357-540 padded; 128x96 within -3..+7 % (H200, 2026-11-21).
@@ -104,6 +109,14 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
     256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
+
+# Two Q buffers (a row's q_stages) only up to this seqlen_q (dense calls; varlen keeps one). With 2 the
+# producer loads the next tile's Q while this tile still reads its own; with 1 a short tile waits for
+# its Q after the previous tile's last QK^T. H100, bf16, 16k tokens, 2026-11-21, 2 vs 1, 3 repeats, two
+# runs (perf/NOTES.md session 13): hdim 64 +7-8 % at 512 non-causal, +2-5 % at 1k-2k, causal -1..+5 %;
+# hdim 96 +4-5 % at 512, +1-3 % at 1k; hdim 128 +2-5 % at 512-1k, +1-3 % at 2k; at 4k-16k nothing to
+# gain (a tile is long next to its Q load) and -2..+2 % (one cell -7 %) measured.
+FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 
 # No row uses clusters (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA
 # multicast, FA3's ClusterShape for d >= 128 non-causal). Measured, H100, bf16, 16k tokens, non-causal,
@@ -122,7 +135,7 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
     # hdim 64 causal: 128x128 on 2 WGs vs 192x128 on 3: 245 vs 208 TFLOP/s at 512, 324 vs 279 at 1k,
     # 381 vs 385 at 2k (non-causal: equal at <= 1k, -10 % at 2k, so causal only). 128x64, 128x96 and
     # 192x96 lost 9-15 % at 512-2k causal, 128x192 and 192x96 7-13 % at 512-1k non-causal.
-    64: (0, 1536, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True)),
+    64: (0, 1536, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, q_stages=2)),
     # hdim 256, 128x64 vs 128x80: 511 vs 494 non-causal and 326 vs 307 causal at 512 (fewer padded keys
     # in the last block of 512); at 1k -7 % non-causal but +3 % causal (449 vs 437, fewer masked keys
     # on the diagonal); at 2k causal -1 %.

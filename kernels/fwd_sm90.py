@@ -166,6 +166,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         section_l2_mb: int = 16,
         span_heads: bool = False,
         lazy_rescale: bool = True,
+        q_stages: int = 1,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
@@ -222,9 +223,19 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         self.section_l2_mb = section_l2_mb
         self.o_aliases_q = not (
             persistent
-            and self._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True)
+            and self._smem_bytes(
+                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages
+            )
             <= _SMEM_CAPACITY
         )
+        # A ring of q_stages Q buffers: with 2 the next tile's Q loads while this tile still reads
+        # its own (short tiles otherwise wait for Q after each tile's last QK^T). Needs the own sO.
+        if q_stages not in (1, 2) or (q_stages == 2 and self.o_aliases_q):
+            raise ValueError(
+                f"FlashFwdSm90: q_stages {q_stages} needs a persistent kernel with room for its own sO "
+                f"and {q_stages} Q buffers"
+            )
+        self.q_stages = q_stages
         if self.o_aliases_q and not same_smem_atom(dtype, head_dim, head_dim_v):
             # sO's rows would not sit on the same warpgroup's sQ rows (a different swizzle atom
             # tiles the buffer differently): a warpgroup's O could land on Q another one still reads.
@@ -292,7 +303,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         return None
 
     @staticmethod
-    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool) -> int:
+    def _smem_bytes(
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1
+    ) -> int:
         """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
         elem_bytes = dtype.width // 8
 
@@ -300,7 +313,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             return (n * elem_bytes + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
 
         return (
-            buf(tile_m * head_dim)
+            buf(tile_m * head_dim * q_stages)
             + (buf(tile_m * head_dim_v) if own_sO else 0)
             + buf(tile_n * head_dim * num_stages)
             + buf(tile_n * head_dim_v * num_stages)
@@ -310,11 +323,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
     # ------------------------------------------------------------------ static building blocks
 
     def _smem_layouts(self):
-        """sQ, sK, sV (stages last; ring A's, then ring B's) and sO; sO fits in sQ's buffer
-        (head_dim_v <= head_dim)."""
+        """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
+        sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
         kv_stages = self.num_stages * self.num_rings
+        q_stages = self.q_stages if const_expr(self.q_stages > 1) else None
         return (
-            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim),
+            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim, q_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
             make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
@@ -339,7 +353,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
             next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
@@ -404,7 +418,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         # Spanning tiles load Q per warpgroup (its 64 rows may belong to another head).
         q_rows = 64 if const_expr(self.span_heads) else self.tile_m
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, self._rows_layout(sQ_layout, self.head_dim, q_rows), (q_rows, self.head_dim)
+            tma_load, mQ, self._rows_layout(self._q_stage_layout(sQ_layout), self.head_dim, q_rows),
+            (q_rows, self.head_dim),
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             tma_load_kv, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim),
@@ -498,7 +513,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                     cta_layout_vmnk=cluster_layout if const_expr(ctas > 1) else None,
                 )
                 for stages, tx, mbar, ctas in (
-                    (1, self.tx_bytes_q, storage.mbar_q, 1),
+                    (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1),
                     (self.num_stages * self.num_rings, self.tx_bytes_k, storage.mbar_k, self.cluster_m),
                     (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m),
                 )
@@ -596,7 +611,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                     barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1),
                     number_of_threads=2 * _WG_THREADS,
                 )
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # Spanning tiles: K/V stages loaded so far into ring A / ring B (every warpgroup consumes
         # every stage of both, reading only its own ring's), so each knows both rings' states.
@@ -639,6 +654,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
                 step = BlockStep(
                     mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
+                    q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -756,7 +772,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         # A ping-pong turn like every later block's GEMMs (FA3): the warpgroups enter each tile
         # in turn instead of both issuing the first QK^T at once.
         self._scheduler_sync(step.wg_idx)
-        acc_S = self._qk_gemm(mma, k_state.index, wg_wait=-1)
+        acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
         self._scheduler_arrive(step.wg_idx)
         warpgroup.wait_group(0)
         step.pipeline_k.consumer_release(k_state)
@@ -802,7 +818,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             k_state = step.kv(kv_state)
             step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
             self._scheduler_sync(step.wg_idx)
-            acc_S = self._qk_gemm(mma, k_state.index, wg_wait=-1)
+            acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
             step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
             wgmma(
                 mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
@@ -822,7 +838,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         else:
             kv_cur = step.kv(kv_state)
             step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
-            acc_S = self._qk_gemm(mma, kv_cur.index, wg_wait=0)
+            acc_S = self._qk_gemm(step, kv_cur.index, wg_wait=0)
             step.pipeline_k.consumer_release(kv_cur)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
@@ -870,15 +886,29 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             pipe.consumer_wait(other, pipe.consumer_try_wait(other))
             pipe.consumer_release(other)
 
-    def _qk_gemm(self, mma: MmaParts, stage: Int32, wg_wait: int) -> cute.Tensor:
+    def _qk_gemm(self, step: BlockStep, stage: Int32, wg_wait: int) -> cute.Tensor:
+        mma = step.mma
         acc_S = cute.make_rmem_tensor(
             mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32
         )
+        tSrQ = mma.tSrQ if const_expr(step.q_stage is None) else mma.tSrQ[None, None, None, step.q_stage]
         wgmma(
-            mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, stage],
+            mma.tiled_mma_qk, acc_S, tSrQ, mma.tSrK[None, None, None, stage],
             zero_init=True, wg_wait=wg_wait,
         )
         return acc_S
+
+    def _q_stage_layout(self, sQ_layout):
+        """One Q buffer's (tile_m, head_dim) layout."""
+        if const_expr(self.q_stages == 1):
+            return sQ_layout
+        return cute.select(sQ_layout, mode=[0, 1])
+
+    def _q_buffer(self, sQ: cute.Tensor, index: Int32) -> cute.Tensor:
+        """Stage ``index`` of the Q ring (sQ itself without a ring)."""
+        if const_expr(self.q_stages == 1):
+            return sQ
+        return sQ[None, None, index]
 
     def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
         """P (fp32, in S's registers) -> 16-bit A fragment of the P.V WGMMA (paired cvt)."""

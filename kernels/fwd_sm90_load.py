@@ -33,7 +33,7 @@ class FwdSm90Load:
     ):
         """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
         blocks in the consumers' order. The pipeline states run on across tiles."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         if const_expr(self.release_q_before_next_q):
             # sQ is not free at the start: the consumers release it before each Q they need.
             q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0))
@@ -85,17 +85,22 @@ class FwdSm90Load:
         """One tile's loads (at least one key block); returns both states advanced past them."""
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
-            atoms.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            atoms.q, 0, cute.make_layout(1), cute.group_modes(self._q_buffer(sQ, q_state.index), 0, 2),
+            cute.group_modes(gQ, 0, 2),
         )
         tKgK, tKsK, tVgV, tVsV = self._kv_partitions(mK_cur, mV_cur, sK, sV, atoms)
-        # K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then overlap it.
-        # (Persistent: K of this tile may land while the previous tile's epilogue still owns sQ.)
+        # One Q buffer: K first: the first QK^T GEMM needs it as much as Q, and Q's bytes then
+        # overlap it (persistent: K of this tile may land while the previous tile's epilogue still
+        # owns sQ). A ring of Q buffers: Q first, its buffer is free while K's stage may not be yet.
         load_k = (atoms.k, tKgK, tKsK, pipes.k)
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
-        self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
+        if const_expr(self.q_stages == 1):
+            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
         pipes.q.producer_acquire(q_state)
         cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
         q_state.advance()
+        if const_expr(self.q_stages > 1):
+            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
         num_rest = tile.n_block_max - 1 - tile.n_block_min
         if const_expr(self.intra_wg_overlap):
             # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
@@ -164,7 +169,7 @@ class FwdSm90Load:
                 gQ = cute.local_tile(
                     seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (64, self.head_dim), (m_block, 0)
                 )
-                sQ_rows = cute.local_tile(sQ, (64, self.head_dim), (w, 0))
+                sQ_rows = cute.local_tile(self._q_buffer(sQ, q_state.index), (64, self.head_dim), (w, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
                     atoms.q, 0, cute.make_layout(1), cute.group_modes(sQ_rows, 0, 2), cute.group_modes(gQ, 0, 2)
                 )

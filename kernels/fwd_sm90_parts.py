@@ -121,6 +121,8 @@ class BlockStep:
     # unread, so every warpgroup consumes every stage of both rings in order.
     other_offset: Int32 | None = None
     other_delta: Int32 | None = None
+    # This tile's stage of the Q ring (None: one Q buffer, sQ has no stage mode).
+    q_stage: Int32 | None = None
 
     def kv(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
         """The pipeline state (barrier and stage index) of a ring-local K/V state."""

@@ -19,7 +19,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   sections of heads whose K/V fit in 32 / 8 MiB, instead of the shipped 16), ``span`` / ``no-span``
   (tiles whose warpgroups take consecutive 64-row blocks across (batch, head) pairs, or not; span is
   non-causal only, '-' under causal), ``eager-rescale`` (O rescaled on every key block instead of
-  only when a row's max grows by more than 2**8);
+  only when a row's max grows by more than 2**8), ``q2`` / ``q1`` (two Q buffers, the next tile's Q
+  loading under this tile, or one; '-' where shared memory has no room for two);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
@@ -42,11 +43,12 @@ import torch
 # name: FwdSm90Key fields overridden in the shipped key (configs.sm90_fwd_tile's row for the seqlen)
 VARIANTS = {
     "full": {}, "overlap": {"pingpong": False}, "serial": {"intra_wg_overlap": False, "pingpong": False},
-    "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
+    "persistent": {"persistent": True}, "nonpersistent": {"persistent": False, "q_stages": 1},
     "cta-epilogue": {"wg_local_epilogue": False, "span_heads": False},  # one O store per tile, CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
     "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
-    "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
+    # K/V ring depth (shipped: 2; no room for a second Q buffer beside 3 or 4)
+    "stages3": {"num_stages": 3, "q_stages": 1}, "stages4": {"num_stages": 4, "q_stages": 1},
     # clusters of 2 CTAs along M sharing K/V by TMA multicast / none (non-causal cells only)
     "cluster2": {"cluster_m": 2}, "cluster1": {"cluster_m": 1},
     # causal: tiles head by head, longest first within each (before session 9), or longest first
@@ -57,6 +59,8 @@ VARIANTS = {
     "span": {"span_heads": True}, "no-span": {"span_heads": False},
     # the O rescale on every block (before session 13) instead of the lazy one
     "eager-rescale": {"lazy_rescale": False},
+    # a ring of 2 Q buffers / 1 (persistent kernels with room for their own sO; '-' otherwise)
+    "q2": {"q_stages": 2}, "q1": {"q_stages": 1},
 }
 
 
@@ -93,7 +97,12 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     key = dataclasses.replace(key, **overrides)
     if tile_mn is not None:
         key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
-    compiled = compile_cache.get(key, family.compile)
+    try:
+        compiled = compile_cache.get(key, family.compile)
+    except ValueError:
+        if key.q_stages > 1:
+            return None  # no room for a second Q buffer beside the own sO (hdim 192/256)
+        raise
     b, s, h, d = q.shape
     out = torch.empty(b, s, h, key.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)

@@ -266,6 +266,32 @@ def test_sm90_keys_never_alias_sO_across_swizzle_atoms():
         FlashFwdSm90(cutlass.BFloat16, 128, 96, 128, 128, False, persistent=False)
 
 
+def test_sm90_q_ring_only_where_shared_memory_has_room():
+    """The launcher keys two Q buffers only where the kernel accepts them: its estimate agrees with
+    the kernel's shared-memory count, and every key it builds (table rows, short tiles, spanning
+    tiles, each head-dim pair) constructs."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from flashattn_hopper.backends.sm90_fwd import q_ring_fits
+    from flashattn_hopper.kernels.fwd_sm90 import _SMEM_CAPACITY, FlashFwdSm90
+
+    for tile_m, tile_n in ((128, 64), (128, 80), (128, 112), (128, 128), (192, 128)):
+        for d in (64, 96, 128, 192, 256):
+            for kv_stages in (2, 4):
+                smem = FlashFwdSm90._smem_bytes(cutlass.BFloat16, d, d, tile_m, tile_n, kv_stages, True, 2)
+                assert q_ring_fits(tile_m, tile_n, d, d, kv_stages) == (smem <= _SMEM_CAPACITY)
+    family = dispatch.FWD_KERNELS["sm90"]
+    keys = list(family.all_keys("sm_90a"))
+    for d, dv in ((64, 64), (96, 96), (128, 128), (128, 64), (192, 192), (192, 128), (256, 256)):
+        for seqlen in (200, 512, 1024, 4096):
+            for causal in (False, True):
+                keys.append(family.key(problem(head_dim=d, head_dim_v=dv, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal), "sm_90a"))
+    assert any(key.q_stages == 2 for key in keys) and any(key.span_heads and key.q_stages == 2 for key in keys)
+    for key in keys:
+        family.kernel(key)  # raises where the key asks for what the kernel cannot hold
+
+
 def test_window_sides_reach_the_kernels_as_int32():
     from flashattn_hopper.backends.common import UNBOUNDED_WINDOW, window_args
 

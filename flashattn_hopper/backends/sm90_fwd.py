@@ -52,6 +52,19 @@ class FwdSm90Key(KernelKey):
     span_heads: bool = False
     # the softmax keeps a row's max until a block's exceeds it by 2**8; warps skip the O rescale
     lazy_rescale: bool = True
+    # Q buffers in shared memory (2: the next tile's Q loads under this tile; persistent, own sO)
+    q_stages: int = 1
+
+
+def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
+    """Whether two Q buffers, the own sO and ``kv_stages`` K/V stages fit one CTA's shared memory
+    (16-bit elements; mirrors ``FlashFwdSm90._smem_bytes``, which tests/test_dispatch.py checks)."""
+
+    def buf(elems: int) -> int:
+        return -(-elems * 2 // 1024) * 1024
+
+    smem = buf(tile_m * hdim * 2) + buf(tile_m * hdim_v) + buf(tile_n * hdim * kv_stages)
+    return smem + buf(tile_n * hdim_v * kv_stages) + 1024 <= 227 * 1024
 
 
 class FwdSm90(FwdLauncher):
@@ -100,11 +113,19 @@ class FwdSm90(FwdLauncher):
             dense_unmasked and cluster_m == 1 and seqlen_q is not None
             and -(-seqlen_q // 64) >= tile.tile_m // 64 - 1 and configs.span_pays(tile.tile_m, seqlen_q)
         )
+        span_heads = tile.span_heads and span_ok
+        kv_stages = tile.num_stages * (2 if span_heads else 1)
+        q_ring = (
+            tile.q_stages > 1 and tile.persistent and seqlen_q is not None
+            and seqlen_q <= configs.FWD_SM90_Q_RING_MAX_SEQLEN
+            and q_ring_fits(tile.tile_m, tile.tile_n, hdim, hdim_v, kv_stages)
+        )
+        q_stages = tile.q_stages if q_ring else 1
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=tile.tile_m,
             tile_n=tile.tile_n, intra_wg_overlap=tile.intra_wg_overlap, pingpong=tile.pingpong,
-            persistent=tile.persistent, num_stages=tile.num_stages,
-            cluster_m=cluster_m, span_heads=tile.span_heads and span_ok, **flags,
+            persistent=tile.persistent, num_stages=tile.num_stages, q_stages=q_stages,
+            cluster_m=cluster_m, span_heads=span_heads, **flags,
         )
 
     def key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
@@ -133,7 +154,7 @@ class FwdSm90(FwdLauncher):
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
         softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128, the
-        spanning tiles and the short-sequence tiles (51 keys).
+        spanning tiles, the two-Q-buffer tiles and the short-sequence tiles (59 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -153,6 +174,12 @@ class FwdSm90(FwdLauncher):
             self._key(arch, dtype, hdim, 512, causal=False)
             for hdim, tile in self.tiles.items() if tile.span_heads for dtype in ("bf16", "fp16")
         ]
+        # Two Q buffers (seqlen_q <= configs.FWD_SM90_Q_RING_MAX_SEQLEN) on the rows that have them.
+        keys += [
+            self._key(arch, dtype, hdim, 1024, causal=causal)
+            for hdim, tile in self.tiles.items() if tile.q_stages > 1 and not tile.span_heads
+            for dtype in ("bf16", "fp16") for causal in (False, True)
+        ]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
@@ -161,17 +188,21 @@ class FwdSm90(FwdLauncher):
         ]
         return keys
 
-    def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
+    def kernel(self, key: FwdSm90Key) -> Any:
+        """The kernel object for ``key`` (its static configuration; not yet compiled)."""
         from ..kernels.fwd_sm90 import FlashFwdSm90
 
-        dtype = cutlass_dtype(key.dtype)
-        kernel = FlashFwdSm90(
-            dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
+        return FlashFwdSm90(
+            cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
-            span_heads=key.span_heads, lazy_rescale=key.lazy_rescale,
+            span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages,
         )
+
+    def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
+        kernel = self.kernel(key)
+        dtype = cutlass_dtype(key.dtype)
         import cutlass
         from cutlass.cute.runtime import make_fake_tensor
 
