@@ -135,7 +135,12 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
     # hdim 64 causal: 128x128 on 2 WGs vs 192x128 on 3: 245 vs 208 TFLOP/s at 512, 324 vs 279 at 1k,
     # 381 vs 385 at 2k (non-causal: equal at <= 1k, -10 % at 2k, so causal only). 128x64, 128x96 and
     # 192x96 lost 9-15 % at 512-2k causal, 128x192 and 192x96 7-13 % at 512-1k non-causal.
-    64: (0, 1536, FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, q_stages=2)),
+    # 3 K/V stages since the Q ring (session 13): with the next tile's Q prefetched, its first K/V
+    # blocks are what a short tile waits for; +2.0 / +0.9 / +0.3-1.3 % at 512 / 1k / 1.5k causal (H100,
+    # 5 and 7 repeats; 4 stages the same as 3), where before the Q ring 3 stages read -1 %.
+    64: (0, 1536, FwdTileSm90(
+        tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True, num_stages=3, q_stages=2
+    )),
     # hdim 256, 128x64 vs 128x80: 511 vs 494 non-causal and 326 vs 307 causal at 512 (fewer padded keys
     # in the last block of 512); at 1k -7 % non-causal but +3 % causal (449 vs 437, fewer masked keys
     # on the diagonal); at 2k causal -1 %.

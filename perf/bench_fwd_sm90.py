@@ -43,12 +43,11 @@ import torch
 # name: FwdSm90Key fields overridden in the shipped key (configs.sm90_fwd_tile's row for the seqlen)
 VARIANTS = {
     "full": {}, "overlap": {"pingpong": False}, "serial": {"intra_wg_overlap": False, "pingpong": False},
-    "persistent": {"persistent": True}, "nonpersistent": {"persistent": False, "q_stages": 1},
+    "persistent": {"persistent": True}, "nonpersistent": {"persistent": False},
     "cta-epilogue": {"wg_local_epilogue": False, "span_heads": False},  # one O store per tile, CTA-wide barrier
     "memset-counter": {"memset_counter": True},  # causal: a torch.zeros tile counter per call (before 2026-11-21)
     "padded-v": {"pad_v": True},  # --head-dim-v below hdim: V zero-padded to q's head dim (before 2026-11-21)
-    # K/V ring depth (shipped: 2; no room for a second Q buffer beside 3 or 4)
-    "stages3": {"num_stages": 3, "q_stages": 1}, "stages4": {"num_stages": 4, "q_stages": 1},
+    "stages3": {"num_stages": 3}, "stages4": {"num_stages": 4},  # K/V ring depth (shipped: 2)
     # clusters of 2 CTAs along M sharing K/V by TMA multicast / none (non-causal cells only)
     "cluster2": {"cluster_m": 2}, "cluster1": {"cluster_m": 1},
     # causal: tiles head by head, longest first within each (before session 9), or longest first
@@ -68,7 +67,7 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     """A callable running kernels/fwd_sm90.py with the shipped key for this shape, some fields
     overridden (compiled once); ``tile_mn`` = (tile_m, tile_n) overrides the tile."""
     from flashattn_hopper.backends.common import current_stream, int_to_cute, to_cute
-    from flashattn_hopper.backends.sm90_fwd import FwdSm90
+    from flashattn_hopper.backends.sm90_fwd import FwdSm90, q_ring_fits
     from flashattn_hopper import configs
     from flashattn_hopper.jit import compile_cache, target_arch
 
@@ -97,12 +96,14 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     key = dataclasses.replace(key, **overrides)
     if tile_mn is not None:
         key = dataclasses.replace(key, tile_m=tile_mn[0], tile_n=tile_mn[1])
-    try:
-        compiled = compile_cache.get(key, family.compile)
-    except ValueError:
-        if key.q_stages > 1:
+    if key.q_stages > 1 and not (
+        key.persistent and q_ring_fits(key.tile_m, key.tile_n, key.head_dim, key.head_dim_v,
+                                       key.num_stages * (2 if key.span_heads else 1))
+    ):
+        if "q_stages" in overrides:
             return None  # no room for a second Q buffer beside the own sO (hdim 192/256)
-        raise
+        key = dataclasses.replace(key, q_stages=1)  # (a variant that takes the room, e.g. stages3)
+    compiled = compile_cache.get(key, family.compile)
     b, s, h, d = q.shape
     out = torch.empty(b, s, h, key.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
