@@ -29,7 +29,8 @@ Constraints:
 Files by role: this one (configuration, launch, prologue, the MMA warpgroups' main loop),
 ``fwd_sm90_load.py`` (the producer warp's TMA loads), ``fwd_sm90_epilogue.py`` (O and LSE out),
 ``fwd_sm90_tiles.py`` (the tile scheduler's setup and each tile's coordinates and key blocks),
-``fwd_sm90_parts.py`` (the records and named barriers they share).
+``fwd_sm90_smem.py`` (shared-memory layouts, storage and byte count, the tiled WGMMAs, the Q ring's
+views), ``fwd_sm90_parts.py`` (the records and named barriers they share).
 
 Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
 ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); design doc
@@ -43,7 +44,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
@@ -52,7 +52,7 @@ from .common.block_info import BlockInfo
 from .common.mask import AttentionMask
 from .common.pack_gqa import pack_gqa_view
 from .common.sm90_utils import (
-    acc_to_frag_a_sm90, make_smem_layout_sm90, same_smem_atom, select_head, wgmma,
+    acc_to_frag_a_sm90, same_smem_atom, select_head, wgmma,
 )
 from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
 from .common.tile_scheduler import TileHandoff
@@ -65,13 +65,13 @@ from .common.utils import (
 )
 from .fwd_sm90_epilogue import FwdSm90Epilogue
 from .fwd_sm90_load import FwdSm90Load
+from .fwd_sm90_smem import FwdSm90Smem
 from .fwd_sm90_tiles import FwdSm90Tiles
 from .fwd_sm90_parts import (
     WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
     TmaAtoms,
 )
 
-_SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
 _SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 # (producer, MMA warpgroup) registers per thread after setmaxnreg, by number of MMA warpgroups:
 # 128 * (producer + sum of MMA) must fit the 64K register file (FA3/FA4's values, design doc 1.1).
@@ -84,7 +84,7 @@ _LAZY_RESCALE_THRESHOLD = 8.0
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
+class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -301,76 +301,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None
-
-    @staticmethod
-    def _smem_bytes(
-        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1
-    ) -> int:
-        """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
-        elem_bytes = dtype.width // 8
-
-        def buf(n: int) -> int:
-            return (n * elem_bytes + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
-
-        return (
-            buf(tile_m * head_dim * q_stages)
-            + (buf(tile_m * head_dim_v) if own_sO else 0)
-            + buf(tile_n * head_dim * num_stages)
-            + buf(tile_n * head_dim_v * num_stages)
-            + _SMEM_ALIGN  # mbarriers
-        )
-
-    # ------------------------------------------------------------------ static building blocks
-
-    def _smem_layouts(self):
-        """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
-        sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
-        kv_stages = self.num_stages * self.num_rings
-        q_stages = self.q_stages if const_expr(self.q_stages > 1) else None
-        return (
-            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim, q_stages),
-            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
-            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
-            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
-        )
-
-    def _tiled_mmas(self):
-        """S = Q K^T: SS, both K-major. O += P V: A = P from registers, B = V^T (MN-major)."""
-        tiled_mma_qk = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.head_dim_v),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        return tiled_mma_qk, tiled_mma_pv
-
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        def buffer(num_elems: int):
-            return cute.struct.Align[cute.struct.MemRange[self.dtype, num_elems], _SMEM_ALIGN]
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
-            next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
-            sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
-            sK: buffer(cute.cosize(sK_layout))
-            sV: buffer(cute.cosize(sV_layout))
-
-        if const_expr(self.o_aliases_q):
-            return SharedStorage
-
-        # A persistent CTA's own sO: the next tile's Q loads while this tile's O is still being stored.
-        @cute.struct
-        class SharedStorageWithO:
-            base: SharedStorage
-            sO: buffer(cute.cosize(sO_layout))
-
-        return SharedStorageWithO
 
     # ------------------------------------------------------------------ host entry point
 
@@ -897,18 +827,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles):
             zero_init=True, wg_wait=wg_wait,
         )
         return acc_S
-
-    def _q_stage_layout(self, sQ_layout):
-        """One Q buffer's (tile_m, head_dim) layout."""
-        if const_expr(self.q_stages == 1):
-            return sQ_layout
-        return cute.select(sQ_layout, mode=[0, 1])
-
-    def _q_buffer(self, sQ: cute.Tensor, index: Int32) -> cute.Tensor:
-        """Stage ``index`` of the Q ring (sQ itself without a ring)."""
-        if const_expr(self.q_stages == 1):
-            return sQ
-        return sQ[None, None, index]
 
     def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
         """P (fp32, in S's registers) -> 16-bit A fragment of the P.V WGMMA (paired cvt)."""

@@ -1,0 +1,100 @@
+"""Shared-memory and MMA building blocks of the Hopper forward kernel (kernels/fwd_sm90.py).
+
+Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Smem`` is a mixin
+of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``, ``tile_m``, ``tile_n``,
+``head_dim``, ``head_dim_v``, ``num_stages``, ``num_rings``, ``q_stages``, ``num_mma_wg``,
+``o_aliases_q``) from ``self``: the smem byte count, the swizzled layouts, the storage struct, the two
+tiled WGMMAs, and the views of the Q ring.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .common.sm90_utils import make_smem_layout_sm90
+
+SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
+
+
+class FwdSm90Smem:
+    @staticmethod
+    def _smem_bytes(
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1
+    ) -> int:
+        """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
+        elem_bytes = dtype.width // 8
+
+        def buf(n: int) -> int:
+            return (n * elem_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
+
+        return (
+            buf(tile_m * head_dim * q_stages)
+            + (buf(tile_m * head_dim_v) if own_sO else 0)
+            + buf(tile_n * head_dim * num_stages)
+            + buf(tile_n * head_dim_v * num_stages)
+            + SMEM_ALIGN  # mbarriers
+        )
+
+    def _smem_layouts(self):
+        """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
+        sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
+        kv_stages = self.num_stages * self.num_rings
+        q_stages = self.q_stages if const_expr(self.q_stages > 1) else None
+        return (
+            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim, q_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
+        )
+
+    def _tiled_mmas(self):
+        """S = Q K^T: SS, both K-major. O += P V: A = P from registers, B = V^T (MN-major)."""
+        tiled_mma_qk = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        def buffer(num_elems: int):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, num_elems], SMEM_ALIGN]
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
+            next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
+            sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
+            sK: buffer(cute.cosize(sK_layout))
+            sV: buffer(cute.cosize(sV_layout))
+
+        if const_expr(self.o_aliases_q):
+            return SharedStorage
+
+        # A persistent CTA's own sO: the next tile's Q loads while this tile's O is still being stored.
+        @cute.struct
+        class SharedStorageWithO:
+            base: SharedStorage
+            sO: buffer(cute.cosize(sO_layout))
+
+        return SharedStorageWithO
+
+    def _q_stage_layout(self, sQ_layout):
+        """One Q buffer's (tile_m, head_dim) layout."""
+        if const_expr(self.q_stages == 1):
+            return sQ_layout
+        return cute.select(sQ_layout, mode=[0, 1])
+
+    def _q_buffer(self, sQ: cute.Tensor, index: Int32) -> cute.Tensor:
+        """Stage ``index`` of the Q ring (sQ itself without a ring)."""
+        if const_expr(self.q_stages == 1):
+            return sQ
+        return sQ[None, None, index]
