@@ -65,6 +65,7 @@ from .common.utils import (
 )
 from .fwd_sm90_epilogue import FwdSm90Epilogue
 from .fwd_sm90_load import FwdSm90Load
+from .fwd_sm90_budget import SMEM_CAPACITY as _SMEM_CAPACITY
 from .fwd_sm90_smem import FwdSm90Smem
 from .fwd_sm90_tiles import FwdSm90Tiles
 from .fwd_sm90_parts import (
@@ -72,7 +73,6 @@ from .fwd_sm90_parts import (
     TmaAtoms,
 )
 
-_SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 # (producer, MMA warpgroup) registers per thread after setmaxnreg, by number of MMA warpgroups:
 # 128 * (producer + sum of MMA) must fit the 64K register file (FA3/FA4's values, design doc 1.1).
 _REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}

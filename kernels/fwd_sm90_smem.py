@@ -14,8 +14,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from .common.sm90_utils import make_smem_layout_sm90
-
-SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
+from .fwd_sm90_budget import SMEM_ALIGN, smem_bytes
 
 
 class FwdSm90Smem:
@@ -24,18 +23,7 @@ class FwdSm90Smem:
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1
     ) -> int:
         """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
-        elem_bytes = dtype.width // 8
-
-        def buf(n: int) -> int:
-            return (n * elem_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
-
-        return (
-            buf(tile_m * head_dim * q_stages)
-            + (buf(tile_m * head_dim_v) if own_sO else 0)
-            + buf(tile_n * head_dim * num_stages)
-            + buf(tile_n * head_dim_v * num_stages)
-            + SMEM_ALIGN  # mbarriers
-        )
+        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages)
 
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and

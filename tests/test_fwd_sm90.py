@@ -424,6 +424,24 @@ def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
     check_parity(q, k, v, causal)
 
 
+@pytest.fixture
+def key_fields(monkeypatch):
+    """``force(**fields)``: every sm90 key the launcher builds gets these fields (after the table's
+    and the launcher's own choices)."""
+    import dataclasses
+
+    from flashattn_hopper.backends import sm90_fwd
+
+    key_of = sm90_fwd.FwdSm90._key
+
+    def force(**fields):
+        monkeypatch.setattr(
+            sm90_fwd.FwdSm90, "_key", lambda self, *a, **kw: dataclasses.replace(key_of(self, *a, **kw), **fields)
+        )
+
+    return force
+
+
 @pytest.mark.parametrize(
     "variant",
     [{"persistent": False, "q_stages": 1}, {"wg_local_epilogue": False, "span_heads": False}, {"section_l2_mb": 0},
@@ -432,46 +450,21 @@ def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
 )
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fwd_sm90_unshipped_variants(monkeypatch, variant, head_dim, causal):
+def test_fwd_sm90_unshipped_variants(key_fields, variant, head_dim, causal):
     """Kernel variants no table row ships (perf/bench_fwd_sm90.py's baselines) stay correct."""
-    import dataclasses
-
-    from flashattn_hopper.backends import sm90_fwd
-
-    key_of = sm90_fwd.FwdSm90._key
-    monkeypatch.setattr(
-        sm90_fwd.FwdSm90, "_key", lambda self, *a, **kw: dataclasses.replace(key_of(self, *a, **kw), **variant)
-    )
+    key_fields(**variant)
     q, k, v = make_qkv(3, 1041, 1041, 16, 4, head_dim)
     check_parity(q, k, v, causal)
-
-
-@pytest.fixture
-def q_ring(monkeypatch):
-    """Every sm90 key gets ``q_stages`` Q buffers (the table's choice otherwise)."""
-    import dataclasses
-
-    from flashattn_hopper.backends import sm90_fwd
-
-    key_of = sm90_fwd.FwdSm90._key
-
-    def force(q_stages: int):
-        monkeypatch.setattr(
-            sm90_fwd.FwdSm90, "_key",
-            lambda self, *a, **kw: dataclasses.replace(key_of(self, *a, **kw), q_stages=q_stages),
-        )
-
-    return force
 
 
 @pytest.mark.parametrize("q_stages", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen", [200, 1041], ids=lambda s: f"s{s}")
-def test_fwd_sm90_q_ring(q_ring, q_stages, head_dim, causal, seqlen):
+def test_fwd_sm90_q_ring(key_fields, q_stages, head_dim, causal, seqlen):
     """One or two Q buffers (the next tile's Q loading under this tile): many tiles per CTA, so
     the ring wraps, on short and long tiles, with poisoned outputs and a bitwise repeat."""
-    q_ring(q_stages)
+    key_fields(q_stages=q_stages)
     q, k, v = make_qkv(3, seqlen, seqlen, 16, 4, head_dim)
     check_parity(q, k, v, causal)
     check_poisoned_outputs(q, k, v, causal, "sm90")
@@ -479,10 +472,10 @@ def test_fwd_sm90_q_ring(q_ring, q_stages, head_dim, causal, seqlen):
 
 
 @pytest.mark.parametrize("q_stages", [1, 2])
-def test_fwd_sm90_q_ring_features(q_ring, q_stages):
+def test_fwd_sm90_q_ring_features(key_fields, q_stages):
     """Varlen (zero-length sequences: tiles without keys between tiles with), windows, softcap and
     packed GQA with one or two Q buffers."""
-    q_ring(q_stages)
+    key_fields(q_stages=q_stages)
     lens = [(300, 500), (0, 77), (129, 0), (1041, 1041), (1, 1)]
     for causal in (False, True):
         q, k, v, cu_q, cu_k, _, _ = make_varlen(lens, 8, 2, 128, 128, torch.bfloat16)

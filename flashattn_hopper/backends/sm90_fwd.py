@@ -58,13 +58,10 @@ class FwdSm90Key(KernelKey):
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
     """Whether two Q buffers, the own sO and ``kv_stages`` K/V stages fit one CTA's shared memory
-    (16-bit elements; mirrors ``FlashFwdSm90._smem_bytes``, which tests/test_dispatch.py checks)."""
+    (16-bit elements; the kernel's own count, which imports no DSL)."""
+    from ..kernels.fwd_sm90_budget import SMEM_CAPACITY, smem_bytes
 
-    def buf(elems: int) -> int:
-        return -(-elems * 2 // 1024) * 1024
-
-    smem = buf(tile_m * hdim * 2) + buf(tile_m * hdim_v) + buf(tile_n * hdim * kv_stages)
-    return smem + buf(tile_n * hdim_v * kv_stages) + 1024 <= 227 * 1024
+    return smem_bytes(2, hdim, hdim_v, tile_m, tile_n, kv_stages, True, 2) <= SMEM_CAPACITY
 
 
 class FwdSm90(FwdLauncher):

@@ -1,0 +1,28 @@
+"""Shared-memory budget of the Hopper forward kernel, without the DSL.
+
+The kernel (``fwd_sm90_smem.FwdSm90Smem._smem_bytes``) sizes its storage struct with this, and the
+launcher (``flashattn_hopper/backends/sm90_fwd.py``) asks it whether a key's Q ring fits before it
+builds the key, so both count the same bytes. Importing it pulls in no DSL module (like the
+``kernels`` package itself), so the per-call key lookup stays cheap.
+"""
+
+SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-byte boundary
+SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
+
+
+def smem_bytes(
+    elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
+    own_sO: bool, q_stages: int = 1,
+) -> int:
+    """Bytes of the storage struct: Q (q_stages buffers), K/V stages, optionally O, mbarriers."""
+
+    def buf(n: int) -> int:
+        return (n * elem_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
+
+    return (
+        buf(tile_m * head_dim * q_stages)
+        + (buf(tile_m * head_dim_v) if own_sO else 0)
+        + buf(tile_n * head_dim * kv_stages)
+        + buf(tile_n * head_dim_v * kv_stages)
+        + SMEM_ALIGN  # mbarriers
+    )
