@@ -6,7 +6,7 @@ up to the smallest row that holds both ``head_dim`` and ``head_dim_v``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
     192: FwdTileSm90(tile_m=128, tile_n=112, intra_wg_overlap=True, pingpong=False, persistent=True),
     # 128x80 (FA3/FA4): O takes 128 regs/thread, so S 40 + P 20 keep it under 240; smem 64 + 80 + 80
     # = 224 KB is the most 2 stages allow (227 KB). No ping-pong above hdim 128 (FA3/FA4 rule).
-    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True),
+    # Clusters of 2 where they pay (cluster_pays; see FWD_SM90_CLUSTER_MIN_SEQLEN for the figures).
+    256: FwdTileSm90(tile_m=128, tile_n=80, intra_wg_overlap=True, pingpong=False, persistent=True, cluster_m=2),
 }
 
 # Two Q buffers (a row's q_stages) only up to this seqlen_q (dense calls; varlen keeps one). With 2 the
@@ -118,13 +119,25 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
 # gain (a tile is long next to its Q load) and -2..+2 % (one cell -7 %) measured.
 FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 
-# No row uses clusters (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA
-# multicast, FA3's ClusterShape for d >= 128 non-causal). Measured, H100, bf16, 16k tokens, non-causal,
-# 2026-11-21, cluster / none in the same interleaved run (perf/NOTES.md, "Clusters of 2"): at >= 8k
-# +0.3..+3.1 % and -0.9..+5.7 % on one machine (3 and 5 repeats), -2.3..-3.7 % on another (7 repeats)
-# at hdim 128/256; at <= 4k -3..+0.3 %; at hdim 64 2k / 512 -8 % / -23 % (11 / 3 m_blocks of 192 rows:
-# the odd one's pair wastes a CTA). No consistent gain: the K/V fabric traffic it halves is not what
-# bounds these kernels.
+# Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
+# ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q
+# (cluster_pays). K/V then cross the L2 -> SM fabric once per pair: the same work per clock for less
+# energy, and these kernels run at the 700 W cap, so the clock rises. Measured in steady state (each
+# kernel looping 1.5-2 s, perf/power_probe.py; bf16, 16k tokens, 2026-11-21, perf/NOTES.md session 14),
+# cluster / none, interleaved: hdim 256 H200 +1.0..+1.4 % at 2k, +2.0..+2.6 % at 4k, +2.1..+3.2 % at 8k,
+# +2.7..+3.8 % at 16k (3 rounds; 1560 -> 1620 MHz), H100 +2.4..+2.5 % at 8k, +2.0..+2.2 % at 16k (2
+# rounds); hdim 128 -1.4..+0.2 % (the clock rises less than the work per clock falls), hdim 64 -4.5 % at 8k
+# (43 m_blocks of 192 rows: the odd one's pair computes a tile past the end), 0 at 16k. (Session 8 read
+# -4..+6 % for clusters with the bench's 100 ms timing windows, in which the power cap binds less.)
+FWD_SM90_CLUSTER_MIN_SEQLEN = 2048
+
+
+def cluster_pays(tile_m: int, seqlen_q: int) -> bool:
+    """Whether a row's clusters of 2 pay for a dense seqlen_q: long enough, and an odd m_block count
+    (whose last pair computes a tile past the end, 1 / (m_blocks + 1) of the work) only where that
+    waste stays under ~1.5 %, well below the 2-3 % clusters gain."""
+    m_blocks = -(-seqlen_q // tile_m)
+    return seqlen_q >= FWD_SM90_CLUSTER_MIN_SEQLEN and (m_blocks % 2 == 0 or m_blocks >= 64)
 
 
 # Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
@@ -177,13 +190,16 @@ def span_pays(tile_m: int, seqlen_q: int) -> bool:
 
 def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | None = None) -> FwdTileSm90:
     """The sm90 forward tile for kernel head dims (``hdim_v`` None: = ``hdim``; ``seqlen_q`` None:
-    the table row)."""
+    the table row, the long-sequence tile). A row's clusters only where ``cluster_pays``."""
     if hdim_v is not None and (hdim, hdim_v) in FWD_SM90_DV_TILES:
         return FWD_SM90_DV_TILES[(hdim, hdim_v)]
     short = FWD_SM90_SHORT_TILES.get(hdim)
     if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
-    return FWD_SM90_TILES[hdim]
+    row = FWD_SM90_TILES[hdim]
+    if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(row.tile_m, seqlen_q):
+        return replace(row, cluster_m=1)
+    return row
 
 
 def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -> int | None:

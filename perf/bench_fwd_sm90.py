@@ -2,7 +2,7 @@
 
     python perf/bench_fwd_sm90.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384]
                                   [--causal off on] [--variants full overlap serial] [--no-baselines]
-                                  [--repeat N] [--head-dim-v DV]
+                                  [--repeat N] [--head-dim-v DV] [--steady SECS] [--no-sm80]
     python perf/bench_fwd_sm90.py --features [--hdims 128]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
@@ -23,7 +23,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
   loading under this tile, or one; '-' where shared memory has no room for two);
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
-(warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--repeat N`` times every column
+(warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--steady SECS``: calls back to
+back for SECS after 0.5 s untimed, the clock settled at the power cap (make_steady_timer); ``--repeat N`` times every column
 N times, interleaved (a clock drift hits all alike), and reports the median. FLOPs = 2*b*h*s^2*(d + d_v) (x1/2 causal).
 Prints a Markdown table of TFLOP/s and the ratio of the first sm90 column to cuDNN.
 
@@ -119,6 +120,29 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         return out[..., :head_dim_v]
 
     return run
+
+
+def make_steady_timer(secs: float):
+    """Milliseconds per call of ``fn`` launched back to back for ~``secs`` after ~0.5 s of the same
+    (not timed), CUDA events around the whole run, no L2 flush: the steady state of a GPU busy with
+    one kernel, where long forwards run at the board's power cap and the clock settles to what each
+    kernel's energy per FLOP allows (perf/power_probe.py). do_bench's 100 ms of calls, each behind an
+    L2 flush, end before the clock settles."""
+    def run(fn, n: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def timer(fn) -> float:
+        ms = run(fn, 3)
+        run(fn, max(int(500 / ms), 1))
+        return run(fn, max(int(secs * 1000 / ms), 10))
+
+    return timer
 
 
 def make_timer():
@@ -238,6 +262,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head-dim-v", type=int, default=None,
                     help="v's head dim (default: each hdim); cells with hdim < it are skipped")
     ap.add_argument("--features", action="store_true", help="window / softcap / varlen table instead")
+    ap.add_argument("--steady", type=float, default=None, metavar="SECS",
+                    help="time each column looping back to back for SECS after 0.5 s untimed (steady clocks at "
+                         "the power cap) instead of do_bench")
+    ap.add_argument("--no-sm80", action="store_true", help="leave out the sm80 column")
     args = ap.parse_args(argv)
     if args.features:
         print(f"# fwd features, bf16, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
@@ -249,16 +277,17 @@ def main(argv: list[str]) -> int:
 
     from flashattn_hopper import flash_attn_func
 
-    timer = make_timer()
+    timer = make_timer() if args.steady is None else make_steady_timer(args.steady)
     gpu = torch.cuda.get_device_name()
-    print(f"# fwd, bf16, 16k tokens, nheads*hdim=2048, {gpu}, torch {torch.__version__}\n")
+    timing = "do_bench" if args.steady is None else f"steady {args.steady:g} s"
+    print(f"# fwd, bf16, 16k tokens, nheads*hdim=2048, {gpu}, torch {torch.__version__}, {timing}\n")
     extra_tiles = {}
     for spec in args.tiles:
         hd, mn = spec.split(":")
         extra_tiles.setdefault(int(hd), []).append(tuple(int(x) for x in mn.split("x")))
     extra_cols = sorted({f"sm90-{m}x{n}" for tiles in extra_tiles.values() for m, n in tiles})
     cols = [f"sm90-{v}" for v in args.variants] + extra_cols
-    cols += [] if args.no_baselines else ["sm80", "cudnn", "flash"]
+    cols += [] if args.no_baselines else ["sm80", "cudnn", "flash"][args.no_sm80:]
     print("| hdim | seqlen | causal | " + " | ".join(cols) + f" | {cols[0]}/cudnn |")
     print("|" + "---|" * (len(cols) + 4))
     for hdim in args.hdims:
@@ -279,8 +308,9 @@ def main(argv: list[str]) -> int:
                 fns = {name: fn for name, fn in fns.items() if fn is not None}
                 for m, n in extra_tiles.get(hdim, []):
                     fns[f"sm90-{m}x{n}"] = sm90_variant_fn(q, k, v, causal, {}, (m, n))
-                if not args.no_baselines:
+                if not args.no_baselines and not args.no_sm80:
                     fns["sm80"] = lambda: flash_attn_func(q, k, v, causal=causal, backend="sm80")
+                if not args.no_baselines:
 
                     def cudnn():
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

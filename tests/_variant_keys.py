@@ -6,11 +6,12 @@ import dataclasses
 def variant_keys(spec, arch: str) -> list:
     """The keys users hit (``all_keys``) plus measured-but-unshipped sm90 variants that must keep
     compiling: clusters of 2 with K/V multicast on every head dim's table tile (hdim 64: 3 MMA
-    warpgroups; 96/128: own sO; 192/256: sO in sQ's buffer)."""
+    warpgroups; 96/128: own sO; 192/256: sO in sQ's buffer; hdim 256's row ships them)."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
-        keys += [
+        clustered = [
             dataclasses.replace(spec._key(arch, "bf16", hdim, causal=False), cluster_m=2)
             for hdim in (64, 96, 128, 192, 256)
         ]
+        keys += [key for key in clustered if key not in keys]
     return keys

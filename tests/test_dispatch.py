@@ -135,10 +135,11 @@ def test_sm90_short_sequence_tiles(head_dim, causal, seqlen, expected):
 
 
 def test_sm90_clusters_only_for_dense_unmasked_unpacked_calls(monkeypatch):
-    """A row with clusters (none ships one; perf/bench_fwd_sm90.py's cluster2 variant) keys them only
-    for calls whose CTAs all visit the same key blocks: dense, no causal/local mask, no pack_gqa."""
+    """A row with clusters (hdim 256's; perf/bench_fwd_sm90.py's cluster2 variant elsewhere) keys them
+    only for calls whose CTAs all visit the same key blocks: dense, no causal/local mask, no pack_gqa."""
     family = dispatch.FWD_KERNELS["sm90"]
-    assert all(key.cluster_m == 1 for key in family.all_keys("sm_90a"))
+    clustered = {(k.head_dim, k.causal, k.varlen) for k in family.all_keys("sm_90a") if k.cluster_m > 1}
+    assert clustered == {(256, False, False)}
     monkeypatch.setitem(configs.FWD_SM90_TILES, 128, dataclasses.replace(configs.FWD_SM90_TILES[128], cluster_m=2))
     long = dict(head_dim=128, head_dim_v=128, seqlen_q=16384, seqlen_k=16384)
     assert family.key(problem(**long), "sm_90a").cluster_m == 2
@@ -172,10 +173,26 @@ def test_sm90_spanning_tiles_only_where_a_tile_spans_two_heads_at_most(monkeypat
     assert not family.key(problem(**dims, seqlen_q=100, seqlen_k=4096, nheads=32, nheads_k=4), "sm_90a").span_heads
     varlen = VarlenArgs(None, None, None, None, None, None)
     assert not family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096, is_varlen=True), "sm_90a", varlen=varlen).span_heads
-    # a row with clusters too runs clusters (the kernel takes one or the other)
+    # a row with clusters too runs clusters where they pay (the kernel takes one or the other)
     monkeypatch.setitem(configs.FWD_SM90_TILES, 64, dataclasses.replace(configs.FWD_SM90_TILES[64], cluster_m=2))
-    key = family.key(problem(**dims, seqlen_q=512, seqlen_k=512), "sm_90a")
+    key = family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096), "sm_90a")
     assert key.cluster_m == 2 and not key.span_heads
+    key = family.key(problem(**dims, seqlen_q=512, seqlen_k=512), "sm_90a")
+    assert key.cluster_m == 1 and key.span_heads
+
+
+@pytest.mark.parametrize("seqlen_q,cluster_m", [
+    (1024, 1), (2047, 1), (2048, 2), (2176, 1), (4096, 2), (8064, 1), (8192, 2), (8320, 2), (16384, 2),
+])
+def test_sm90_hdim256_clusters_where_they_pay(seqlen_q, cluster_m):
+    """hdim 256 dense non-causal calls run clusters of 2 from configs.FWD_SM90_CLUSTER_MIN_SEQLEN, and with
+    an odd count of 128-row m_blocks (2176: 17, 8064: 63) only from 64 of them (8320: 65), where the last
+    pair's tile past the end wastes < 1.5 %; causal calls never."""
+    family = dispatch.FWD_KERNELS["sm90"]
+    dims = dict(head_dim=256, head_dim_v=256, seqlen_q=seqlen_q, seqlen_k=4096)
+    assert family.key(problem(**dims), "sm_90a").cluster_m == cluster_m
+    assert family.key(problem(**dims, causal=True), "sm_90a").cluster_m == 1
+    assert family.key(problem(**dims, nheads=8, nheads_k=1), "sm_90a").cluster_m == cluster_m  # MQA, unpacked
 
 
 def test_sm90_causal_section_sizes():

@@ -549,6 +549,31 @@ def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
     check_bitwise_repeats(q, k, v, 20)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(2048, 2048, (4, 4)), (8320, 1500, (4, 1))],
+                         ids=["16_m_blocks", "65_m_blocks_mqa"])
+def test_fwd_sm90_shipped_clusters(seqlen_q, seqlen_k, heads):
+    """hdim 256's table row ships clusters of 2 for long dense non-causal calls (configs.cluster_pays):
+    the public API's own key, an even m_block count and 65 (the last pair's second CTA computes a tile
+    past the end), MQA, poisoned outputs."""
+    from flashattn_hopper import configs
+
+    assert configs.sm90_fwd_tile(256, False, seqlen_q).cluster_m == 2
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, *heads, 256, dtype=torch.bfloat16)
+    check_parity(q, k, v, causal=False)
+    check_poisoned_outputs(q, k, v, False, "sm90")
+
+
+def test_fwd_sm90_cluster_ctas_stay_resident():
+    """A persistent cluster launch takes no more CTAs than clusters of that size keep resident at
+    once (else clusters would wait for others, and their tiles run after the rest)."""
+    from flashattn_hopper.backends.common import cluster_ctas, num_sms
+
+    index = torch.cuda.current_device()
+    for size in (2, 4):
+        ctas = cluster_ctas(index, size)
+        assert ctas % size == 0 and size <= ctas <= num_sms(index), (size, ctas)
+
+
 def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):
     """Causal, window and varlen calls cannot use clusters (the CTAs of one visit different key
     blocks): with every tile offering clusters, the launcher keys them with cluster_m = 1 (the

@@ -367,3 +367,53 @@ class FwdLauncher:
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a GPU (cached: a device property query costs microseconds)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# An empty kernel for the cluster occupancy query (the driver JIT-compiles it in milliseconds).
+_PROBE_PTX = b""".version 8.0
+.target sm_90
+.address_size 64
+.visible .entry cluster_probe()
+{
+    ret;
+}
+\0"""
+
+
+@functools.cache
+def cluster_ctas(device_index: int, cluster_size: int) -> int:
+    """CTAs that clusters of ``cluster_size`` keep resident on a GPU at once with one CTA per SM (all
+    of its shared memory): a persistent launch of more would leave clusters waiting for others to
+    finish, and their tiles running after the rest. Below ``num_sms`` where a GPC's SMs do not pair
+    up. Cached: one driver occupancy query per (device, cluster size), on an empty kernel with the
+    kernel's resources (the CuTe DSL's HardwareInfo asks the same, but compiles its kernel first)."""
+    from cuda.bindings import driver
+
+    def check(result):
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cluster occupancy query failed: {result[0]!r}")
+        return result[1] if len(result) > 1 else None
+
+    with torch.cuda.device(device_index):
+        torch.cuda.synchronize()  # (makes the device's primary context current: the query runs in it)
+        module = check(driver.cuModuleLoadData(_PROBE_PTX))
+        try:
+            func = check(driver.cuModuleGetFunction(module, b"cluster_probe"))
+            smem = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+            attr = driver.CUfunction_attribute
+            check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            cluster_dim = driver.CUlaunchAttribute()
+            cluster_dim.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            cluster_dim.value.clusterDim.x, cluster_dim.value.clusterDim.y, cluster_dim.value.clusterDim.z = (
+                cluster_size, 1, 1
+            )
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = 128, 1, 1
+            config.sharedMemBytes = smem
+            config.numAttrs, config.attrs = 1, [cluster_dim]
+            clusters = check(driver.cuOccupancyMaxActiveClusters(func, config))
+        finally:
+            driver.cuModuleUnload(module)
+    return max(min(num_sms(device_index) // cluster_size, clusters), 1) * cluster_size

@@ -20,7 +20,7 @@ from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    int_to_cute, mask_flags, num_sms,
+    cluster_ctas, int_to_cute, mask_flags, num_sms,
 )
 
 
@@ -151,7 +151,8 @@ class FwdSm90(FwdLauncher):
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
         softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128, the
-        spanning tiles, the two-Q-buffer tiles and the short-sequence tiles (59 keys).
+        spanning tiles, the two-Q-buffer tiles, the cluster rows without clusters and the short-sequence
+        tiles (61 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -176,6 +177,11 @@ class FwdSm90(FwdLauncher):
             self._key(arch, dtype, hdim, 1024, causal=causal)
             for hdim, tile in self.tiles.items() if tile.q_stages > 1 and not tile.span_heads
             for dtype in ("bf16", "fp16") for causal in (False, True)
+        ]
+        # Rows with clusters (configs.cluster_pays) without them: shorter dense non-causal calls.
+        keys += [
+            self._key(arch, dtype, hdim, configs.FWD_SM90_CLUSTER_MIN_SEQLEN // 2, causal=False)
+            for hdim, tile in self.tiles.items() if tile.cluster_m > 1 for dtype in ("bf16", "fp16")
         ]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
@@ -209,10 +215,12 @@ class FwdSm90(FwdLauncher):
         )
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
-        """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time) and, for the dynamic
-        schedule, a tile counter that is zero at launch on that stream (``tile_counter``)."""
+        """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time; with clusters, as
+        many as stay resident together) and, for the dynamic schedule, a tile counter that is zero at
+        launch on that stream (``tile_counter``)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return num_sms(index), tile_counter(index, stream_handle) if _dynamic(key) else None
+        ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
+        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None
 
 
 def tile_counter(device_index: int, stream_handle: int | None = None) -> Any:
