@@ -121,23 +121,25 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q
-# (cluster_pays). K/V then cross the L2 -> SM fabric once per pair: the same work per clock for less
-# energy, and these kernels run at the 700 W cap, so the clock rises. Measured in steady state (each
-# kernel looping 1.5-2 s, perf/power_probe.py; bf16, 16k tokens, 2026-11-21, perf/NOTES.md session 14),
-# cluster / none, interleaved: hdim 256 H200 +1.0..+1.4 % at 2k, +2.0..+2.6 % at 4k, +2.1..+3.2 % at 8k,
-# +2.7..+3.8 % at 16k (3 rounds; 1560 -> 1620 MHz), H100 +2.4..+2.5 % at 8k, +2.0..+2.2 % at 16k (2
-# rounds); hdim 128 -1.4..+0.2 % (the clock rises less than the work per clock falls), hdim 64 -4.5 % at 8k
-# (43 m_blocks of 192 rows: the odd one's pair computes a tile past the end), 0 at 16k. (Session 8 read
-# -4..+6 % for clusters with the bench's 100 ms timing windows, in which the power cap binds less.)
-FWD_SM90_CLUSTER_MIN_SEQLEN = 2048
+# (cluster_pays). K/V then cross the L2 -> SM fabric once per pair: about the same work per clock for
+# less energy, and these kernels run at the 700 W cap, so the clock rises (1560 -> 1620 MHz, H200).
+# Measured, bf16, 16k tokens, 2026-11-21 (perf/NOTES.md session 14), cluster / none, interleaved:
+# - steady state (each kernel looping 1-2 s, perf/power_probe.py, bench --steady): hdim 256 H200
+#   +1.0..+1.4 % at 2k, +2.0..+2.6 % at 4k, +2.1..+3.2 % at 8k, +2.7..+3.8 % at 16k; H100 +1.1 / +1.8 /
+#   +2.4..+2.8 / +2.0..+2.4 %; hdim 128 -1.4..+0.2 % (the clock rises less than the work per clock
+#   falls), hdim 64 -4.5 % at 8k (43 m_blocks of 192 rows: the odd one's pair computes a tile past the
+#   end), 0 at 16k;
+# - do_bench (100 ms of calls, each behind an L2 flush, so the power cap binds less): hdim 256 H100
+#   -0.5 % at 2k, -2.2 % at 4k, +2.8 % at 8k, +4.3 % at 16k (session 8: -1 % at 2k, -3 % at 4k).
+# So from 8k, where both ways of running gain; at 2k-4k the steady gain and the short-run loss cancel.
+# From 8k a 128-row tile has >= 64 m_blocks: an odd count's last pair wastes < 1.6 % on its tile past
+# the end.
+FWD_SM90_CLUSTER_MIN_SEQLEN = 8192
 
 
-def cluster_pays(tile_m: int, seqlen_q: int) -> bool:
-    """Whether a row's clusters of 2 pay for a dense seqlen_q: long enough, and an odd m_block count
-    (whose last pair computes a tile past the end, 1 / (m_blocks + 1) of the work) only where that
-    waste stays under ~1.5 %, well below the 2-3 % clusters gain."""
-    m_blocks = -(-seqlen_q // tile_m)
-    return seqlen_q >= FWD_SM90_CLUSTER_MIN_SEQLEN and (m_blocks % 2 == 0 or m_blocks >= 64)
+def cluster_pays(seqlen_q: int) -> bool:
+    """Whether a row's clusters of 2 pay for a dense call of this seqlen_q."""
+    return seqlen_q >= FWD_SM90_CLUSTER_MIN_SEQLEN
 
 
 # Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
@@ -197,7 +199,7 @@ def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | N
     if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
     row = FWD_SM90_TILES[hdim]
-    if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(row.tile_m, seqlen_q):
+    if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(seqlen_q):
         return replace(row, cluster_m=1)
     return row
 
