@@ -24,7 +24,8 @@ FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per ce
 - ``sm80`` (our Ampere FA2 kernel on the same GPU), SDPA ``cudnn`` and SDPA ``flash`` (FA2).
 Each output is checked against SDPA cuDNN before it is timed. Timing: triton ``do_bench`` median
 (warm-up 25 ms, 100 ms of reps) when triton imports, else CUDA events; ``--steady SECS``: calls back to
-back for SECS after 0.5 s untimed, the clock settled at the power cap (make_steady_timer); ``--repeat N`` times every column
+back (replayed from a CUDA graph) for SECS after 0.5 s untimed, the clock settled at the power cap
+(make_steady_timer); ``--repeat N`` times every column
 N times, interleaved (a clock drift hits all alike), and reports the median. FLOPs = 2*b*h*s^2*(d + d_v) (x1/2 causal).
 Prints a Markdown table of TFLOP/s and the ratio of the first sm90 column to cuDNN.
 
@@ -110,37 +111,57 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     args = [to_cute(t) for t in (q, k, v, out, lse)]
     scale = d**-0.5
-    stream = current_stream(q.device)
+    # extra_args: the CTA count and (causal) the default stream's self-resetting tile counter, taken
+    # once and outside any graph capture: the bench's calls run one after another, also when a steady
+    # timer replays them from a CUDA graph (where the API would capture a memset of a fresh counter).
+    extra = family.extra_args(key, q.device)
 
-    def run():  # extra_args: the CTA count and (causal) the stream's tile counter, as the API does
-        extra = family.extra_args(key, q.device)
-        if memset_counter and extra[1] is not None:
-            extra = (extra[0], int_to_cute(torch.zeros(1, dtype=torch.int32, device=q.device)))
-        compiled(*args, scale, 0, 0, 1.0, *extra, None, None, None, None, stream)
+    def run():
+        counter = extra[1]
+        if memset_counter and counter is not None:
+            counter = int_to_cute(torch.zeros(1, dtype=torch.int32, device=q.device))
+        compiled(*args, scale, 0, 0, 1.0, extra[0], counter, None, None, None, None, current_stream(q.device))
         return out[..., :head_dim_v]
 
     return run
 
 
 def make_steady_timer(secs: float):
-    """Milliseconds per call of ``fn`` launched back to back for ~``secs`` after ~0.5 s of the same
-    (not timed), CUDA events around the whole run, no L2 flush: the steady state of a GPU busy with
-    one kernel, where long forwards run at the board's power cap and the clock settles to what each
-    kernel's energy per FLOP allows (perf/power_probe.py). do_bench's 100 ms of calls, each behind an
-    L2 flush, end before the clock settles."""
-    def run(fn, n: int) -> float:
+    """Milliseconds per call of ``fn`` run back to back for ~``secs`` after ~0.5 s of the same (not
+    timed): the steady state of a GPU busy with one kernel, where long forwards run at the board's
+    power cap and the clock settles to what each kernel's energy per FLOP allows
+    (perf/power_probe.py); do_bench's 100 ms of calls, each behind an L2 flush, end before it settles.
+    The calls replay from a CUDA graph of ~2 ms of them (CUDA events around the replays, no L2 flush),
+    so the host's per-call time (100-170 us on the H100 nodes, perf/README.md) never idles the GPU
+    between short kernels."""
+    def replays(graph, n: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(n):
-            fn()
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / n
 
     def timer(fn) -> float:
-        ms = run(fn, 3)
-        run(fn, max(int(500 / ms), 1))
-        return run(fn, max(int(secs * 1000 / ms), 10))
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        calls = max(int(2.0 / (start.elapsed_time(end) / 3)), 1)  # (host-bound estimate: at most ~2 ms)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        ms = replays(graph, 1)
+        replays(graph, max(int(500 / ms), 1))
+        ms = replays(graph, max(int(secs * 1000 / ms), 5)) / calls
+        graph.reset()
+        return ms
 
     return timer
 
@@ -263,8 +284,8 @@ def main(argv: list[str]) -> int:
                     help="v's head dim (default: each hdim); cells with hdim < it are skipped")
     ap.add_argument("--features", action="store_true", help="window / softcap / varlen table instead")
     ap.add_argument("--steady", type=float, default=None, metavar="SECS",
-                    help="time each column looping back to back for SECS after 0.5 s untimed (steady clocks at "
-                         "the power cap) instead of do_bench")
+                    help="time each column back to back from a CUDA graph for SECS after 0.5 s untimed (steady "
+                         "clocks at the power cap) instead of do_bench")
     ap.add_argument("--no-sm80", action="store_true", help="leave out the sm80 column")
     args = ap.parse_args(argv)
     if args.features:
