@@ -98,7 +98,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
     take consecutive 64-row blocks of the flat (batch, head, row block) order, so a tile may end in
     the next (batch, head), whose K/V come through a second ring of stages (ring B); in such a tile
     every warpgroup waits for and releases the other ring's stages unread. ``cluster_m = 2``
-    (dense, unmasked, unpacked; built and tested, no table row ships it, perf/NOTES.md): two CTAs
+    (dense, unmasked, unpacked; the hdim 256 row from seqlen_q 8k, configs.cluster_pays): two CTAs
     of a cluster take adjacent m_blocks, each loads half of every K/V block multicast into both,
     and a K/V stage's empty barrier counts both CTAs' MMA warps. ``128 * (1 + tile_m / 64)`` threads:
 

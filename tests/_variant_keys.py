@@ -4,9 +4,9 @@ import dataclasses
 
 
 def variant_keys(spec, arch: str) -> list:
-    """The keys users hit (``all_keys``) plus measured-but-unshipped sm90 variants that must keep
-    compiling: clusters of 2 with K/V multicast on every head dim's table tile (hdim 64: 3 MMA
-    warpgroups; 96/128: own sO; 192/256: sO in sQ's buffer; hdim 256's row ships them)."""
+    """The keys users hit (``all_keys``) plus sm90 variants measured but not shipped that must keep
+    compiling: clusters of 2 with K/V multicast on the other head dims' table tiles (hdim 64: 3 MMA
+    warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys)."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
         clustered = [
