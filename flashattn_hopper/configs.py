@@ -126,7 +126,7 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 # Measured, bf16, 16k tokens, 2026-11-21 (perf/NOTES.md session 14), cluster / none, interleaved:
 # - steady state (each kernel looping 1-2 s, perf/power_probe.py, bench --steady): hdim 256 H200
 #   +1.0..+1.4 % at 2k, +2.0..+2.6 % at 4k, +2.1..+3.2 % at 8k, +2.7..+3.8 % at 16k; H100 +1.1 / +1.8 /
-#   +2.4..+2.8 / +2.0..+2.4 %; hdim 128 -1.4..+0.2 % (the clock rises less than the work per clock
+#   +2.2..+2.8 / +2.0..+2.4 %; hdim 128 -1.4..+0.2 % (the clock rises less than the work per clock
 #   falls), hdim 64 -4.5 % at 8k (43 m_blocks of 192 rows: the odd one's pair computes a tile past the
 #   end), 0 at 16k;
 # - do_bench (100 ms of calls, each behind an L2 flush, so the power cap binds less): hdim 256 H100
