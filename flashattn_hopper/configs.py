@@ -133,13 +133,15 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 #   -0.5 % at 2k, -2.2 % at 4k, +2.8 % at 8k, +4.3 % at 16k (session 8: -1 % at 2k, -3 % at 4k).
 # So from 8k, where both ways of running gain; at 2k-4k the steady gain and the short-run loss cancel.
 # From 8k a 128-row tile has >= 64 m_blocks: an odd count's last pair wastes < 1.6 % on its tile past
-# the end.
+# the end. Measured with seqlen_k = seqlen_q only, so seqlen_k must reach it too (short tiles, where the
+# pair's lockstep weighs more and less K/V crosses the fabric per tile, are unmeasured).
 FWD_SM90_CLUSTER_MIN_SEQLEN = 8192
 
 
-def cluster_pays(seqlen_q: int) -> bool:
-    """Whether a row's clusters of 2 pay for a dense call of this seqlen_q."""
-    return seqlen_q >= FWD_SM90_CLUSTER_MIN_SEQLEN
+def cluster_pays(seqlen_q: int, seqlen_k: int | None = None) -> bool:
+    """Whether the hdim 256 row's clusters of 2 pay for a dense call (``seqlen_k`` None: as long as
+    ``seqlen_q``)."""
+    return min(seqlen_q, seqlen_q if seqlen_k is None else seqlen_k) >= FWD_SM90_CLUSTER_MIN_SEQLEN
 
 
 # Short sequences, where the table row's tile wastes more than it gains (rows past the diagonal in a
@@ -190,7 +192,9 @@ def span_pays(tile_m: int, seqlen_q: int) -> bool:
     return padded >= SPAN_MIN_PADDING * seqlen_q
 
 
-def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | None = None) -> FwdTileSm90:
+def sm90_fwd_tile(
+    hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | None = None, seqlen_k: int | None = None
+) -> FwdTileSm90:
     """The sm90 forward tile for kernel head dims (``hdim_v`` None: = ``hdim``; ``seqlen_q`` None:
     the table row, the long-sequence tile). A row's clusters only where ``cluster_pays``."""
     if hdim_v is not None and (hdim, hdim_v) in FWD_SM90_DV_TILES:
@@ -199,7 +203,7 @@ def sm90_fwd_tile(hdim: int, causal: bool, seqlen_q: int | None, hdim_v: int | N
     if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
     row = FWD_SM90_TILES[hdim]
-    if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(seqlen_q):
+    if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(seqlen_q, seqlen_k):
         return replace(row, cluster_m=1)
     return row
 

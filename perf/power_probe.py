@@ -9,7 +9,8 @@ sm90 key for the shape, FwdSm90Key fields overridden by ``field=value``, ``tile=
 ``cudnn`` (SDPA); nheads = 2048 / hdim. Every case loops once per round, rounds interleave the cases.
 Without cases: ours, ours with the O rescale on every block (``eager``) and cuDNN at hdim 128 / 256 16k
 non-causal and hdim 64 512 causal, then an 8192^3 matmul (perf/results/*-s13/power.md has that output,
-perf/NOTES.md session 13). DIR (default .) receives smi.csv.
+perf/NOTES.md session 13; since session 14 ours at hdim 256 16k runs clusters of 2, as shipped). DIR
+(default .) receives smi.csv.
 """
 import argparse
 import csv
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd_sm90 import sm90_variant_fn  # noqa: E402
+from bench_fwd_sm90 import sm90_variant_fn, visible_pairs  # noqa: E402
 
 DEFAULT_CASES = [f"{impl}/{d}/{16384 // s}/{s}/{s}/{c}{extra}"
                  for d, s, c in ((128, 16384, 0), (256, 16384, 0), (64, 512, 1))
@@ -42,7 +43,7 @@ def make_case(spec: str):
     h = 2048 // d
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    flops = 4 * b * h * sq * sk * d * (0.5 if causal else 1)
+    flops = 4 * b * h * visible_pairs(sq, sk, causal, (-1, -1)) * d  # (bottom-right causal when sq != sk)
     if impl == "cudnn":
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
@@ -107,6 +108,8 @@ def main() -> None:
             rows.append((ts, float(r[1]), float(r[2]), float(r[3]), float(r[4]), r[5].strip()))
         except (ValueError, IndexError):
             pass
+    if not segs:
+        raise SystemExit("nothing to probe: give cases, or drop --no-matmul")
     width = max(len(s[0]) for s in segs)
     print(f"{'kernel':{width}s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'limit':>6s} {'C':>4s} reasons"
           f"{'':34s} TFLOP/s per GHz, % of 4096 FLOP/clk/SM peak")

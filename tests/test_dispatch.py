@@ -175,21 +175,26 @@ def test_sm90_spanning_tiles_only_where_a_tile_spans_two_heads_at_most(monkeypat
     assert not family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096, is_varlen=True), "sm_90a", varlen=varlen).span_heads
     # a row with clusters too runs clusters where they pay (the kernel takes one or the other)
     monkeypatch.setitem(configs.FWD_SM90_TILES, 64, dataclasses.replace(configs.FWD_SM90_TILES[64], cluster_m=2))
-    key = family.key(problem(**dims, seqlen_q=8257, seqlen_k=512), "sm_90a")  # 192-row tiles pad 2.3 %
+    key = family.key(problem(**dims, seqlen_q=8257, seqlen_k=8257), "sm_90a")  # 192-row tiles pad 2.3 %
     assert key.cluster_m == 2 and not key.span_heads
     key = family.key(problem(**dims, seqlen_q=4096, seqlen_k=4096), "sm_90a")
     assert key.cluster_m == 1 and key.span_heads
 
 
-@pytest.mark.parametrize("seqlen_q,cluster_m", [(1024, 1), (4096, 1), (8191, 1), (8192, 2), (8320, 2), (16384, 2)])
-def test_sm90_hdim256_clusters_where_they_pay(seqlen_q, cluster_m):
-    """hdim 256 dense non-causal calls run clusters of 2 from configs.FWD_SM90_CLUSTER_MIN_SEQLEN (8320:
-    65 m_blocks, the last pair's second CTA computes a tile past the end); causal calls never."""
+@pytest.mark.parametrize("seqlen_q,seqlen_k,cluster_m", [
+    (1024, 1024, 1), (4096, 4096, 1), (8191, 8191, 1), (8192, 8192, 2), (8320, 8320, 2), (16384, 16384, 2),
+    (16384, 4096, 1), (4096, 16384, 1), (8192, 9000, 2),
+])
+def test_sm90_hdim256_clusters_where_they_pay(seqlen_q, seqlen_k, cluster_m):
+    """hdim 256 dense non-causal calls run clusters of 2 where seqlen_q and seqlen_k both reach
+    configs.FWD_SM90_CLUSTER_MIN_SEQLEN (8320: 65 m_blocks, the last pair's second CTA computes a tile
+    past the end); causal calls never, nor packed ones (pack_gqa keys take no clusters)."""
     family = dispatch.FWD_KERNELS["sm90"]
-    dims = dict(head_dim=256, head_dim_v=256, seqlen_q=seqlen_q, seqlen_k=4096)
+    dims = dict(head_dim=256, head_dim_v=256, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     assert family.key(problem(**dims), "sm_90a").cluster_m == cluster_m
     assert family.key(problem(**dims, causal=True), "sm_90a").cluster_m == 1
     assert family.key(problem(**dims, nheads=8, nheads_k=1), "sm_90a").cluster_m == cluster_m  # MQA, unpacked
+    assert family._key("sm_90a", "bf16", 256, seqlen_q, causal=False, pack_gqa=8).cluster_m == 1
 
 
 def test_sm90_causal_section_sizes():

@@ -549,16 +549,19 @@ def test_fwd_sm90_cluster_many_tiles(cluster_of, persistent, head_dim):
     check_bitwise_repeats(q, k, v, 20)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(8192, 2048, (2, 2)), (8320, 1500, (4, 1))],
-                         ids=["64_m_blocks", "65_m_blocks_mqa"])
-def test_fwd_sm90_shipped_clusters(seqlen_q, seqlen_k, heads):
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,head_dim_v", [
+    (8192, 8192, (2, 2), 256), (8320, 8200, (4, 1), 256), (8192, 8192, (2, 1), 128),
+], ids=["64_m_blocks", "65_m_blocks_mqa", "v128"])
+def test_fwd_sm90_shipped_clusters(seqlen_q, seqlen_k, heads, head_dim_v):
     """hdim 256's table row ships clusters of 2 for long dense non-causal calls (configs.cluster_pays):
-    the public API's own key, an even m_block count and 65 (the last pair's second CTA computes a tile
-    past the end), MQA, poisoned outputs."""
-    from flashattn_hopper import configs
+    the launcher's own key, an even m_block count and 65 (the last pair's second CTA computes a tile
+    past the end), MQA, v's head dim 128 (run at its own width), poisoned outputs."""
+    from flashattn_hopper import dispatch
+    from flashattn_hopper.jit import target_arch
 
-    assert configs.sm90_fwd_tile(256, False, seqlen_q).cluster_m == 2
-    q, k, v = make_qkv(1, seqlen_q, seqlen_k, *heads, 256, dtype=torch.bfloat16)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, *heads, 256, head_dim_v, dtype=torch.bfloat16)
+    p = validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)
+    assert dispatch.FWD_KERNELS["sm90"].key(p, target_arch()).cluster_m == 2
     check_parity(q, k, v, causal=False)
     check_poisoned_outputs(q, k, v, False, "sm90")
 
@@ -566,12 +569,35 @@ def test_fwd_sm90_shipped_clusters(seqlen_q, seqlen_k, heads):
 def test_fwd_sm90_cluster_ctas_stay_resident():
     """A persistent cluster launch takes no more CTAs than clusters of that size keep resident at
     once (else clusters would wait for others, and their tiles run after the rest)."""
+    from cutlass.utils import HardwareInfo
+
     from flashattn_hopper.backends.common import cluster_ctas, num_sms
 
     index = torch.cuda.current_device()
     for size in (2, 4):
         ctas = cluster_ctas(index, size)
-        assert ctas % size == 0 and size <= ctas <= num_sms(index), (size, ctas)
+        with torch.cuda.device(index):
+            torch.cuda.synchronize()  # (HardwareInfo queries in the current context)
+            resident = HardwareInfo(index).get_max_active_clusters(size) * size
+        assert ctas == min(resident, num_sms(index) // size * size), (size, ctas, resident)
+
+
+def test_fwd_sm90_clusters_under_graph_capture():
+    """A shipped cluster forward captured in a CUDA graph (compiled before capture, as capture needs)
+    replays to its eager result, also when its resident-CTA count was never queried before the
+    capture (the query would synchronize the device: a capture gets num_sms rounded down)."""
+    from flashattn_hopper.backends.common import _resident_cluster_ctas
+
+    q, k, v = make_qkv(1, 8192, 8192, 1, 1, 256, dtype=torch.bfloat16)
+    eager = flash_attn_func(q, k, v)
+    _resident_cluster_ctas.cache_clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_func(q, k, v)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
 
 
 def test_fwd_sm90_cluster_leaves_masked_calls_alone(cluster_of):

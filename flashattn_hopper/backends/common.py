@@ -380,13 +380,30 @@ _PROBE_PTX = b""".version 8.0
 \0"""
 
 
-@functools.cache
 def cluster_ctas(device_index: int, cluster_size: int) -> int:
-    """CTAs that clusters of ``cluster_size`` keep resident on a GPU at once with one CTA per SM (all
-    of its shared memory): a persistent launch of more would leave clusters waiting for others to
-    finish, and their tiles running after the rest. Below ``num_sms`` where a GPC's SMs do not pair
-    up. Cached: one driver occupancy query per (device, cluster size), on an empty kernel with the
-    kernel's resources (the CuTe DSL's HardwareInfo asks the same, but compiles its kernel first)."""
+    """CTAs that clusters of ``cluster_size`` keep resident on a GPU at once with one CTA per SM: a
+    persistent launch of more would leave clusters waiting for others to finish, and their tiles
+    running after the rest. Below ``num_sms`` where a GPC's SMs do not pair up (H100 and H200: 132 of
+    132 for pairs, 120 for clusters of 4). Cached: one driver occupancy query per (device, cluster
+    size) on an empty kernel that, like ours, fits one CTA per SM (all of its shared memory); the CuTe
+    DSL's HardwareInfo asks the same, but compiles its kernel first. During CUDA graph capture an
+    unqueried size gets ``num_sms`` rounded down, uncached: the query synchronizes the device and
+    unloads a module, which would invalidate the capture. Where the driver reports no resident
+    cluster (MPS/MIG limits), the same."""
+    fallback = num_sms(device_index) // cluster_size * cluster_size
+    if device_index == torch.cuda.current_device():
+        capturing = torch.cuda.is_current_stream_capturing()
+    else:
+        with torch.cuda.device(device_index):
+            capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        return fallback
+    return _resident_cluster_ctas(device_index, cluster_size, fallback)
+
+
+@functools.cache
+def _resident_cluster_ctas(device_index: int, cluster_size: int, fallback: int) -> int:
+    """``cluster_ctas`` outside a capture (cached)."""
     from cuda.bindings import driver
 
     def check(result):
@@ -416,4 +433,4 @@ def cluster_ctas(device_index: int, cluster_size: int) -> int:
             clusters = check(driver.cuOccupancyMaxActiveClusters(func, config))
         finally:
             driver.cuModuleUnload(module)
-    return max(min(num_sms(device_index) // cluster_size, clusters), 1) * cluster_size
+    return min(clusters * cluster_size, fallback) if clusters > 0 else fallback

@@ -137,7 +137,7 @@ class FwdSm90(FwdLauncher):
         causal, local = mask_flags(p)
         # Varlen: seqlen_q is the total of all sequences, which says nothing about each one's length.
         seqlen_q = None if varlen is not None else p.seqlen_q
-        tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q, hdim_v)
+        tile = configs.sm90_fwd_tile(hdim, causal or local, seqlen_q, hdim_v, None if varlen else p.seqlen_k)
         return self._key(
             arch, DTYPE_NAMES[p.dtype], hdim, seqlen_q, hdim_v, tile, causal=causal, local=local,
             softcap=p.softcap > 0.0,
