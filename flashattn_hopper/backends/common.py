@@ -363,6 +363,15 @@ class FwdLauncher:
         return ()
 
 
+def is_capturing(device_index: int) -> bool:
+    """Whether the current stream of a device is being captured into a CUDA graph (without a device
+    switch when it is the current device: this runs on every launch that asks)."""
+    if device_index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device_index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a GPU (cached: a device property query costs microseconds)."""
@@ -391,12 +400,7 @@ def cluster_ctas(device_index: int, cluster_size: int) -> int:
     unloads a module, which would invalidate the capture. Where the driver reports no resident
     cluster (MPS/MIG limits), the same."""
     fallback = num_sms(device_index) // cluster_size * cluster_size
-    if device_index == torch.cuda.current_device():
-        capturing = torch.cuda.is_current_stream_capturing()
-    else:
-        with torch.cuda.device(device_index):
-            capturing = torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if is_capturing(device_index):
         return fallback
     return _resident_cluster_ctas(device_index, cluster_size, fallback)
 

@@ -20,7 +20,7 @@ from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    cluster_ctas, int_to_cute, mask_flags, num_sms,
+    cluster_ctas, int_to_cute, is_capturing, mask_flags, num_sms,
 )
 
 
@@ -233,12 +233,7 @@ def tile_counter(device_index: int, stream_handle: int | None = None) -> Any:
     counter (a captured memset): a replay may run beside eager calls on the capture stream.
     Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
     destroyed stream's handle is not reused while its causal kernels still run."""
-    if device_index == torch.cuda.current_device():
-        capturing = torch.cuda.is_current_stream_capturing()
-    else:
-        with torch.cuda.device(device_index):
-            capturing = torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if is_capturing(device_index):
         return int_to_cute(torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index)))
     if stream_handle is None:
         stream_handle = torch.cuda.current_stream(device_index).cuda_stream
