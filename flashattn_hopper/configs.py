@@ -6,6 +6,7 @@ up to the smallest row that holds both ``head_dim`` and ``head_dim_v``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 
@@ -204,8 +205,14 @@ def sm90_fwd_tile(
         return short[2]
     row = FWD_SM90_TILES[hdim]
     if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(seqlen_q, seqlen_k):
-        return replace(row, cluster_m=1)
+        return _without_clusters(row)
     return row
+
+
+@functools.cache
+def _without_clusters(tile: FwdTileSm90) -> FwdTileSm90:
+    """``tile`` with cluster_m = 1 (cached: the launcher asks on every call)."""
+    return replace(tile, cluster_m=1)
 
 
 def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -> int | None:
