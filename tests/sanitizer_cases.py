@@ -1,0 +1,121 @@
+"""Small calls of every kernel family, run under compute-sanitizer by tests/test_sanitizer.py.
+
+    python -m tests.sanitizer_cases [CASE ...]     # all cases when none is named; --list names them
+
+Each case is a few tiny launches (short sequences, one or two heads) so that racecheck, which
+slows shared-memory-heavy kernels by orders of magnitude, finishes in seconds. The process prints
+``case <name>`` before each one, so a sanitizer report can be matched to the case that launched it.
+Kernels compile on first use (the disk cache keeps them for the next tool's run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+
+import torch
+
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
+
+# Sequences of odd lengths around a tile edge, one of them empty (varlen).
+VARLEN_LENS = (17, 130, 0, 1)
+
+
+def _qkv(s_q: int, s_k: int, h: int = 2, h_k: int = 1, d: int = 128, batch: int = 1, grad: bool = False):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(s: int, heads: int) -> torch.Tensor:
+        x = torch.randn(batch, s, heads, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        return x.requires_grad_(grad)
+
+    return rand(s_q, h), rand(s_k, h_k), rand(s_k, h_k)
+
+
+def _packed(lens: tuple[int, ...], h: int = 2, h_k: int = 1, d: int = 128, grad: bool = False):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def rand(heads: int) -> torch.Tensor:
+        x = torch.randn(total, heads, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        return x.requires_grad_(grad)
+
+    return rand(h), rand(h_k), rand(h_k), cu, max(lens)
+
+
+def _dense(backend: str | None, backward: bool = False, **kwargs) -> Callable[[], None]:
+    def run() -> None:
+        for s_q, s_k in ((113, 203), (256, 256)):
+            q, k, v = _qkv(s_q, s_k, grad=backward)
+            out = flash_attn_func(q, k, v, backend=backend, **kwargs)
+            if backward:
+                out.backward(torch.randn_like(out))
+    return run
+
+
+def _varlen(backend: str | None, backward: bool = False, **kwargs) -> Callable[[], None]:
+    def run() -> None:
+        q, k, v, cu, max_len = _packed(VARLEN_LENS, grad=backward)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, backend=backend, **kwargs)
+        if backward:
+            out.backward(torch.randn_like(out))
+    return run
+
+
+def _clusters() -> None:
+    """The hdim 256 row's clusters of 2 (shipped from 8k tokens), forced at a short length."""
+    from flashattn_hopper import configs
+    from flashattn_hopper.backends import sm90_fwd
+
+    tile_of, pack_of = configs.sm90_fwd_tile, sm90_fwd.pack_gqa_factor
+    configs.sm90_fwd_tile = lambda *a, **kw: dataclasses.replace(tile_of(*a, **kw), cluster_m=2)
+    sm90_fwd.pack_gqa_factor = lambda *a, **kw: 1
+    try:
+        q, k, v = _qkv(300, 300, d=256)
+        flash_attn_func(q, k, v, backend="sm90")
+    finally:
+        configs.sm90_fwd_tile, sm90_fwd.pack_gqa_factor = tile_of, pack_of
+
+
+def _pack_gqa() -> None:
+    """Decode-style GQA: 8 query heads per KV head packed into one tile's rows."""
+    q, k, v = _qkv(4, 300, h=8, h_k=1)
+    flash_attn_func(q, k, v, causal=True, backend="sm90")
+
+
+WINDOW = {"window_size": (40, 7)}
+
+CASES: dict[str, Callable[[], None]] = {
+    "sm90_fwd_dense": _dense("sm90"),
+    "sm90_fwd_dense_causal": _dense("sm90", causal=True),
+    "sm90_fwd_dense_local": _dense("sm90", **WINDOW),
+    "sm90_fwd_varlen": _varlen("sm90"),
+    "sm90_fwd_varlen_causal": _varlen("sm90", causal=True),
+    "sm90_fwd_varlen_local": _varlen("sm90", **WINDOW),
+    "sm90_fwd_softcap": _dense("sm90", causal=True, softcap=30.0),
+    "sm90_fwd_clusters": _clusters,
+    "sm90_fwd_pack_gqa": _pack_gqa,
+    "sm80_fwd_bwd_dense": _dense("sm80", backward=True),
+    "sm80_fwd_bwd_dense_causal": _dense("sm80", backward=True, causal=True),
+    "sm80_fwd_bwd_dense_local": _dense("sm80", backward=True, **WINDOW),
+    "sm80_fwd_bwd_varlen_causal": _varlen("sm80", backward=True, causal=True),
+    "sm80_fwd_bwd_softcap": _dense("sm80", backward=True, causal=True, softcap=30.0),
+    # The default path: the sm90 forward, then the backward that serves sm90.
+    "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
+}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--list"]:
+        print("\n".join(CASES))
+        return 0
+    for name in argv or list(CASES):
+        print(f"case {name}", flush=True)
+        CASES[name]()
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
