@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .testing import rounding_atol
+
 # "auto": backend=None, what users get (sm90 kernels where they exist, e.g. the sm90 forward with the
 # sm80 backward in training); "sm90"/"sm80": one kernel family forced.
 OURS = ("auto", "sm90", "sm80")
@@ -263,12 +265,6 @@ class Reference:
         return torch.cat(outs, dim=2), grads
 
 
-def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """flash-attn's atol: twice the rounding error of `dtype` at the reference's magnitude."""
-    r = ref.detach().to(dtype)
-    return 2.0 * ((r + 0.3 - 0.3) - r).abs().max().item()
-
-
 def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, dtype, max_err_check) -> Check:
     got, ref, pt = got.detach().float(), ref.detach().float(), pt.detach().float()
     if not torch.isfinite(got).all():
@@ -276,6 +272,8 @@ def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, 
     ok, err, bound = max_err_check(got, ref, pt, atol=rounding_atol(ref, dtype))
     err, bound = float(err), float(bound)
     note = "" if ok else f"{name}: max|ours-ref| {err:.3g} > bound {bound:.3g} (2*max|pt-ref| + atol)"
+    if not ok and bound != bound:  # NaN bound: PyTorch's error is not finite, the rule has no yardstick
+        note = f"{name}: PyTorch's same-dtype error is not finite (max|ours-ref| {err:.3g}): no yardstick"
     return Check(bool(ok), err, bound, note)
 
 
