@@ -66,7 +66,7 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
+    *positional_options: Any,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (-1, -1),
@@ -82,9 +82,14 @@ def flash_attn_func(
     k, v: ``(batch, seqlen_k, nheads_k, headdim[_v])`` with ``nheads % nheads_k == 0`` (GQA/MQA).
     Returns ``out`` ``(batch, seqlen_q, nheads, headdim_v)``, or ``(out, lse)`` with ``lse``
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse`` (alias ``return_attn_probs``) is set.
+    ``window_size``: ``(left, right)``, -1/None unbounded; a list, a 1-D integer tensor (any device, read
+    once on the host) or a numpy pair works too.
     ``backend``: None (by compute capability), ``"sm90"`` or ``"sm80"``. Other flash-attn keywords
     (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
+    Options are keyword-only (``positional_options`` exists only to say so).
     """
+    if positional_options:
+        raise validate.too_many_positional("flash_attn_func", "q, k, v", positional_options, "dropout_p", "softmax_scale")
     validate.check_flash_attn_extras("flash_attn_func", flash_attn_extras)
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
@@ -102,7 +107,7 @@ def flash_attn_varlen_func(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int | torch.Tensor | None = None,
     max_seqlen_k: int | torch.Tensor | None = None,
-    *,
+    *positional_options: Any,
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     softmax_scale: float | None = None,
@@ -120,8 +125,13 @@ def flash_attn_varlen_func(
     ``cu_seqlens_q/k``: int32 ``(batch + 1,)`` offsets starting at 0; ``seqused_q/k``: optional int32
     ``(batch,)`` lengths actually used inside each sequence's slot; ``max_seqlen_*``: int or 0-d tensor,
     never read on the host (no sync, no recompile). Returns ``out`` ``(total_q, nheads, headdim_v)`` or
-    ``(out, lse)`` with ``lse`` ``(nheads, total_q)``.
+    ``(out, lse)`` with ``lse`` ``(nheads, total_q)``. Options after ``max_seqlen_k`` are keyword-only.
     """
+    if positional_options:
+        raise validate.too_many_positional(
+            "flash_attn_varlen_func", "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k",
+            positional_options, "dropout_p", "seqused_q",
+        )
     validate.check_flash_attn_extras("flash_attn_varlen_func", flash_attn_extras)
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend

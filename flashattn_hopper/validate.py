@@ -11,6 +11,7 @@ contract, exactly as in flash-attn.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"q must be float16 or bfloat16, got {_dtype_name(q.dtype)} "
-            "(cast with q.to(torch.bfloat16); fp32 attention is not supported)"
-        )
+        name = _dtype_name(q.dtype)
+        why = (f"{name} attention is not supported: cast with q.to(torch.bfloat16)" if q.dtype.is_floating_point
+               else "attention needs floating-point inputs")
+        raise TypeError(f"q must be float16 or bfloat16, got {name} ({why})")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the same dtype as q ({_dtype_name(q.dtype)}), got {_dtype_name(t.dtype)}")
@@ -101,18 +102,44 @@ def check_softmax_scale(softmax_scale: object, head_dim: int) -> float:
     return value
 
 
+def _window_pair(window_size: object) -> tuple[object, ...] | list[object]:
+    """``window_size`` as a host-side sequence: a tuple or list as given, a 1-D integer tensor (any
+    device) or numpy array copied to the host once with ``.tolist()`` (FA3's tests draw windows with
+    ``torch.randint``)."""
+    if isinstance(window_size, (tuple, list)):
+        return window_size
+    if isinstance(window_size, torch.Tensor):
+        dtype = window_size.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"window_size must hold integers, got a {_dtype_name(dtype)} tensor")
+        if window_size.dim() != 1:
+            raise ValueError(f"window_size must be a pair (left, right), got a tensor of shape {tuple(window_size.shape)}")
+        return window_size.tolist()  # one copy to the host (a sync for a CUDA tensor)
+    if hasattr(window_size, "tolist") and hasattr(window_size, "ndim"):  # a numpy array
+        if window_size.ndim != 1:
+            raise ValueError(f"window_size must be a pair (left, right), got an array of shape {window_size.shape}")
+        return window_size.tolist()  # numpy integers become ints, floats stay floats (rejected below)
+    raise TypeError(
+        f"window_size must be a pair (left, right) of ints or None: a tuple, list, 1-D integer tensor or numpy "
+        f"array, e.g. (128, 0); got {type(window_size).__name__} {window_size!r}"
+    )
+
+
 def check_window(window_size: object, causal: bool) -> tuple[int, int]:
     """Returns (left, right) with -1 meaning unbounded; causal sets right to 0 as flash-attn does."""
     if window_size is None:
         window_size = (-1, -1)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    pair = _window_pair(window_size)
+    if len(pair) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {len(pair)} values: {window_size!r}")
     bounds = []
-    for side, w in zip(("left", "right"), window_size):
+    for side, w in zip(("left", "right"), pair):
         if w is None:
             w = -1
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise TypeError(f"window_size {side} must be an int or None, got {type(w).__name__}")
+        elif type(w) is not int:  # numpy integers pass; bools and floats do not
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window_size {side} must be an int or None, got {type(w).__name__} {w!r}")
+            w = int(w)
         if w < -1:
             raise ValueError(f"window_size {side} must be >= 0, or -1/None for unbounded, got {w}")
         bounds.append(w)
@@ -316,6 +343,17 @@ _UNSUPPORTED_NEUTRAL = {
     "page_table": None,
 }
 _IGNORED_HINTS = {"num_splits", "pack_gqa", "sm_margin"}
+
+
+def too_many_positional(func_name: str, positional: str, extra: tuple[object, ...], fa2_next: str, fa3_next: str) -> TypeError:
+    """The error for options passed by position: flash-attn 2 and 3 take them positionally, in different
+    orders, so a positional value cannot be mapped safely; say which name each library would give it."""
+    n = len(positional.split(", "))
+    return TypeError(
+        f"{func_name}() takes {n} positional arguments ({positional}) but {n + len(extra)} were given: the options "
+        f"after {positional.rsplit(', ', 1)[-1]} are keyword-only. flash-attn 2 reads argument {n + 1} as {fa2_next}, "
+        f"flash-attn 3 as {fa3_next}; pass options by name, e.g. {fa2_next}={_short(extra[0])}"
+    )
 
 
 def check_flash_attn_extras(func_name: str, extras: dict[str, object]) -> None:

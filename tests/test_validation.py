@@ -44,6 +44,20 @@ def test_dtype_fp32_rejected():
     raises(TypeError, "q must be float16 or bfloat16, got float32", flash_attn_func, q, k, v)
 
 
+@pytest.mark.parametrize("dtype,why", [
+    (torch.float32, r"float32 attention is not supported"),
+    (torch.float64, r"float64 attention is not supported"),
+    (torch.int32, r"attention needs floating-point inputs"),
+    (torch.int64, r"attention needs floating-point inputs"),
+])
+def test_dtype_message_names_the_dtype_and_the_supported_ones(dtype, why):
+    """An integer input used to be told "fp32 attention is not supported"."""
+    q, k, v = (t.to(dtype) for t in qkv())
+    with pytest.raises(TypeError, match=rf"q must be float16 or bfloat16, got {str(dtype)[6:]} \({why}") as info:
+        flash_attn_func(q, k, v)
+    assert "fp32" not in str(info.value)
+
+
 def test_dtype_mismatch():
     q, k, v = qkv()
     raises(TypeError, "k must have the same dtype as q", flash_attn_func, q, k.half(), v)
@@ -110,10 +124,50 @@ def test_softmax_scale(scale, exc):
     raises(exc, "softmax_scale", flash_attn_func, q, k, v, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("window,exc", [((1, 2, 3), ValueError), ((-2, 0), ValueError), ((1.5, 0), TypeError), (5, ValueError)])
+@pytest.mark.parametrize("window,exc", [
+    ((1, 2, 3), ValueError), ((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError),
+    (5, TypeError), ("ab", TypeError), (3.0, TypeError),
+    (torch.tensor([1.0, 2.0]), TypeError), (torch.tensor([True, False]), TypeError),
+    (torch.tensor([1, 2, 3]), ValueError), (torch.tensor([[1, 2]]), ValueError), (torch.tensor([-2, 0]), ValueError),
+])
 def test_window_size(window, exc):
     q, k, v = qkv()
     raises(exc, "window_size", flash_attn_func, q, k, v, window_size=window)
+
+
+def _window_forms(left, right):
+    """The same window as every form flash-attn users pass: FA3's varlen tests use a torch.randint tensor."""
+    np = pytest.importorskip("numpy", reason="the numpy forms need numpy (a dependency of the CuTe DSL)")
+    return {
+        "tuple": (left, right), "list": [left, right],
+        "tensor_int64": torch.tensor([left, right]), "tensor_int32": torch.tensor([left, right], dtype=torch.int32),
+        "numpy_array": np.array([left, right]), "numpy_scalars": (np.int64(left), np.int32(right)),
+    }
+
+
+@pytest.mark.parametrize("left,right", [(128, 0), (-1, 7), (0, 0)])
+def test_window_size_forms_normalize_alike(left, right):
+    for name, form in _window_forms(left, right).items():
+        for causal in (False, True):
+            assert validate.check_window(form, causal) == validate.check_window((left, right), causal), name
+    assert validate.check_window([None, 5], False) == validate.check_window((None, 5), False) == (-1, 5)
+
+
+def test_window_size_forms_accepted_by_both_entry_points():
+    """Every form passes validation: the next error is the device check (CPU tensors here)."""
+    q, k, v = qkv()
+    vq, vk, vv, cu_q, cu_k = varlen_qkv()
+    for name, form in _window_forms(64, 0).items():
+        raises(ValueError, "CUDA device", flash_attn_func, q, k, v, window_size=form)
+        raises(ValueError, "CUDA device", flash_attn_varlen_func, vq, vk, vv, cu_q, cu_k, 8, 10, window_size=form)
+
+
+def test_window_size_numpy_errors():
+    np = pytest.importorskip("numpy", reason="the numpy forms need numpy (a dependency of the CuTe DSL)")
+    q, k, v = qkv()
+    raises(TypeError, "window_size left must be an int", flash_attn_func, q, k, v, window_size=np.array([1.5, 0.0]))
+    raises(ValueError, "window_size left must be >= 0", flash_attn_func, q, k, v, window_size=np.array([-3, 0]))
+    raises(ValueError, r"window_size must be a pair .* shape \(1, 2\)", flash_attn_func, q, k, v, window_size=np.array([[1, 2]]))
 
 
 @pytest.mark.parametrize("softcap,exc", [(-1.0, ValueError), (float("inf"), ValueError), ("1", TypeError)])
@@ -137,6 +191,23 @@ def test_flash_attn2_positional_dropout_fails_loudly():
     q, k, v = qkv()
     with pytest.raises(TypeError, match="positional"):
         flash_attn_func(q, k, v, 0.0, None, True)  # FA2 order: dropout_p, softmax_scale, causal
+
+
+def test_positional_option_names_dropout_p_and_keyword_only():
+    q, k, v = qkv()
+    with pytest.raises(TypeError) as info:
+        flash_attn_func(q, k, v, 0.1)
+    message = str(info.value)
+    assert "dropout_p" in message and "keyword-only" in message and "(q, k, v) but 4 were given" in message, message
+    assert "dropout_p=0.1" in message
+
+
+def test_varlen_positional_option_after_max_seqlen_k():
+    q, k, v, cu_q, cu_k = varlen_qkv()
+    with pytest.raises(TypeError) as info:
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 10, 0.0)  # FA2: dropout_p; FA3: seqused_q
+    message = str(info.value)
+    assert "after max_seqlen_k are keyword-only" in message and "dropout_p" in message and "seqused_q" in message
 
 
 @pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)), ("learnable_sink", torch.ones(4))])
