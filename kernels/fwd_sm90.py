@@ -114,6 +114,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         | pipeline_q | 1      | TMA Q -> every MMA warp     | tile_m * head_dim * 2     |
         | pipeline_k | 2      | TMA K[n] -> every MMA warp  | tile_n * head_dim * 2     |
         | pipeline_v | 2      | TMA V[n] -> every MMA warp  | tile_n * head_dim_v * 2   |
+        | handoff    | 1      | next tile index (dynamic schedule): producer lane 0 -> every MMA |
+        |            |        | thread, each of which arrives on empty (tile_scheduler.py)       |
 
     (``span_heads``: K and V have 2 x num_stages stages, ring A's then ring B's; per block the
     producer issues K_a, K_b, then V_a, V_b, the B loads only in tiles over two pairs.)
@@ -449,6 +451,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                 )
             )
         )
+        # The dynamic scheduler's tile handoff (mbarriers too: initialised before the fence below).
+        handoff = None
+        if const_expr(self.dynamic_schedule):
+            handoff = TileHandoff.create(
+                storage.next_tile.get_tensor(cute.make_layout(1)), storage.mbar_tile.data_ptr(),
+                self.num_mma_threads,
+            )
         # Clusters: no CTA may arrive on, or multicast into, a peer before its barriers exist.
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn, is_relaxed=True)
 
@@ -464,12 +473,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         window_r = window_right if const_expr(self.is_local) else None
         walk = TileWalk(
             scheduler=self._scheduler(mQ, mK, num_batch, varlen_q, mTileCounter),
-            handoff=TileHandoff(
-                storage.next_tile.get_tensor(cute.make_layout(1)),
-                int(NamedBarrierFwd.TILE_FULL), int(NamedBarrierFwd.TILE_EMPTY),
-                num_groups=self.num_mma_wg if const_expr(self.wg_local_epilogue) else 1,
-                group_threads=_WG_THREADS if const_expr(self.wg_local_epilogue) else self.num_mma_threads,
-            ) if const_expr(self.dynamic_schedule) else None,
+            handoff=handoff,
             block_info=BlockInfo(
                 self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r,
                 self.pack_gqa,
@@ -546,9 +550,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         # Spanning tiles: K/V stages loaded so far into ring A / ring B (every warpgroup consumes
         # every stage of both, reading only its own ring's), so each knows both rings' states.
         ring_count_a, ring_count_b = Int32(0), Int32(0)
-        # Consumer group of the dynamic scheduler's handoff: this warpgroup, or all of them.
-        handoff_group = wg_idx if const_expr(self.wg_local_epilogue) else 0
-        walk.scheduler.consumer_start(walk.handoff, handoff_group)
+        handoff_state = walk.handoff.consumer_state() if const_expr(self.dynamic_schedule) else None
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             ring_offset, other_offset, other_delta = None, None, None
@@ -620,7 +622,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                     )
                 if has_keys:
                     q_state.advance()
-            tile_idx = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_group)
+            tile_idx, handoff_state = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_state)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
             if self._is_o_storer(tidx):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the last store

@@ -39,6 +39,7 @@ class FwdSm90Load:
             q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         kv_state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        handoff_state = walk.handoff.producer_state() if const_expr(walk.handoff is not None) else None
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             if const_expr(self.span_heads):
@@ -59,7 +60,7 @@ class FwdSm90Load:
                             seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
                             sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
                         )
-            tile_idx = walk.scheduler.next_tile_producer(tile_idx, walk.handoff)
+            tile_idx, handoff_state = walk.scheduler.next_tile_producer(tile_idx, walk.handoff, handoff_state)
         if const_expr(self.cluster_m > 1):
             # A peer's consumers arrive on this CTA's empty barriers, and its TMA writes into
             # this CTA's stages: stay until every stage is released by every CTA's consumers

@@ -27,9 +27,7 @@ class NamedBarrierFwd(enum.IntEnum):
     WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
     WARP_SCHEDULER_WG2 = 3
     WARP_SCHEDULER_WG3 = 4
-    # Dynamic scheduler, consumer group k (an MMA warpgroup, or all of them) on id + k:
-    TILE_FULL = 5  # the producer published the next tile index (5, 6, 7)
-    TILE_EMPTY = 8  # every thread of the group has read it (8, 9, 10)
+    # (5-10 are free: the dynamic scheduler's tile handoff uses mbarriers, tile_scheduler.py)
     # Warpgroup-local epilogue, warpgroup k on id + k: its rows of sO are free / written (11, 12, 13)
     EPILOGUE_WG1 = 11
 

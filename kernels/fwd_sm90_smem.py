@@ -59,6 +59,7 @@ class FwdSm90Smem:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages * self.num_rings]
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2]  # the tile handoff's full/empty
             next_tile: cute.struct.MemRange[cutlass.Int32, 4]  # dynamic scheduler's handoff slot
             sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
             sK: buffer(cute.cosize(sK_layout))

@@ -168,6 +168,15 @@ def _device_semaphore(device_index: int) -> torch.Tensor:
     return torch.zeros(1, 1, 1, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
+def _check_given(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+    """A gradient buffer passed to ``backward``: the kernels write it in place, as they would their own."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)} "
+            f"with strides {t.stride()}"
+        )
+
+
 def _int_arg(t: torch.Tensor | None) -> Any:
     return None if t is None else int_to_cute(int_ready(t))
 
@@ -349,10 +358,15 @@ class BwdSm80:
     def backward(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
+        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq, dk, dv shaped like q, k, v."""
+        """dq, dk, dv shaped like q, k, v. ``dq``/``dk``/``dv`` given (internal: tests pass NaN-poisoned
+        buffers, all three or none): contiguous, q's dtype, the kernel's padded head dim; the results
+        are these buffers (views of them where the head dim is padded)."""
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             # No keys or no queries: every gradient is 0.
+            if dq is not None:
+                return dq.zero_(), dk.zero_(), dv.zero_()
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dev = q.device
         sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
@@ -386,9 +400,18 @@ class BwdSm80:
         dpsum = torch.empty(b_scr, h, s_q_pad, dtype=f32, device=dev)
         dq_accum = torch.empty(b_scr, h, s_q_pad * d, dtype=f32, device=dev)
         # Rows past seqused are never written by the kernels: they must read 0.
-        dq = (torch.zeros if main_key.seqused_q else torch.empty)(q_shape, dtype=q.dtype, device=dev)
-        dk = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
-        dv = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
+        if dq is None:
+            dq = (torch.zeros if main_key.seqused_q else torch.empty)(q_shape, dtype=q.dtype, device=dev)
+            dk = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
+            dv = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
+        else:
+            _check_given(dq, q_shape, q.dtype, "dq")
+            _check_given(dk, k_shape, q.dtype, "dk")
+            _check_given(dv, k_shape, q.dtype, "dv")
+            if main_key.seqused_q:
+                dq.zero_()
+            if main_key.seqused_k:
+                dk.zero_(), dv.zero_()
         if main_key.gqa:
             dk_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)
             dv_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)

@@ -38,11 +38,16 @@ Varlen: ``num_batch = 1`` and ``num_m_blocks`` an upper bound of tiles over all 
 kernel maps the ``m_block`` it gets to ``(sequence, m_block)`` with ``seqlen.varlen_tile_coord``.
 
 Dynamic handoff: one producer warp fetches the next index and publishes it through a shared
-memory slot to the consumer threads with two named barriers per consumer group (``full``: the slot
-holds the next index; ``empty``: every thread of the group has read it). A group (an MMA warpgroup)
-waits only for the producer, never for another group, so warpgroups that run out of phase
-(ping-pong) stay so from tile to tile. Consumers arrive on ``empty`` once before their first tile,
-so the producer's every publish can wait on it.
+memory slot guarded by a one-stage mbarrier pipeline (``full``: lane 0 stored the index and
+arrived, a release; ``empty``: every consumer thread read it and arrived, its own read released
+by its own arrive). A consumer waits only for ``full`` (an acquire), never for another consumer,
+so warpgroups that run out of phase (ping-pong) stay so from tile to tile; the producer's next
+publish waits for every consumer's ``empty`` arrival. Each role carries its pipeline state across
+tiles. (Named barriers, ``bar.arrive`` by the producer and ``bar.sync`` by the consumers, order
+the same accesses by the PTX memory model, but compute-sanitizer's racecheck reported the read as
+racing with the write whenever the producer arrived before the consumers, e.g. on a varlen CTA
+whose tile lies past the last sequence; mbarriers are what racecheck, the TMA pipelines and we
+all reason with, so the sanitizer stays a usable signal.)
 
 Constraints: ``num_tiles < 2**31``; every thread of a CTA walks the same tile sequence.
 
@@ -54,6 +59,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 
 
@@ -75,19 +81,33 @@ def section_heads(
 
 @dataclass(frozen=True)
 class TileHandoff:
-    """The shared-memory slot and named barriers of the dynamic scheduler's producer -> consumers
-    handoff. Consumer group ``k`` uses barriers ``barrier_full + k`` and ``barrier_empty + k``, each
-    counting the producer warp and the group's ``group_threads``."""
+    """The dynamic scheduler's producer -> consumers handoff: a shared-memory slot and a one-stage
+    ``PipelineAsync`` (producer: one thread, lane 0 of the producer warp; consumers: every thread
+    that reads the slot, each arriving on ``empty`` once per read)."""
 
     sNextTile: cute.Tensor  # (1,) Int32 in shared memory
-    barrier_full: int
-    barrier_empty: int
-    num_groups: int
-    group_threads: int
+    pipe: pipeline.PipelineAsync
 
-    @property
-    def num_threads(self) -> int:
-        return 32 + self.group_threads
+    @staticmethod
+    def create(sNextTile: cute.Tensor, mbar_ptr: cute.Pointer, num_consumer_threads: int) -> "TileHandoff":
+        """``mbar_ptr``: two mbarriers (full, empty) in shared memory. Initialised without a sync:
+        the caller's pipeline init fence and CTA barrier publish them with its other pipelines."""
+        pipe = pipeline.PipelineAsync.create(
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
+            barrier_storage=mbar_ptr, defer_sync=True,
+        )
+        return TileHandoff(sNextTile, pipe)
+
+    @staticmethod
+    def producer_state() -> pipeline.PipelineState:
+        """The producer's state before its first publish (the slot starts empty)."""
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+    @staticmethod
+    def consumer_state() -> pipeline.PipelineState:
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
 
 
 @dataclass(frozen=True)
@@ -157,9 +177,12 @@ class TileScheduler:
         return cute.arch.grid_dim()[0]
 
     @cute.jit
-    def next_tile_producer(self, tile_idx: Int32, handoff: TileHandoff | None) -> Int32:
-        """The producer warp's next tile (dynamic: fetched, then published to the consumers);
-        ``>= num_tiles`` when the CTA has none left. All 32 lanes call it."""
+    def next_tile_producer(
+        self, tile_idx: Int32, handoff: TileHandoff | None, state: pipeline.PipelineState | None
+    ):
+        """The producer warp's next tile and its advanced handoff state (dynamic: fetched, then
+        published to the consumers); the tile is ``>= num_tiles`` when the CTA has none left. All
+        32 lanes call it."""
         next_idx = tile_idx + self.num_tiles
         if cutlass.const_expr(self.dynamic):
             fetched = Int32(0)
@@ -173,45 +196,31 @@ class TileScheduler:
                 if fetched == self.num_tiles - 1:
                     cute.arch.atomic_exch(self.mTileCounter.iterator, Int32(0), sem="relaxed", scope="gpu")
             next_idx = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(fetched, 0)
-            # Plain Python values: names written under a runtime `if` become runtime values.
-            num_groups, num_threads = handoff.num_groups, handoff.num_threads
-            barrier_empty, barrier_full = handoff.barrier_empty, handoff.barrier_full
-            slot = handoff.sNextTile
-            for group in cutlass.range_constexpr(num_groups):
-                cute.arch.barrier(barrier_id=barrier_empty + group, number_of_threads=num_threads)
+            # Every consumer has read the previous index (the first publish does not wait).
+            handoff.pipe.producer_acquire(state)
             if cute.arch.lane_idx() == 0:
-                slot[0] = next_idx
-            for group in cutlass.range_constexpr(num_groups):
-                cute.arch.barrier_arrive(barrier_id=barrier_full + group, number_of_threads=num_threads)
+                handoff.sNextTile[0] = next_idx
+                handoff.pipe.producer_commit(state)  # releases this lane's store to the waiters
+            state.advance()
         elif cutlass.const_expr(self.persistent):
             next_idx = tile_idx + self._stride()
-        return next_idx
+        return next_idx, state
 
     @cute.jit
     def next_tile_consumer(
-        self, tile_idx: Int32, handoff: TileHandoff | None, group: Int32 | int = 0
-    ) -> Int32:
-        """A consumer thread's next tile (dynamic: the one the producer published); ``group`` is
-        the thread's consumer group (warp-uniform)."""
+        self, tile_idx: Int32, handoff: TileHandoff | None, state: pipeline.PipelineState | None
+    ):
+        """A consumer thread's next tile (dynamic: the one the producer published) and its advanced
+        handoff state."""
         next_idx = tile_idx + self.num_tiles
         if cutlass.const_expr(self.dynamic):
-            cute.arch.barrier(
-                barrier_id=handoff.barrier_full + group, number_of_threads=handoff.num_threads
-            )
+            handoff.pipe.consumer_wait(state)
             next_idx = handoff.sNextTile[0]
-            cute.arch.barrier_arrive(
-                barrier_id=handoff.barrier_empty + group, number_of_threads=handoff.num_threads
-            )
+            handoff.pipe.consumer_release(state)  # this thread's read is done (one arrival each)
+            state.advance()
         elif cutlass.const_expr(self.persistent):
             next_idx = tile_idx + self._stride()
-        return next_idx
-
-    def consumer_start(self, handoff: TileHandoff | None, group: Int32 | int = 0) -> None:
-        """Consumers, once before their first tile: the handoff slot starts empty."""
-        if cutlass.const_expr(self.dynamic):
-            cute.arch.barrier_arrive(
-                barrier_id=handoff.barrier_empty + group, number_of_threads=handoff.num_threads
-            )
+        return next_idx, state
 
     @cute.jit
     def coords(self, tile_idx: Int32):
