@@ -62,7 +62,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"cache dir        {info['cache_dir']} ({state})")
     print(
         f"cache size       {info['entries']} kernels, {_human_bytes(info['bytes'])} "
-        f"({info['entries_current_fingerprint']} for this version, fingerprint {info['fingerprint']})"
+        f"({info['entries_current_fingerprint']} for this version, fingerprint {info['fingerprint']}; "
+        "list: python -m flashattn_hopper cache)"
     )
     return 0
 
@@ -141,14 +142,28 @@ def cmd_precompile(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .jit import cache_info, clear_disk_cache
+    from .jit import cache_entries, cache_info, clear_disk_cache
 
     if args.action == "clear":
         freed = clear_disk_cache()
         print(f"cleared {settings().cache_dir} ({_human_bytes(freed)})")
         return 0
     info = cache_info()
-    print(f"{info['cache_dir']}: {info['entries']} kernels, {_human_bytes(info['bytes'])}")
+    print(
+        f"{info['cache_dir']}: {info['entries']} kernels, {_human_bytes(info['bytes'])} "
+        f"({info['entries_current_fingerprint']} for this version, fingerprint {info['fingerprint']})"
+    )
+    if not info["disk_cache_enabled"]:
+        print("the disk cache is off in this environment (FLASHATTN_HOPPER_CACHE=0)")
+    stale: dict[str, int] = {}
+    for entry in cache_entries():
+        if entry.fingerprint != info["fingerprint"]:
+            stale[entry.fingerprint] = stale.get(entry.fingerprint, 0) + 1
+            continue
+        print(f"  {entry.file}  {_human_bytes(entry.bytes):>9}  {entry.key_name or '(no .key file)'}")
+    for fingerprint, count in stale.items():
+        print(f"  {count} kernels under fingerprint {fingerprint}: another version of the package, DSL or "
+              "Python (never loaded; 'cache clear' deletes them)")
     return 0
 
 
@@ -167,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--hdim", type=int, nargs="+", help="only kernels serving these head dims")
     pre.add_argument("--dtype", choices=("bf16", "fp16"), nargs="+", help="only these dtypes")
     pre.set_defaults(func=cmd_precompile)
-    cache = sub.add_parser("cache", help="inspect or clear the disk cache")
-    cache.add_argument("action", choices=("clear", "info"))
+    cache = sub.add_parser("cache", help="list (info, the default) or delete (clear) the disk cache's kernels")
+    cache.add_argument("action", nargs="?", default="info", choices=("info", "clear"),
+                       help="info: list the kernels, one line each with its full key; clear: delete the cache")
     cache.set_defaults(func=cmd_cache)
     sweep_parser = sub.add_parser("sweep", help="perf sweep against cuDNN / PyTorch flash (needs a GPU)")
     try:

@@ -6,14 +6,19 @@ every shape and stride is a dynamic value of the compiled function, so one compi
 
 On disk (``FLASHATTN_HOPPER_CACHE_DIR``, default ``~/.cache/flashattn_hopper``) entries live under a
 fingerprint of the kernel sources, the DSL version, the Python version and the ``CUTE_DSL_*`` codegen
-settings, so an upgrade never loads a stale binary. Each entry is an object file exported by the DSL
-plus a ``.sha256`` sidecar written after it:
+settings, so an upgrade never loads a stale binary. Each entry is an object file exported by the DSL,
+a ``.key`` sidecar with the key's full name (for ``python -m flashattn_hopper cache info``) and a
+``.sha256`` sidecar written last. File names are ``<kernel>-<digest16>`` whatever the key holds: a key's
+full name runs past 250 characters, more than a file system allows in one name (ext4: 255 bytes).
 
 - one ``flock`` per key, held through load-or-compile-and-publish, so N processes starting at once
   compile each kernel once and the others load it (timeout ``FLASHATTN_HOPPER_LOCK_TIMEOUT``);
 - publish is write-to-temp then ``os.replace`` (atomic on POSIX), object first, checksum last;
 - an entry whose checksum is missing or wrong, or that fails to load, is moved aside
-  (``*.corrupt``) and recompiled, never loaded.
+  (``*.corrupt``) and recompiled, never loaded;
+- a cache directory that cannot be locked or written (read-only, full, permissions, a bad path) costs
+  one warning per process, never the call: from then on the process only reads entries already there
+  and keeps what it compiles in memory.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -65,7 +71,8 @@ class KernelKey:
 
     @property
     def name(self) -> str:
-        """Readable name for logs and cache files, e.g. ``fwd_sm80-sm_90a-bf16-hdim128-...``."""
+        """Every field, e.g. ``fwd_sm80-sm_90a-dtypebf16-head_dim128-...`` (cache listings; up to ~270
+        characters, so never a file name: see ``_DiskEntry``)."""
         parts = [self.kernel, self.arch]
         for f in dataclasses.fields(self)[2:]:
             value = getattr(self, f.name)
@@ -77,9 +84,49 @@ class KernelKey:
         return "-".join(parts)
 
     @property
+    def display_name(self) -> str:
+        """Short name for logs and progress lines, e.g. ``fwd_sm90-sm_90a-bf16-hdim192/128-tile128x128-causal``:
+        kind, arch, dtype, head dims, the tile, the bool fields that are set and the fields that differ
+        from their defaults (a bool field without a default counts as default False; an int field
+        without one is tile configuration, left to ``name``)."""
+        return _display_name(self)
+
+    @property
     def digest(self) -> str:
         canon = repr((type(self).__name__, dataclasses.astuple(self)))
         return hashlib.sha256(canon.encode()).hexdigest()
+
+
+_DISPLAY_LEAD = ("dtype", "head_dim", "head_dim_v", "tile_m", "tile_n")
+
+
+def _display_name(key: KernelKey) -> str:
+    fields = dataclasses.fields(key)[2:]
+    values = {f.name: getattr(key, f.name) for f in fields}
+    parts = [key.kernel, key.arch]
+    if "dtype" in values:
+        parts.append(str(values["dtype"]))
+    if "head_dim" in values:
+        head_dim_v = values.get("head_dim_v", values["head_dim"])
+        parts.append(f"hdim{values['head_dim']}" + (f"/{head_dim_v}" if head_dim_v != values["head_dim"] else ""))
+    if "tile_m" in values and "tile_n" in values:
+        parts.append(f"tile{values['tile_m']}x{values['tile_n']}")
+    for f in fields:
+        value = values[f.name]
+        if f.name in _DISPLAY_LEAD:
+            continue
+        default = f.default
+        if default is dataclasses.MISSING:
+            if not isinstance(value, bool):
+                continue
+            default = False
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            parts.append(f.name if value else f"no_{f.name}")
+        else:
+            parts.append(f"{f.name}{value}")
+    return "-".join(parts)
 
 
 @functools.cache
@@ -134,6 +181,9 @@ class CompileCache:
         self._memory: dict[KernelKey, Any] = {}
         self._lock = threading.RLock()
         self.stats = CacheStats()
+        self.disk_error: str | None = None
+        """Set at the first disk failure (lock, read or write); from then on this process only reads
+        entries already on disk and publishes nothing."""
 
     def get(self, key: KernelKey, build: Callable[[KernelKey], Any]) -> Any:
         """The compiled function for ``key``: memory, then disk, then ``build(key)`` (a cute.compile)."""
@@ -153,23 +203,57 @@ class CompileCache:
         if not cfg.disk_cache:
             return self._compile(key, build)
         entry = _DiskEntry(cfg.cache_dir / source_fingerprint()[:16], key)
-        with _FileLock(entry.lock_path, cfg.lock_timeout_s, key.name):
-            start = time.perf_counter()
-            fn = entry.load()
-            if fn is not None:
-                seconds = time.perf_counter() - start
-                self.stats.disk_hits += 1
-                self.stats.events.append((key.name, "disk", seconds))
-                log.info("flashattn_hopper: loaded %s from the disk cache in %.3f s", key.name, seconds)
-                return fn
-            if entry.was_corrupt:
-                self.stats.corrupt_entries += 1
-            compiled = self._compile(key, build)
+        if self.disk_error is None:
+            lock = _FileLock(entry.lock_path, cfg.lock_timeout_s, key.display_name)
             try:
-                entry.publish(compiled)
-            except OSError as e:  # a read-only or full cache dir must not break the call
-                log.warning("flashattn_hopper: could not write %s to the disk cache: %s", key.name, e)
-            return compiled
+                lock.acquire()
+            except TimeoutError:  # another process is compiling this key: the message names the setting
+                raise
+            except OSError as e:
+                self._disk_failed(entry, "locked", e)
+            else:
+                try:
+                    fn = self._load(entry)
+                    if fn is not None:
+                        return fn
+                    compiled = self._compile(key, build)
+                    if self.disk_error is None:
+                        try:
+                            entry.publish(compiled)
+                        except OSError as e:
+                            self._disk_failed(entry, "written", e)
+                    return compiled
+                finally:
+                    lock.release()
+        fn = self._load(entry)  # read-only from here on: a shared, pre-filled cache still serves
+        return fn if fn is not None else self._compile(key, build)
+
+    def _load(self, entry: _DiskEntry) -> Any | None:
+        start = time.perf_counter()
+        try:
+            fn = entry.load()
+        except OSError as e:
+            self._disk_failed(entry, "read", e)
+            return None
+        if entry.was_corrupt:
+            self.stats.corrupt_entries += 1
+        if fn is None:
+            return None
+        seconds = time.perf_counter() - start
+        self.stats.disk_hits += 1
+        self.stats.events.append((entry.key.name, "disk", seconds))
+        log.info("flashattn_hopper: loaded %s from the disk cache in %.3f s", entry.key.display_name, seconds)
+        return fn
+
+    def _disk_failed(self, entry: _DiskEntry, what: str, error: OSError) -> None:
+        if self.disk_error is not None:
+            return
+        self.disk_error = f"{what}: {error}"
+        log.warning(
+            "flashattn_hopper: the disk cache could not be %s (%s: %s); this process keeps the kernels it "
+            "compiles in memory only. Point FLASHATTN_HOPPER_CACHE_DIR at a writable directory, or set "
+            "FLASHATTN_HOPPER_CACHE=0 to silence this.", what, type(error).__name__, error,
+        )
 
     def _compile(self, key: KernelKey, build: Callable[[KernelKey], Any]) -> Any:
         start = time.perf_counter()
@@ -177,7 +261,7 @@ class CompileCache:
         seconds = time.perf_counter() - start
         self.stats.compiles += 1
         self.stats.events.append((key.name, "compile", seconds))
-        log.info("flashattn_hopper: compiled %s in %.1f s", key.name, seconds)
+        log.info("flashattn_hopper: compiled %s in %.1f s", key.display_name, seconds)
         return compiled
 
     def clear_memory(self) -> None:
@@ -185,45 +269,63 @@ class CompileCache:
             self._memory.clear()
 
 
+_KIND_IN_FILE_NAME = 32  # characters of the key's kind kept in its file names (kinds are ~13)
+
+
+def _load_module(path: Path, symbol: str) -> Any:
+    """The compiled function an object file exports (tests replace this to use stand-in objects)."""
+    import cutlass.cute as cute
+
+    return getattr(cute.runtime.load_module(str(path)), symbol)
+
+
 class _DiskEntry:
-    """One key's files: ``<name>-<digest12>.o``, its ``.sha256`` sidecar and its lock file."""
+    """One key's files: ``<kind>-<digest16>.o``, its ``.key`` and ``.sha256`` sidecars and its lock
+    file, each name under 100 characters whatever the key holds (``*.corrupt`` copies included)."""
 
     def __init__(self, directory: Path, key: KernelKey) -> None:
         self.directory = directory
         self.key = key
-        stem = f"{key.name}-{key.digest[:12]}"
+        kind = re.sub(r"[^A-Za-z0-9_.]", "_", key.kernel)[:_KIND_IN_FILE_NAME]
+        stem = f"{kind}-{key.digest[:16]}"
         self.object_path = directory / f"{stem}.o"
+        self.key_path = directory / f"{stem}.key"
         self.sum_path = directory / f"{stem}.sha256"
         self.lock_path = directory / "locks" / f"{stem}.lock"
         self.symbol = f"fah_{key.digest[:24]}"  # C identifier the object exports its function under
         self.was_corrupt = False
 
     def load(self) -> Any | None:
-        if not self.object_path.exists():
-            return None
+        """The entry's function, or None when there is none or it is unusable (then quarantined).
+        File-system errors other than a missing entry raise OSError: the cache itself is unusable."""
         try:
             data = self.object_path.read_bytes()
-            expected = self.sum_path.read_text().strip() if self.sum_path.exists() else None
+        except FileNotFoundError:
+            return None
+        try:
+            expected: str | None = self.sum_path.read_text().strip()
+        except FileNotFoundError:
+            expected = None
+        try:
             if expected != hashlib.sha256(data).hexdigest():
                 raise ValueError("checksum missing or wrong (partial or corrupt write)")
-            import cutlass.cute as cute
-
-            module = cute.runtime.load_module(str(self.object_path))
-            return getattr(module, self.symbol)
+            return _load_module(self.object_path, self.symbol)
         except Exception as e:  # any failure means: never trust this entry
             self._quarantine(e)
             return None
 
+    def quarantine_path(self, path: Path) -> Path:
+        return path.with_name(f"{path.name}.{os.getpid()}-{time.time_ns()}.corrupt")
+
     def _quarantine(self, reason: Exception) -> None:
         self.was_corrupt = True
-        log.warning("flashattn_hopper: cache entry %s is unusable (%s); recompiling", self.object_path.name, reason)
-        stamp = f"{os.getpid()}-{time.time_ns()}"
+        log.warning("flashattn_hopper: cache entry %s (%s) is unusable (%s); recompiling",
+                    self.object_path.name, self.key.display_name, reason)
         for path in (self.object_path, self.sum_path):
-            if path.exists():
-                try:
-                    os.replace(path, path.with_name(f"{path.name}.{stamp}.corrupt"))
-                except OSError:
-                    pass
+            try:
+                os.replace(path, self.quarantine_path(path))
+            except OSError:
+                pass
 
     def publish(self, compiled: Any) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -232,6 +334,9 @@ class _DiskEntry:
             tmp_object = Path(tmp) / "kernel.o"
             digest = hashlib.sha256(tmp_object.read_bytes()).hexdigest()
             os.replace(tmp_object, self.object_path)
+            tmp_key = Path(tmp) / "kernel.key"
+            tmp_key.write_text(self.key.name + "\n")
+            os.replace(tmp_key, self.key_path)
             tmp_sum = Path(tmp) / "kernel.sha256"
             tmp_sum.write_text(digest + "\n")
             os.replace(tmp_sum, self.sum_path)
@@ -244,16 +349,17 @@ class _FileLock:
         self.path, self.timeout_s, self.what = path, timeout_s, what
         self._fd = -1
 
-    def __enter__(self) -> _FileLock:
+    def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
+                return
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(self._fd)
                     raise
             if time.monotonic() > deadline:
                 os.close(self._fd)
@@ -263,9 +369,16 @@ class _FileLock:
                 )
             time.sleep(0.05)
 
-    def __exit__(self, *exc: object) -> None:
+    def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
+
+    def __enter__(self) -> _FileLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 compile_cache = CompileCache()
@@ -275,18 +388,48 @@ def cache_dir() -> Path:
     return settings().cache_dir
 
 
+@dataclass(frozen=True)
+class CacheEntry:
+    """One compiled kernel on disk."""
+
+    fingerprint: str  # the directory: kernel sources, DSL, Python and codegen settings it was built with
+    file: str  # the object file's name, ``<kind>-<digest16>.o``
+    key_name: str  # the key's full name (``KernelKey.name``), from the ``.key`` sidecar; "" if missing
+    bytes: int
+
+
+def cache_entries() -> list[CacheEntry]:
+    """Every entry of the disk cache, all fingerprints, sorted by fingerprint then key name."""
+    entries = []
+    try:
+        objects = [p for p in cache_dir().glob("*/*.o") if p.is_file()]
+    except OSError:  # an unreadable cache directory lists as empty
+        return []
+    for path in objects:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        try:
+            key_name = path.with_suffix(".key").read_text().strip()
+        except OSError:
+            key_name = ""
+        entries.append(CacheEntry(path.parent.name, path.name, key_name, size))
+    return sorted(entries, key=lambda e: (e.fingerprint, e.key_name, e.file))
+
+
 def cache_info() -> dict[str, Any]:
     """Disk cache location and size, and this process's in-memory statistics."""
-    root = cache_dir()
-    files = [p for p in root.rglob("*.o") if p.is_file()] if root.exists() else []
-    current = root / source_fingerprint()[:16] if root.exists() else None
+    entries = cache_entries()
+    fingerprint = source_fingerprint()[:16]
     return {
-        "cache_dir": str(root),
+        "cache_dir": str(cache_dir()),
         "disk_cache_enabled": settings().disk_cache,
-        "entries": len(files),
-        "entries_current_fingerprint": sum(1 for p in files if current is not None and p.parent == current),
-        "bytes": sum(p.stat().st_size for p in files),
-        "fingerprint": source_fingerprint()[:16],
+        "disk_error": compile_cache.disk_error,
+        "entries": len(entries),
+        "entries_current_fingerprint": sum(1 for e in entries if e.fingerprint == fingerprint),
+        "bytes": sum(e.bytes for e in entries),
+        "fingerprint": fingerprint,
         "memory_entries": len(compile_cache._memory),
         "stats": dataclasses.asdict(compile_cache.stats),
     }

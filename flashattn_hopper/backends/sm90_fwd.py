@@ -31,9 +31,10 @@ class FwdSm90Key(KernelKey):
     head_dim_v: int
     tile_m: int
     tile_n: int
-    causal: bool
-    intra_wg_overlap: bool
-    pingpong: bool
+    causal: bool = False
+    # defaults as the table's usual rows, so display names show only what differs (jit.KernelKey)
+    intra_wg_overlap: bool = True  # softmax of one block overlaps the next block's QK^T in each warpgroup
+    pingpong: bool = True  # two MMA warpgroups alternate GEMMs and softmax (named barriers)
     local: bool = False
     softcap: bool = False
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
