@@ -59,7 +59,7 @@ class BwdPostKey(KernelKey):
     head_dim: int
     tile_m: int
     num_threads: int
-    atom_m: int
+    atom_m: int = 0  # 0: row-major (the GQA dK/dV sums); a default so display names show the fragment mode
     varlen: bool = False
     seqused: bool = False  # seqused_q (dQ) or seqused_k (dK/dV) given (varlen only)
     dq_red_vec: int = 1  # fragment mode: the main kernel's dQ reduce-add width (the dQaccum order)
