@@ -61,8 +61,10 @@ class BwdFamily(Protocol):
     def backward(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
+        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq, dk, dv shaped like q, k, v."""
+        """dq, dk, dv shaped like q, k, v; written into ``dq``/``dk``/``dv`` where given (internal:
+        tests pass NaN-poisoned buffers, contiguous, with the kernel's padded head dim)."""
         ...
 
 

@@ -30,5 +30,6 @@ class BwdSm90:
     def backward(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
+        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError(_NOT_YET)
