@@ -20,7 +20,7 @@ class FwdTile:
     num_stages: int = 1
 
 
-# Ampere FA2 forward (kernels/fwd_sm80.py): warps split along the query rows, 16-bit inputs.
+# Ampere FA2 forward (kernels/sm80/fwd.py): warps split along the query rows, 16-bit inputs.
 # Smem = (tile_m + 2 * num_stages * tile_n) * hdim * 2 B (Q + K + V).
 # What matters on H100/H200 is query rows per warp (tile_m / warps): 32 rows halve the shared-memory
 # bytes per mma.sync against 16 rows (each K/V fragment feeds twice the MMAs), and 4-warp CTAs at
@@ -76,7 +76,7 @@ class FwdTileSm90:
     q_stages: int = 1
 
 
-# Hopper FA3 forward (kernels/fwd_sm90.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
+# Hopper FA3 forward (kernels/sm90/fwd.py): producer warp + tile_m / 64 MMA warpgroups, 2 K/V stages.
 # Smem = (tile_m + 2 * 2 * tile_n) * hdim * 2 B (+ tile_m * hdim * 2 B for a persistent kernel's own sO
 # when that fits, hdim <= 128; spanning tiles double the K/V stages: hdim 64, 177 KB with its own sO);
 # MMA-thread registers ~ S + O + P/2 <= 216 (2 WGs).
@@ -250,7 +250,7 @@ class BwdSm80Tile:
     stmatrix_pds: bool = False
 
 
-# Ampere FA2 backward (kernels/bwd_sm80.py): 8 warps, K/V once per CTA.
+# Ampere FA2 backward (kernels/sm80/bwd.py): 8 warps, K/V once per CTA.
 # Smem = ((stages_q + stages_do) * tile_m + 2 * tile_n) * hdim * 2 B + 2 * tile_m * tile_n * 2 B
 # (Q, dO; K, V; P, dS); sm80 allows 164 KiB per CTA, sm90 227 KiB (BWD_SM80_TILES_SM90).
 BWD_SM80_TILES: dict[int, BwdSm80Tile] = {
@@ -297,7 +297,7 @@ BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
 
 
 def bwd_dq_red_vec(arch: str) -> int:
-    """fp32 values per dQ reduce-add of the sm80 backward (kernels/bwd_sm80.py): 4 on sm_90 targets,
+    """fp32 values per dQ reduce-add of the sm80 backward (kernels/sm80/bwd.py): 4 on sm_90 targets,
     where PTX has ``red.global.add.v4.f32``, 1 on sm_80. Why: on an H100 (ncu, hdim 64, 16k,
     non-causal, 2026-11-21) our kernel issued the same number of ldmatrix, shared stores, global
     reductions and MMAs as FA2's but its warps waited ~48k cycles each for a full load-store queue

@@ -4,6 +4,11 @@ Installed as ``flashattn_hopper.kernels`` (never import a top-level ``kernels``)
 package is cheap on purpose: it pulls in no DSL module, so the Python API can import the package
 without paying for a DSL start-up. Import the kernel modules themselves where they are needed:
 
-- ``fwd_sm80``: ``FlashFwdSm80``, the Ampere (sm80) FlashAttention-2 forward kernel.
-- ``common``: device helpers shared by the kernels (online softmax, masks, block ranges, layouts).
+- ``sm90``: the Hopper kernels (``sm90.fwd``: ``FlashFwdSm90``, the FA3 forward, with its role
+  modules ``fwd_load``, ``fwd_epilogue``, ``fwd_tiles``, ``fwd_smem``, ``fwd_parts``, ``fwd_budget``).
+- ``sm80``: the Ampere kernels (``sm80.fwd``: ``FlashFwdSm80``, the FA2 forward; ``sm80.bwd``:
+  ``FlashBwdSm80``, the FA2 backward's main kernel, with ``bwd_epilogue``). They run on Hopper too.
+- ``common``: what both arches use: device helpers (online softmax, masks, block ranges, tile
+  schedulers, seqlen info, layouts) and the backward's preprocess and postprocess kernels
+  (``bwd_pre``, ``bwd_post``).
 """

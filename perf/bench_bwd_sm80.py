@@ -1,4 +1,4 @@
-"""Backward benchmark of the Ampere FA2 path (kernels/bwd_pre.py, bwd_sm80.py, bwd_post.py; not a test).
+"""Backward benchmark of the Ampere FA2 path (kernels/common/bwd_pre.py, bwd_sm80.py, bwd_post.py; not a test).
 
     python perf/bench_bwd_sm80.py [--hdims 64 128 256] [--seqlens 512 ... 16384] [--causal off on]
                                   [--repeat N] [--deterministic] [--variants scalar-red ...]

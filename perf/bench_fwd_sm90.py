@@ -6,7 +6,7 @@
     python perf/bench_fwd_sm90.py --features [--hdims 128]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048. Per cell it times
-- sm90 variants of kernels/fwd_sm90.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
+- sm90 variants of kernels/sm90/fwd.py: ``full`` (intra-WG overlap + ping-pong, the shipped config),
   ``overlap`` (intra-WG overlap, no ping-pong), ``serial`` (neither: QK^T, softmax, P.V in sequence),
   ``persistent`` / ``nonpersistent`` (``full`` with one CTA per SM walking tiles / one CTA per tile),
   ``cta-epilogue`` (one O store per tile behind a barrier over every MMA warpgroup),
@@ -66,7 +66,7 @@ VARIANTS = {
 
 
 def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
-    """A callable running kernels/fwd_sm90.py with the shipped key for this shape, some fields
+    """A callable running kernels/sm90/fwd.py with the shipped key for this shape, some fields
     overridden (compiled once); ``tile_mn`` = (tile_m, tile_n) overrides the tile."""
     from flashattn_hopper.backends.common import current_stream, int_to_cute, to_cute
     from flashattn_hopper.backends.sm90_fwd import FwdSm90, q_ring_fits

@@ -127,7 +127,7 @@ def test_bwd_under_cuda_graph(shape, causal):
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"{name} differs after replay"
 
 
-# Split tail (kernels/bwd_sm80.py): (batch, s_q, s_k, nheads, nheads_k, head_dim, SMs the launcher is
+# Split tail (kernels/sm80/bwd.py): (batch, s_q, s_k, nheads, nheads_k, head_dim, SMs the launcher is
 # told the GPU has, expected (tail_blocks, tail_segments)). Small problems on a pretend SM count give
 # the splits the big ones get on 132 SMs: partial last key blocks among the split ones, uneven
 # segments (18 query blocks in 4), every block split (fewer blocks than SMs), GQA/MQA sums.

@@ -272,7 +272,7 @@ def test_sm90_keys_never_alias_sO_across_swizzle_atoms():
     pytest.importorskip("cutlass")
     import cutlass
 
-    from flashattn_hopper.kernels.fwd_sm90 import FlashFwdSm90
+    from flashattn_hopper.kernels.sm90.fwd import FlashFwdSm90
 
     family = dispatch.FWD_KERNELS["sm90"]
     for d in range(8, 257, 8):
@@ -293,7 +293,7 @@ def test_sm90_q_ring_only_where_shared_memory_has_room():
     import cutlass
 
     from flashattn_hopper.backends.sm90_fwd import q_ring_fits
-    from flashattn_hopper.kernels.fwd_sm90 import _SMEM_CAPACITY, FlashFwdSm90
+    from flashattn_hopper.kernels.sm90.fwd import _SMEM_CAPACITY, FlashFwdSm90
 
     for tile_m, tile_n in ((128, 64), (128, 80), (128, 112), (128, 128), (192, 128)):
         for d in (64, 96, 128, 192, 256):
@@ -342,7 +342,7 @@ def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
 
 
 def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
-    """The split tail (kernels/bwd_sm80.py): a dense, unmasked, non-deterministic backward whose key
+    """The split tail (kernels/sm80/bwd.py): a dense, unmasked, non-deterministic backward whose key
     blocks leave a short last wave on the GPU's SMs splits that wave's blocks into segments; causal,
     local, varlen and deterministic calls never do, nor calls whose blocks fill whole waves."""
     from flashattn_hopper.backends.sm80_bwd import TAIL_MAX_SEGMENTS, TAIL_MIN_M_BLOCKS, tail_plan

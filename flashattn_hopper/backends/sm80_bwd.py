@@ -1,5 +1,5 @@
-"""Launcher of the Ampere FA2 backward: preprocess (kernels/bwd_pre.py), main (kernels/bwd_sm80.py)
-and postprocess (kernels/bwd_post.py): keys, compile, launch.
+"""Launcher of the Ampere FA2 backward: preprocess (kernels/common/bwd_pre.py), main (kernels/sm80/bwd.py)
+and postprocess (kernels/common/bwd_post.py): keys, compile, launch.
 
 One backward call is 3 launches (MHA) or 5 (GQA/MQA: the postprocess also converts the fp32 dK/dV
 sums): pre (dPsum, LSE_log2, zero dQaccum) -> main (dK, dV; dQ reduce-added in fp32) -> post (dQ).
@@ -101,7 +101,7 @@ TAIL_MIN_M_BLOCKS = 4
 
 def tail_plan(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, tile_m: int, tile_n: int,
               num_sms: int) -> tuple[int, int]:
-    """``(tail_blocks, tail_segments)`` of a dense unmasked backward (kernels/bwd_sm80.py, split
+    """``(tail_blocks, tail_segments)`` of a dense unmasked backward (kernels/sm80/bwd.py, split
     tail). Its ``N`` key blocks run one CTA per SM, so the last wave holds ``r = N mod num_sms`` of
     them, each as long as a whole one (``T``), while the other SMs idle. Split into ``s`` segments,
     those ``r * s`` CTAs of ``T / s`` take ``ceil(r * s / num_sms) * T / s``: ``s`` minimises that
@@ -304,7 +304,7 @@ class BwdSm80:
             return _fake_packed(dtype, seqlen, heads, d) if varlen else fake_bshd(dtype, b, seqlen, heads, d)
 
         if key.kernel == "bwd_pre_sm80":
-            from ..kernels.bwd_pre import FlashBwdPreprocess
+            from ..kernels.common.bwd_pre import FlashBwdPreprocess
 
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim))
@@ -316,7 +316,7 @@ class BwdSm80:
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
             return cute.compile(kernel, *fakes, *ints, stream, **kwargs)
         if key.kernel == "bwd_post_sm80":
-            from ..kernels.bwd_post import FlashBwdPostprocess
+            from ..kernels.common.bwd_post import FlashBwdPostprocess
 
             pk: BwdPostKey = key  # type: ignore[assignment]
             kernel = FlashBwdPostprocess(
@@ -327,7 +327,7 @@ class BwdSm80:
             return cute.compile(kernel, *fakes, f32(1.0), *ints, stream, **kwargs)
         if key.kernel != self.kind:
             raise ValueError(f"not a key of this family: {key.name}")
-        from ..kernels.bwd_sm80 import FlashBwdSm80
+        from ..kernels.sm80.bwd import FlashBwdSm80
 
         k: BwdKey = key  # type: ignore[assignment]
         kernel = FlashBwdSm80(

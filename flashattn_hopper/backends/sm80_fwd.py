@@ -1,4 +1,4 @@
-"""Launcher of the Ampere FA2 forward (kernels/fwd_sm80.py): key, compile, launch.
+"""Launcher of the Ampere FA2 forward (kernels/sm80/fwd.py): key, compile, launch.
 
 Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA.
 Head dims are zero-padded in Python up to a row of ``configs.FWD_SM80_TILES`` (``head_dim_v``
@@ -100,7 +100,7 @@ class FwdSm80(FwdLauncher):
         return keys
 
     def compile(self, key: FwdKey, options: str | None = None) -> Any:
-        from ..kernels.fwd_sm80 import FlashFwdSm80
+        from ..kernels.sm80.fwd import FlashFwdSm80
 
         dtype = cutlass_dtype(key.dtype)
         kernel = FlashFwdSm80(

@@ -1,4 +1,4 @@
-"""Launcher of the Hopper FA3 backward (kernels/bwd_pre.py, bwd_sm90.py, bwd_post.py). Not written yet
+"""Launcher of the Hopper FA3 backward (kernels/common/bwd_pre.py, bwd_sm90.py, bwd_post.py). Not written yet
 (after the Hopper forward, issue 4): every problem is refused with a reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Launcher of the Hopper FA3 forward (kernels/fwd_sm90.py): key, compile, launch.
+"""Launcher of the Hopper FA3 forward (kernels/sm90/fwd.py): key, compile, launch.
 
 Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA. Head
 dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds them, v's by its own
@@ -60,7 +60,7 @@ class FwdSm90Key(KernelKey):
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
     """Whether two Q buffers, the own sO and ``kv_stages`` K/V stages fit one CTA's shared memory
     (16-bit elements; the kernel's own count, which imports no DSL)."""
-    from ..kernels.fwd_sm90_budget import SMEM_CAPACITY, smem_bytes
+    from ..kernels.sm90.fwd_budget import SMEM_CAPACITY, smem_bytes
 
     return smem_bytes(2, hdim, hdim_v, tile_m, tile_n, kv_stages, True, 2) <= SMEM_CAPACITY
 
@@ -132,7 +132,7 @@ class FwdSm90(FwdLauncher):
         hdim, hdim_v = dims
         if (hdim % 64 == 0) != (hdim_v % 64 == 0):
             # 96 tiles shared memory with a 64-byte swizzle atom, the other rows with 128 bytes; sO
-            # may share sQ's buffer only with the same atom (kernels/fwd_sm90.py), so such pairs
+            # may share sQ's buffer only with the same atom (kernels/sm90/fwd.py), so such pairs
             # (96/64, 128/96, ...) run v zero-padded to q's width.
             hdim_v = hdim
         causal, local = mask_flags(p)
@@ -194,7 +194,7 @@ class FwdSm90(FwdLauncher):
 
     def kernel(self, key: FwdSm90Key) -> Any:
         """The kernel object for ``key`` (its static configuration; not yet compiled)."""
-        from ..kernels.fwd_sm90 import FlashFwdSm90
+        from ..kernels.sm90.fwd import FlashFwdSm90
 
         return FlashFwdSm90(
             cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,

@@ -1,4 +1,4 @@
-"""Epilogues of the Ampere backward kernel (kernels/bwd_sm80.py): dK and dV out of the registers.
+"""Epilogues of the Ampere backward kernel (kernels/sm80/bwd.py): dK and dV out of the registers.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``BwdSm80Epilogue`` is a
 mixin of ``FlashBwdSm80``; it reads the kernel's static configuration (``dtype``, ``head_dim``,
@@ -14,10 +14,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common.bwd_utils import (
+from ..common.bwd_utils import (
     accum_tile, elem_pointer, red_add_tile, semaphore_signal, semaphore_wait, tiled_copy_16b,
 )
-from .common.utils import convert_to_16bit
+from ..common.utils import convert_to_16bit
 
 
 class BwdSm80Epilogue:

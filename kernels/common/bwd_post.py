@@ -29,12 +29,12 @@ from cutlass import Float32, Int32, const_expr
 
 from cutlass.memory import SmemAllocator
 
-from .common.bwd_utils import (
+from .bwd_utils import (
     accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, select_head, tiled_copy_16b,
     tiled_mma_sm80,
 )
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .common.utils import (
+from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from .utils import (
     assume_strides_aligned, convert_to_16bit, select_modes, smem_layout_atom_sm80,
 )
 

@@ -1,4 +1,4 @@
-"""Tile walk of the Hopper forward kernel (kernels/fwd_sm90.py): the scheduler and each tile's work.
+"""Tile walk of the Hopper forward kernel (kernels/sm90/fwd.py): the scheduler and each tile's work.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Tiles`` is a mixin of
 ``FlashFwdSm90``; it reads the kernel's static configuration (``tile_m``, ``tile_n``, ``head_dim``,
@@ -12,9 +12,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .common.tile_scheduler import TileScheduler, section_heads
-from .fwd_sm90_parts import TileCoord, TileWalk
+from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from ..common.tile_scheduler import TileScheduler, section_heads
+from .fwd_parts import TileCoord, TileWalk
 
 
 class FwdSm90Tiles:

@@ -30,17 +30,17 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 
-from .common.block_info import BlockInfo
-from .common.bwd_utils import (
+from ..common.block_info import BlockInfo
+from ..common.bwd_utils import (
     SEQ_PAD, copy_threads_per_row, fragment_accum, m_block_min_max, red_add_tile, scratch_offset,
     select_head, semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
 )
-from .bwd_sm80_epilogue import BwdSm80Epilogue
-from .common.gemm_sm80 import gemm_ss
-from .common.mask import AttentionMask
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .common.softmax import apply_softcap, softcap_scale_log2
-from .common.utils import (
+from .bwd_epilogue import BwdSm80Epilogue
+from ..common.gemm_sm80 import gemm_ss
+from ..common.mask import AttentionMask
+from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from ..common.softmax import apply_softcap, softcap_scale_log2
+from ..common.utils import (
     LOG2_E,
     acc_rows_cols,
     assume_strides_aligned,
@@ -175,7 +175,7 @@ class FlashBwdSm80(BwdSm80Epilogue):
     ascending order each causal key block starts only after its left neighbour has passed the
     diagonal, a chain that measured 0.55x of FA2 on an H200; see perf/NOTES_sm80_bwd.md).
 
-    Epilogue (``bwd_sm80_epilogue.py``): MHA converts ``dK * softmax_scale`` and ``dV`` to 16-bit
+    Epilogue (``bwd_epilogue.py``): MHA converts ``dK * softmax_scale`` and ``dV`` to 16-bit
     through smem (reusing sK/sV) with 128-bit predicated stores. GQA (``is_gqa``) reduce-adds the
     fp32 accumulators into ``dKaccum``/``dVaccum`` (the postprocess scales and converts);
     deterministic: in ascending query-head order per KV head.

@@ -1,4 +1,4 @@
-"""Producer (load) role of the Hopper forward kernel (kernels/fwd_sm90.py): TMA of Q and the K/V ring.
+"""Producer (load) role of the Hopper forward kernel (kernels/sm90/fwd.py): TMA of Q and the K/V ring.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Load`` is a mixin of
 ``FlashFwdSm90``; it reads the kernel's static configuration (``tile_m``, ``tile_n``, ``head_dim``,
@@ -12,9 +12,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .common.seqlen import SeqlenInfo
-from .common.sm90_utils import select_head
-from .fwd_sm90_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
+from ..common.seqlen import SeqlenInfo
+from ..common.sm90_utils import select_head
+from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
 class FwdSm90Load:

@@ -1,4 +1,4 @@
-"""Shared-memory and MMA building blocks of the Hopper forward kernel (kernels/fwd_sm90.py).
+"""Shared-memory and MMA building blocks of the Hopper forward kernel (kernels/sm90/fwd.py).
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Smem`` is a mixin
 of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``, ``tile_m``, ``tile_n``,
@@ -13,8 +13,8 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from .common.sm90_utils import make_smem_layout_sm90
-from .fwd_sm90_budget import SMEM_ALIGN, smem_bytes
+from ..common.sm90_utils import make_smem_layout_sm90
+from .fwd_budget import SMEM_ALIGN, smem_bytes
 
 
 class FwdSm90Smem:

@@ -31,12 +31,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 
-from .common.block_info import BlockInfo
-from .common.gemm_sm80 import gemm_rs, gemm_ss
-from .common.mask import AttentionMask
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
-from .common.utils import (
+from ..common.block_info import BlockInfo
+from ..common.gemm_sm80 import gemm_rs, gemm_ss
+from ..common.mask import AttentionMask
+from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from ..common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
+from ..common.utils import (
     LOG2_E,
     acc_rows_cols,
     acc_to_frag_a_sm80,

@@ -1,4 +1,4 @@
-"""Epilogue role of the Hopper forward kernel (kernels/fwd_sm90.py): O and LSE to global memory.
+"""Epilogue role of the Hopper forward kernel (kernels/sm90/fwd.py): O and LSE to global memory.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Epilogue`` is a
 mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``, ``tile_m``,
@@ -10,9 +10,9 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
-from .common.sm90_utils import store_rows_predicated
-from .common.utils import acc_rows_cols, convert_to_16bit
-from .fwd_sm90_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
+from ..common.sm90_utils import store_rows_predicated
+from ..common.utils import acc_rows_cols, convert_to_16bit
+from .fwd_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
 
 
 class FwdSm90Epilogue:

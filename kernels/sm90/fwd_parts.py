@@ -1,4 +1,4 @@
-"""Argument bundles and named barriers of the Hopper forward kernel (kernels/fwd_sm90.py).
+"""Argument bundles and named barriers of the Hopper forward kernel (kernels/sm90/fwd.py).
 
 Split out of the kernel module to keep it readable: frozen dataclasses that group what the device
 methods pass around (so none takes more than ~12 parameters), and the barrier ids as an IntEnum.
@@ -11,10 +11,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
-from .common.block_info import BlockInfo
-from .common.mask import AttentionMask
-from .common.softmax import OnlineSoftmax
-from .common.tile_scheduler import TileHandoff, TileScheduler
+from ..common.block_info import BlockInfo
+from ..common.mask import AttentionMask
+from ..common.softmax import OnlineSoftmax
+from ..common.tile_scheduler import TileHandoff, TileScheduler
 
 
 WG_THREADS = 128  # threads of a warpgroup

@@ -27,10 +27,10 @@ Constraints:
   are runtime ``Int32``, an unbounded side is a huge value (``2**30``); lengths < ``2**30``.
 
 Files by role: this one (configuration, launch, prologue, the MMA warpgroups' main loop),
-``fwd_sm90_load.py`` (the producer warp's TMA loads), ``fwd_sm90_epilogue.py`` (O and LSE out),
-``fwd_sm90_tiles.py`` (the tile scheduler's setup and each tile's coordinates and key blocks),
-``fwd_sm90_smem.py`` (shared-memory layouts, storage and byte count, the tiled WGMMAs, the Q ring's
-views), ``fwd_sm90_parts.py`` (the records and named barriers they share).
+``fwd_load.py`` (the producer warp's TMA loads), ``fwd_epilogue.py`` (O and LSE out),
+``fwd_tiles.py`` (the tile scheduler's setup and each tile's coordinates and key blocks),
+``fwd_smem.py`` (shared-memory layouts, storage and byte count, the tiled WGMMAs, the Q ring's
+views), ``fwd_parts.py`` (the records and named barriers they share).
 
 Paper: FlashAttention-3 (Shah et al., 2024) sections 3.1 (producer/consumer warp specialisation,
 ping-pong scheduling) and 3.2 (intra-warpgroup overlap of softmax and GEMMs); design doc
@@ -48,27 +48,27 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .common.block_info import BlockInfo
-from .common.mask import AttentionMask
-from .common.pack_gqa import pack_gqa_view
-from .common.sm90_utils import (
+from ..common.block_info import BlockInfo
+from ..common.mask import AttentionMask
+from ..common.pack_gqa import pack_gqa_view
+from ..common.sm90_utils import (
     acc_to_frag_a_sm90, same_smem_atom, select_head, wgmma,
 )
-from .common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
-from .common.tile_scheduler import TileHandoff
-from .common.utils import (
+from ..common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
+from ..common.tile_scheduler import TileHandoff
+from ..common.utils import (
     LOG2_E,
     acc_rows_cols,
     attention_kernel_views,
     convert_to_16bit,
     transpose_view,
 )
-from .fwd_sm90_epilogue import FwdSm90Epilogue
-from .fwd_sm90_load import FwdSm90Load
-from .fwd_sm90_budget import SMEM_CAPACITY as _SMEM_CAPACITY
-from .fwd_sm90_smem import FwdSm90Smem
-from .fwd_sm90_tiles import FwdSm90Tiles
-from .fwd_sm90_parts import (
+from .fwd_epilogue import FwdSm90Epilogue
+from .fwd_load import FwdSm90Load
+from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
+from .fwd_smem import FwdSm90Smem
+from .fwd_tiles import FwdSm90Tiles
+from .fwd_parts import (
     WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
     TmaAtoms,
 )

@@ -1,6 +1,6 @@
 """Backward preprocess: ``dPsum = rowsum(dO * O)``, ``LSE_log2``, and a zeroed ``dQaccum``.
 
-Purpose: the per-row quantities the main backward kernel (``bwd_sm80.py``) reads for every key
+Purpose: the per-row quantities the main backward kernel (``bwd.py``) reads for every key
 block, computed once (design doc 2.2), in fp32:
 - ``dPsum[i] = sum_d dO[i, d] * O[i, d]`` (the ``D_i`` of ``dS = P * (dP - D)``);
 - ``LSE_log2[i] = LSE[i] * log2(e)`` so that ``P = exp2(S * scale_log2 - LSE_log2)`` is one FFMA
@@ -26,12 +26,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .common.bwd_utils import (
+from .bwd_utils import (
     SEQ_PAD, accum_tile, copy_threads_per_row, scratch_offset, scratch_tile_reason, select_head,
     tiled_copy_16b,
 )
-from .common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .common.utils import LOG2_E, assume_strides_aligned, select_modes
+from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from .utils import LOG2_E, assume_strides_aligned, select_modes
 
 
 class FlashBwdPreprocess:
