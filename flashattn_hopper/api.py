@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, validate
+from . import dispatch, ops, validate
 from .backends.common import VarlenArgs
 from .validate import AttnProblem
 
@@ -94,6 +94,9 @@ def flash_attn_func(
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
+    if torch.compiler.is_compiling():  # one opaque graph node (ops.py); constant-folded by Dynamo
+        out, lse = ops.attention(q, k, v, None, softmax_scale, causal, window_size, softcap, deterministic, backend)
+        return (out, lse) if (return_lse or return_attn_probs) else out
     p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap)
     out, lse = _attention(q, k, v, p, backend, deterministic, None)
     return (out, lse) if (return_lse or return_attn_probs) else out
@@ -136,6 +139,12 @@ def flash_attn_varlen_func(
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
+    if torch.compiler.is_compiling():  # one opaque graph node (ops.py); max_seqlen is not read
+        out, lse = ops.attention(
+            q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), softmax_scale, causal, window_size,
+            softcap, deterministic, backend,
+        )
+        return (out, lse) if (return_lse or return_attn_probs) else out
     p = validate.validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale, causal, window_size, softcap,

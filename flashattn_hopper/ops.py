@@ -1,0 +1,144 @@
+"""The forward and backward as ``torch.library`` custom ops, for ``torch.compile``.
+
+Under ``torch.compile`` the public functions (``api.py``) call ``torch.ops.flashattn_hopper.fwd``, so
+Dynamo sees one opaque graph node per attention call instead of tracing our Python (whose device
+lookups, compile cache and DSL launch it cannot trace: ``fullgraph=True`` failed on
+``torch.cuda.get_device_name``). Autograd is registered on the op (``bwd`` is the second node), and
+``register_fake`` gives the output shapes from the input shapes alone: no device query, no ``.item()``.
+Eager calls keep the direct path (an op dispatch costs 10-60 us of host time per call).
+
+Schema: tensors, optional tensors (the varlen inputs), ints, floats, bools and an optional str
+only. ``max_seqlen_*`` is not an input: no kernel reads it (the varlen grid is an upper bound), so
+a compiled graph never depends on its value. The ops allocate their outputs and mutate nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import dispatch, validate
+from .backends.common import VarlenArgs
+from .validate import AttnProblem
+
+NAMESPACE = "flashattn_hopper"
+
+
+def _problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float,
+) -> tuple[AttnProblem, VarlenArgs | None]:
+    """The problem the eager path would build (same validation, same errors), inside the op."""
+    window = (window_left, window_right)
+    if cu_seqlens_q is None:
+        return validate.validate_dense(q, k, v, softmax_scale, causal, window, softcap), None
+    p = validate.validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, seqused_q, seqused_k, softmax_scale, causal, window, softcap,
+    )
+    return p, VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, None)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float,
+    deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``deterministic`` is for the registered backward."""
+    from .api import _fwd
+
+    p, varlen = _problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, window_left,
+        window_right, softcap,
+    )
+    out, lse = _fwd(q, k, v, p, backend, varlen)
+    return out.contiguous(), lse.contiguous()
+
+
+@fwd.register_fake
+def _fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float,
+    deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is None:  # q (batch, seqlen_q, nheads, d) -> lse (batch, nheads, seqlen_q)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    else:  # q (total_q, nheads, d) -> lse (nheads, total_q)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=())
+def bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
+    seqused_k: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
+    window_right: int, softcap: float, deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` shaped like q, k, v (contiguous)."""
+    p, varlen = _problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, window_left,
+        window_right, softcap,
+    )
+    family = dispatch.bwd_kernel_for(q.device, backend, p, deterministic)
+    dq, dk, dv = family.backward(dout.contiguous(), q, k, v, out, lse, p, varlen, deterministic)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@bwd.register_fake
+def _bwd_fake(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
+    seqused_k: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
+    window_right: int, softcap: float, deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+# Non-tensor inputs of fwd after q, k, v and the four varlen tensors, in schema order.
+_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "backend")
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, cu_q, cu_k, used_q, used_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
+    ctx.options = dict(zip(_FWD_OPTIONS, options))
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of q, k, v (the LSE is not differentiable, as in flash-attn: ``dlse`` is ignored)."""
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+    if dout is None:
+        return (None,) * (7 + len(_FWD_OPTIONS))
+    o = ctx.options
+    dq, dk, dv = torch.ops.flashattn_hopper.bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, o["softmax_scale"], o["causal"],
+        o["window_left"], o["window_right"], o["softcap"], o["deterministic"], o["backend"],
+    )
+    return (dq, dk, dv) + (None,) * (4 + len(_FWD_OPTIONS))
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: tuple[Any, ...] | None, softmax_scale: float | None,
+    causal: bool, window_size: Any, softcap: float, deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled path of ``api.py``: the window as two ints (checked in Python, which Dynamo
+    traces), everything else checked inside the op, with the eager path's messages."""
+    left, right = validate.check_window(window_size, causal)
+    cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None, None, None, None)
+    return torch.ops.flashattn_hopper.fwd(
+        q, k, v, cu_q, cu_k, used_q, used_k,
+        None if softmax_scale is None else float(softmax_scale), bool(causal), left, right, float(softcap),
+        bool(deterministic), backend,
+    )
