@@ -62,6 +62,15 @@ def _attention(
     return _fwd(q, k, v, p, backend, varlen)
 
 
+def _autocast(*tensors: Any) -> tuple[Any, ...]:
+    """fp32 inputs under ``torch.autocast("cuda")`` run in its dtype, as SDPA's do (the cast is
+    differentiable: fp32 leaves get fp32 gradients); anything else is left for validation."""
+    if not torch.is_autocast_enabled("cuda"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,6 +99,7 @@ def flash_attn_func(
     """
     if positional_options:
         raise validate.too_many_positional("flash_attn_func", "q, k, v", positional_options, "dropout_p", "softmax_scale")
+    q, k, v = _autocast(q, k, v)
     validate.check_flash_attn_extras("flash_attn_func", flash_attn_extras)
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
@@ -135,6 +145,7 @@ def flash_attn_varlen_func(
             "flash_attn_varlen_func", "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k",
             positional_options, "dropout_p", "seqused_q",
         )
+    q, k, v = _autocast(q, k, v)
     validate.check_flash_attn_extras("flash_attn_varlen_func", flash_attn_extras)
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
