@@ -7,6 +7,7 @@ can warm the cache that GPU nodes then load.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -79,8 +80,11 @@ def _set_target_arch(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
 
 
-def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | None, quiet: bool = False) -> list[dict[str, Any]]:
-    """Compiles (or finds in the disk cache) every kernel variant for ``arch_name``; returns a report."""
+def precompile(
+    arch_name: str, head_dims: list[int] | None, dtypes: list[str] | None, quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Compiles (or finds in the disk cache) every kernel variant for ``arch_name``; returns a report.
+    Prints a line per kernel family saying what it serves, then a line per kernel (``progress_line``)."""
     from . import dispatch
 
     target = dispatch.PRECOMPILE_TARGETS[arch_name]
@@ -100,7 +104,11 @@ def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | 
                     continue
                 keys.append((family, key))
     report = []
+    family_seen = None
     for i, (family, key) in enumerate(keys, 1):
+        if family is not family_seen and not quiet:
+            print(family_header(family, target, [k for f, k in keys if f is family]), flush=True)
+        family_seen = family
         events_before = len(compile_cache.stats.events)
         start = time.perf_counter()
         status, error = "ok", ""
@@ -111,11 +119,44 @@ def precompile(arch_name: str, head_dims: list[int] | None, dtypes: list[str] | 
         seconds = time.perf_counter() - start
         new_events = compile_cache.stats.events[events_before:]
         source = new_events[-1][1] if new_events else "memory"
-        row = {"kernel": key.name, "status": status, "source": source if status == "ok" else "-", "seconds": seconds, "error": error}
+        row = {"kernel": key.name, "display_name": key.display_name, "status": status,
+               "source": source if status == "ok" else "-", "seconds": seconds, "error": error}
         report.append(row)
         if not quiet:
-            print(f"[{i}/{len(keys)}] {row['status']:6} {row['source']:8} {seconds:7.2f} s  {key.name}  {error}", flush=True)
+            print(progress_line(i, len(keys), row), flush=True)
+            if error:
+                print(f"    {error}", flush=True)
     return report
+
+
+def progress_line(i: int, total: int, row: dict[str, Any]) -> str:
+    """``[  7/179] ok     compile    9.81 s  fwd_sm90-sm_90a-bf16-hdim128-tile128x128-causal-persistent``:
+    at most 120 columns for every kernel the package ships (tests/test_cli.py)."""
+    width = len(str(total))
+    return (
+        f"[{i:>{width}}/{total}] {row['status']:6} {row['source']:7} {row['seconds']:7.2f} s  {row['display_name']}"
+    )
+
+
+def family_header(family: Any, target: str, keys: list[Any]) -> str:
+    """What a kernel family is for, printed before its ``keys``: on a Hopper target the Ampere
+    kernels appear too, and a reader should not have to guess why."""
+    from . import dispatch
+
+    kinds = sorted({key.kernel for key in keys} - {family.kind})
+    also = f" (with {', '.join(kinds)})" if kinds else ""
+    head = f"-- {family.kind}{also} for {target}: {len(keys)} kernels"
+    hopper_target = family.backend == "sm80" and "sm90" in dispatch.BACKENDS_FOR_TARGET[target]
+    if family.kind.startswith("fwd"):
+        if hopper_target:
+            return (f"{head}\n   the Ampere forward built for Hopper: it runs what the Hopper forward does not "
+                    "cover, and backend='sm80'")
+        return f"{head}, the {'Hopper' if family.backend == 'sm90' else 'Ampere'} forward"
+    if hopper_target:
+        hopper_bwd = dispatch.BWD_KERNELS["sm90"].all_keys(target)
+        serves = "what the Hopper backward does not cover" if hopper_bwd else "every backward on Hopper"
+        return f"{head}\n   the Ampere backward built for Hopper: it runs {serves}, and backend='sm80'"
+    return f"{head}, the {'Hopper' if family.backend == 'sm90' else 'Ampere'} backward"
 
 
 def _serves(family: Any, kernel_head_dim: int, head_dim: int) -> bool:
@@ -128,16 +169,26 @@ def _serves(family: Any, kernel_head_dim: int, head_dim: int) -> bool:
     return configs.kernel_head_dim(tiles, head_dim, head_dim) == kernel_head_dim
 
 
+def human_seconds(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{seconds:.1f} s"
+
+
 def cmd_precompile(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
     report = precompile(args.arch, args.hdim, args.dtype)
+    seconds = time.perf_counter() - start
     failed = [r for r in report if r["status"] != "ok"]
     compiled = sum(1 for r in report if r["source"] == "compile")
     cached = sum(1 for r in report if r["source"] in ("disk", "memory"))
     print(
-        f"precompile --arch {args.arch}: {len(report)} kernels, {compiled} compiled, {cached} already cached, "
-        f"{len(failed)} failed; cache dir {settings().cache_dir}"
+        f"precompile --arch {args.arch}: {len(report)} kernels in {human_seconds(seconds)}: {compiled} compiled, "
+        f"{cached} already cached, {len(failed)} failed\ncache dir {settings().cache_dir}"
         + ("" if settings().disk_cache else " (disk cache is off: FLASHATTN_HOPPER_CACHE=0, nothing was saved)")
     )
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({"arch": args.arch, "seconds": seconds, "kernels": report}, f, indent=1)
     return 1 if failed else 0
 
 
@@ -173,14 +224,29 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return sweep.run(args)
 
 
+_DESCRIPTION = "FlashAttention-style attention kernels for Hopper (sm90) and Ampere (sm80) GPUs."
+_EPILOG = """\
+examples:
+  python -m flashattn_hopper info
+  python -m flashattn_hopper precompile --arch sm90        # no GPU needed
+  python -m flashattn_hopper cache                         # list the cached kernels (same as: cache info)
+  python -m flashattn_hopper cache clear
+  python -m flashattn_hopper sweep --quick                 # needs a GPU
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flashattn_hopper", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flashattn_hopper", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the examples' lines as written
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, arch, chosen backend, versions, cache dir and size").set_defaults(func=cmd_info)
     pre = sub.add_parser("precompile", help="compile every kernel for an arch into the disk cache (no GPU needed)")
     pre.add_argument("--arch", choices=("sm90", "sm80"), required=True, help="target GPU arch family")
     pre.add_argument("--hdim", type=int, nargs="+", help="only kernels serving these head dims")
     pre.add_argument("--dtype", choices=("bf16", "fp16"), nargs="+", help="only these dtypes")
+    pre.add_argument("--report", metavar="PATH", help="also write the per-kernel report (JSON) to PATH")
     pre.set_defaults(func=cmd_precompile)
     cache = sub.add_parser("cache", help="list (info, the default) or delete (clear) the disk cache's kernels")
     cache.add_argument("action", nargs="?", default="info", choices=("info", "clear"),
