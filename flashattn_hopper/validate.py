@@ -345,7 +345,9 @@ _UNSUPPORTED_NEUTRAL = {
 _IGNORED_HINTS = {"num_splits", "pack_gqa", "sm_margin"}
 
 
-def too_many_positional(func_name: str, positional: str, extra: tuple[object, ...], fa2_next: str, fa3_next: str) -> TypeError:
+def too_many_positional(
+    func_name: str, positional: str, extra: tuple[object, ...], fa2_next: str, fa3_next: str,
+) -> TypeError:
     """The error for options passed by position: flash-attn 2 and 3 take them positionally, in different
     orders, so a positional value cannot be mapped safely; say which name each library would give it."""
     n = len(positional.split(", "))
