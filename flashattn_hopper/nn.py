@@ -40,12 +40,14 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 class MultiheadAttention(nn.Module):
     """Self-attention with ``num_heads`` query heads of ``embed_dim // num_heads`` and ``num_kv_heads``
-    key/value heads. ``rotary_base=None`` turns the rotary embedding off."""
+    key/value heads. ``rotary_base=None`` turns the rotary embedding off; ``deterministic=True`` makes
+    the backward bitwise repeatable (a little slower)."""
 
     def __init__(
         self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = False,
         causal: bool = True, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-        rotary_base: float | None = 10000.0, device: torch.device | str | None = None,
+        rotary_base: float | None = 10000.0, deterministic: bool = False,
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -59,6 +61,7 @@ class MultiheadAttention(nn.Module):
         if rotary_base is not None and self.head_dim % 2 != 0:
             raise ValueError(f"rotary embedding needs an even head dim, got {self.head_dim}")
         self.causal, self.window_size, self.softcap, self.rotary_base = causal, window_size, softcap, rotary_base
+        self.deterministic = deterministic  # bitwise-repeatable backward (flash-attn's option)
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
@@ -83,7 +86,10 @@ class MultiheadAttention(nn.Module):
                 positions = torch.arange(x.shape[1], device=x.device)
             cos, sin = rotary_cos_sin(positions, self.head_dim, self.rotary_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        options = {"causal": self.causal, "window_size": self.window_size, "softcap": self.softcap}
+        options = {
+            "causal": self.causal, "window_size": self.window_size, "softcap": self.softcap,
+            "deterministic": self.deterministic,
+        }
         if packed:
             out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
         else:

@@ -1,66 +1,106 @@
-"""Host time of one flash_attn_func call on a tiny problem, split by piece (needs a GPU).
+"""Host overhead per call (not a test): tiny shapes, so the GPU waits on Python.
 
-    python perf/call_overhead.py
+    python perf/call_overhead.py [--calls 2000] [--out FILE.md]
 
-The kernel itself is microseconds here, so the wall time per call is the Python/launch path.
+Per system: ``--calls`` back-to-back calls of a tiny attention (batch 1, seqlen 128, 8 heads of 128,
+bf16, causal) after a warm-up, one CUDA event pair around them; us per call = elapsed / calls,
+which is the host's time per call whenever it exceeds the kernel's (a few us here). Forward alone
+and forward + backward (``torch.autograd.grad``). Systems: ours (default backend), ours
+``backend="sm80"``, and PyTorch SDPA with each backend it has (flash, cuDNN, efficient). Also: the
+time ``import flashattn_hopper`` adds to ``import torch``, and a new process's time from start to
+its first result with a warm disk cache.
 """
-import cProfile
-import io
-import pstats
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
 import time
 
 import torch
-from flashattn_hopper import flash_attn_func, validate, dispatch
-from flashattn_hopper.backends import common
-from flashattn_hopper.jit import target_arch, compile_cache
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-q, k, v = (torch.randn(2, 16, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-for _ in range(20):
-    flash_attn_func(q, k, v)
-torch.cuda.synchronize()
+SHAPE = (1, 128, 8, 128)
 
-def per_call(fn, n=500):
-    fn(); torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
 
-p = validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)
-fam = dispatch.fwd_kernel_for(q.device, None, p)
-key = fam.key(p, target_arch(), None) if fam.backend == "sm90" else fam.key(p, target_arch())
-compiled = compile_cache.get(key, fam.compile)
-out = torch.empty_like(q); lse = torch.empty(2, 2, 16, device="cuda")
-cts = [common.to_cute(t) for t in (q, k, v, out, lse)]
-stream = common.current_stream(q.device)
-# window_left, window_right, softcap, the family's own arguments (sm90: CTA count, tile counter), varlen
-extra = (0, 0, 1.0, *fam.extra_args(key, q.device), None, None, None, None)
-print("backend", fam.backend)
-print(f"full flash_attn_func          {per_call(lambda: flash_attn_func(q, k, v)):8.1f} us")
-print(f"  causal                      {per_call(lambda: flash_attn_func(q, k, v, causal=True)):8.1f} us")
-qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-dout = torch.randn_like(q)
-print(f"  forward + backward          {per_call(lambda: flash_attn_func(qg, kg, vg).backward(dout), n=200):8.1f} us")
-print(f"validate_dense                {per_call(lambda: validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)):8.1f} us")
-print(f"fwd_kernel_for (dispatch)     {per_call(lambda: dispatch.fwd_kernel_for(q.device, None, p)):8.1f} us")
-print(f"target_arch                   {per_call(target_arch):8.1f} us")
-print(f"compile_cache.get             {per_call(lambda: compile_cache.get(key, fam.compile)):8.1f} us")
-print(f"to_cute x5                    {per_call(lambda: [common.to_cute(t) for t in (q, k, v, out, lse)]):8.1f} us")
-print(f"current_stream                {per_call(lambda: common.current_stream(q.device)):8.1f} us")
-print(f"compiled(pre-converted)       {per_call(lambda: compiled(*cts, 0.1, *extra, stream)):8.1f} us")
-# the launch path's ready-made arguments (kernel_arg), through the DSL's call and through common.launch
-ready = (*cts, *(common.kernel_arg(x) for x in (0.1, *extra[:-4])), *(common.kernel_arg(None) for _ in range(4)), stream)
-print(f"compiled(ready args)          {per_call(lambda: compiled(*ready)):8.1f} us")
-print(f"launch(compiled, ready args)  {per_call(lambda: common.launch(compiled, *ready)):8.1f} us")
-print(f"family.key                    {per_call(lambda: fam.key(p, target_arch(), None)):8.1f} us")
-print(f"family.extra_args             {per_call(lambda: fam.extra_args(key, q.device)):8.1f} us")
-print(f"torch.empty x2 (out, lse)     {per_call(lambda: (torch.empty_like(q), torch.empty(2, 2, 16, device=q.device))):8.1f} us")
-print(f"launch_forward (keyed)        {per_call(lambda: common.launch_forward(compiled, key, q, k, v, p, None, None, None, fam.extra_args(key, q.device))):8.1f} us")
-print(f"family.forward                {per_call(lambda: fam.forward(q, k, v, p, None)):8.1f} us")
-print(f"torch.cuda.device ctx         {per_call(lambda: torch.cuda.device(q.device).__enter__()):8.1f} us")
-pr = cProfile.Profile(); pr.enable()
-for _ in range(300):
-    flash_attn_func(q, k, v)
-pr.disable(); torch.cuda.synchronize()
-s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[-6000:])
+
+def systems():
+    from flashattn_hopper import flash_attn_func
+
+    def ours(backend):
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=True, backend=backend)
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+                ).transpose(1, 2)
+        return run
+
+    yield "ours", ours(None)
+    yield "ours sm80", ours("sm80")
+    for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        yield name, sdpa(backend)
+
+
+def startup_seconds() -> tuple[float, float]:
+    """(import flashattn_hopper on top of import torch, new process to first result), warm cache."""
+    code_import = (
+        "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+        "import flashattn_hopper; print(time.perf_counter() - t1)"
+    )
+    code_first = (
+        "import torch; from flashattn_hopper import flash_attn_func; "
+        f"q = torch.randn(*{SHAPE}, dtype=torch.bfloat16, device='cuda'); "
+        "flash_attn_func(q, q, q, causal=True); torch.cuda.synchronize()"
+    )
+    subprocess.run([sys.executable, "-c", code_first], check=True)  # fills the disk cache
+    imported = float(subprocess.run([sys.executable, "-c", code_import], check=True, capture_output=True,
+                                    text=True).stdout.strip())
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code_first], check=True)
+    return imported, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    q, k, v = (torch.randn(*SHAPE, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    dout = torch.randn(*SHAPE, dtype=torch.bfloat16, device="cuda")
+    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {SHAPE} bf16 causal, "
+             f"{args.calls} calls", "", "| system | forward us/call | forward + backward us/call |", "|---|---|---|"]
+    for name, fn in systems():
+        with torch.no_grad():
+            fwd = per_call_us(lambda: fn(q, k, v), args.calls)
+        both = per_call_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), args.calls // 4)
+        lines.append(f"| {name} | {fwd:.1f} | {both:.1f} |")
+        print(lines[-1], flush=True)
+    imported, first = startup_seconds()
+    lines += ["", f"import flashattn_hopper on top of import torch: {imported:.3f} s; "
+              f"new process to first result (warm disk cache): {first:.2f} s"]
+    print(lines[-1])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

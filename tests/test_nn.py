@@ -94,10 +94,10 @@ def test_fp32_inputs_under_autocast_run_in_the_autocast_dtype():
 
 
 class _Block(nn.Module):
-    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, width: int, heads: int, kv_heads: int, deterministic: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = MultiheadAttention(width, heads, kv_heads)
+        self.attn = MultiheadAttention(width, heads, kv_heads, deterministic=deterministic)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def attention(self, x, use_sdpa, cu_seqlens, max_seqlen):
@@ -128,10 +128,10 @@ class _Block(nn.Module):
 
 
 class _GPT(nn.Module):
-    def __init__(self, vocab=256, width=512, layers=6, heads=8, kv_heads=4):
+    def __init__(self, vocab=256, width=512, layers=6, heads=8, kv_heads=4, deterministic=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(_Block(width, heads, kv_heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(_Block(width, heads, kv_heads, deterministic) for _ in range(layers))
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens, use_sdpa=False, cu_seqlens=None, max_seqlen=None):
@@ -158,7 +158,7 @@ def _train(use_sdpa: bool, packed: bool, steps: int, compiled: bool = False) -> 
     model = _GPT().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch, seqlen = 4, 1024
-    data = _corpus(batch, seqlen + 1)
+    data = _corpus(batch * 50, seqlen + 1)  # 50 batches, walked in order: no batch is memorized
     cu, max_len = None, None
     if packed:  # each row of 1024 tokens cut into sequences of 300, 500 and 224, packed into one row
         lens = [300, 500, 224] * batch
@@ -167,7 +167,8 @@ def _train(use_sdpa: bool, packed: bool, steps: int, compiled: bool = False) -> 
     forward = torch.compile(model, fullgraph=True) if compiled else model
     losses = []
     for step in range(steps):
-        inputs, targets = data[:, :-1], data[:, 1:]
+        rows = data[(step % 50) * batch:(step % 50 + 1) * batch]
+        inputs, targets = rows[:, :-1], rows[:, 1:]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if packed:
                 logits = forward(inputs.reshape(-1), use_sdpa, cu, max_len)
@@ -196,3 +197,45 @@ def test_gpt_compiled_fullgraph_trains_like_eager():
     eager, compiled = _train(False, False, 41), _train(False, False, 41, compiled=True)
     for i, (a, b) in enumerate(zip(compiled, eager)):
         assert abs(a - b) <= 0.01 * b, f"loss at step {20 * i}: compiled {a:.4f}, eager {b:.4f}"
+
+
+@pytest.mark.gpu
+def test_training_step_replays_from_a_cuda_graph():
+    """One whole training step (forward, backward, capturable AdamW) captured once after 3 warm-up
+    steps and replayed 50 times gives the eager run's losses bit for bit (``deterministic=True``:
+    else the backward's dQ atomics round differently from run to run, and a model that memorizes its
+    one batch amplifies that); no host sync or foreign allocation breaks the capture."""
+    data = _corpus(4, 1025)
+    inputs, targets = data[:, :-1], data[:, 1:]
+
+    def make():
+        torch.manual_seed(0)
+        model = _GPT(layers=2, deterministic=True).cuda()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+
+    def train_step(model, opt):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    model, opt = make()
+    eager = [train_step(model, opt).item() for _ in range(53)][3:]
+
+    model, opt = make()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step(model, opt)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = train_step(model, opt)
+    replayed = []
+    for _ in range(50):
+        graph.replay()
+        replayed.append(static_loss.item())
+    assert replayed == eager, f"replayed:\n{replayed}\neager:\n{eager}"
