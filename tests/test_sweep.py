@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_hopper import sweep
-from flashattn_hopper.sweep_backends import Skip, check_slice, describe_failure
-from flashattn_hopper.sweep_report import (
+from flashattn_hopper.sweep.backends import Skip, check_slice, describe_failure
+from flashattn_hopper.sweep.report import (
     ENV_COLUMNS,
     RESULT_COLUMNS,
     CsvSink,
@@ -27,7 +27,7 @@ from flashattn_hopper.sweep_report import (
     markdown,
     write_plots,
 )
-from flashattn_hopper.sweep_timing import DoBenchTimer, Timing, quantile
+from flashattn_hopper.sweep.timing import DoBenchTimer, Timing, quantile
 
 CPU = torch.device("cpu")
 ENV = {"gpu": "Test GPU 80GB", "date": "2026-01-02", "torch": "2.x", "git_sha": "abc123", "matmul_tflops": 800.0,

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, TextIO
 
 import torch
 
-from .sweep_backends import BACKENDS, BASELINES, OURS
+from .backends import BACKENDS, BASELINES, OURS
 
 STATUSES = ("ok", "skipped", "wrong", "error")
 PASS_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}

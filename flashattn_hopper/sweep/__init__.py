@@ -10,8 +10,8 @@ median time, ratio to each baseline and % of a dense matmul measured in the same
 table, `results.csv`, `results.md` and PNG plots under `perf/results/<gpu>-<date>/`. perf/README.md
 says what is measured and how.
 
-This module: the command line, the plan (shapes, FLOPs) and the loop. Timing is in `sweep_timing`,
-backends and the correctness gate in `sweep_backends`, tables and plots in `sweep_report`.
+This module: the command line, the plan (shapes, FLOPs) and the loop. Timing is in `sweep.timing`,
+backends and the correctness gate in `sweep.backends`, tables and plots in `sweep.report`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable, TextIO
 
 import torch
 
-from .sweep_backends import (
+from .backends import (
     BACKENDS,
     BASELINES,
     OURS,
@@ -43,7 +43,7 @@ from .sweep_backends import (
     one_line,
     reference_tools,
 )
-from .sweep_report import (
+from .report import (
     PASS_LABEL,
     CsvSink,
     LiveTable,
@@ -55,7 +55,7 @@ from .sweep_report import (
     write_markdown,
     write_plots,
 )
-from .sweep_timing import Timer, clear_grads, make_timer, matmul_tflops, timed_first_call
+from .timing import Timer, clear_grads, make_timer, matmul_tflops, timed_first_call
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -549,6 +549,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

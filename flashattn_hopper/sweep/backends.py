@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .testing import rounding_atol
+from ..testing import rounding_atol
 
 # "auto": backend=None, what users get (sm90 kernels where they exist, e.g. the sm90 forward with the
 # sm80 backward in training); "sm90"/"sm80": one kernel family forced.
