@@ -5,9 +5,10 @@ import itertools
 
 import torch
 
-from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
+from flashattn_hopper import dispatch, flash_attn_func, flash_attn_varlen_func, validate
 from flashattn_hopper.api import _fwd
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
+from flashattn_hopper.backends.common import VarlenArgs
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref
 
 
 def make_qkv(batch, s_q, s_k, h, h_k, d, dv=None, dtype=torch.bfloat16, device="cuda", seed=0):
@@ -33,14 +34,61 @@ def check_parity(q, k, v, causal, backend, **kwargs):
     return out, lse
 
 
+def problem(q, k, v, varlen=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """The launchers' ``AttnProblem`` (and ``VarlenArgs``) for q/k/v; ``varlen``: dict of cu_seqlens_q/k
+    and optional seqused_q/k, as the backward tests build it."""
+    if varlen is None:
+        return validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap), None
+    cu_q, cu_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"]
+    used_q, used_k = varlen.get("seqused_q"), varlen.get("seqused_k")
+    p = validate.validate_varlen(q, k, v, cu_q, cu_k, None, None, used_q, used_k, softmax_scale, causal, window_size,
+                                 softcap)
+    return p, VarlenArgs(cu_q, cu_k, used_q, used_k, None, None)
+
+
+def poisoned_fwd(q, k, v, backend, varlen=None, **options):
+    """The forward launcher writing into NaN-filled out/lse buffers made here, just before the call.
+
+    Poisoning is guaranteed by construction: the buffers are filled with NaN by this function and the
+    launcher must return exactly them (same data pointers), so any element the kernel does not write is
+    NaN, whatever memory the allocator handed out. ``options``: softmax_scale, causal, window_size,
+    softcap. Returns (out, lse), checked free of NaN (not against the reference).
+    """
+    p, va = problem(q, k, v, varlen, **options)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
+    out = torch.full(out_shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device=q.device)
+    got_out, got_lse = _fwd(q, k, v, p, backend, va, out=out, lse=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr(), "launcher ignored out/lse"
+    assert not torch.isnan(out).any(), "out: NaN left in the poisoned buffer (rows the kernel did not write)"
+    assert not torch.isnan(lse).any(), "lse: NaN left in the poisoned buffer (rows the kernel did not write)"
+    return out, lse
+
+
+def poisoned_bwd(q, k, v, dout, fwd_backend, bwd_backend, varlen=None, deterministic=False, **options):
+    """dq, dk, dv from the backward launcher writing into NaN-filled buffers made here, just before the
+    call; the forward's out/lse come from ``poisoned_fwd``.
+
+    Poisoning is guaranteed by construction (as in ``poisoned_fwd``): the launcher must return exactly the
+    buffers filled here (same data pointers), so an element no kernel writes stays NaN. Head dims must be
+    native (the buffers have q/k/v's shapes). ``bwd_backend`` None: the family the API would pick
+    (``dispatch.bwd_kernel_for``). Checked free of NaN, not against the reference.
+    """
+    p, va = problem(q, k, v, varlen, **options)
+    out, lse = poisoned_fwd(q, k, v, fwd_backend, varlen, **options)
+    family = dispatch.bwd_kernel_for(q.device, bwd_backend, p, deterministic)
+    bufs = [torch.full(t.shape, float("nan"), dtype=q.dtype, device=q.device) for t in (q, k, v)]
+    grads = family.backward(dout, q, k, v, out, lse, p, va, deterministic, dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    for name, g, buf in zip(("dq", "dk", "dv"), grads, bufs):
+        assert g.data_ptr() == buf.data_ptr(), f"{name}: the launcher did not write the given buffer"
+        assert not torch.isnan(g).any(), f"{name}: NaN left in the poisoned buffer (elements no kernel wrote)"
+    return grads
+
+
 def check_poisoned_outputs(q, k, v, causal, backend):
     """NaN-filled out/lse buffers given to the launcher must be fully overwritten, and correct."""
-    b, s_q, h, _ = q.shape
-    out = torch.full((b, s_q, h, v.shape[-1]), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((b, h, s_q), float("nan"), dtype=torch.float32, device="cuda")
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    _fwd(q, k, v, p, backend, None, out=out, lse=lse)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out, lse = poisoned_fwd(q, k, v, backend, causal=causal)
     out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
     out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False)
     assert_close_to_ref("out", out, out_ref, out_pt)
@@ -75,13 +123,12 @@ def check_out_lse(name, out, lse, ref, pt, factor):
     """out and lse vs the fp32 reference: max|ours - ref| <= factor * max|pt - ref| + atol."""
     assert not torch.isnan(out).any(), f"{name}: NaN in out"
     for what, ours, r, p, atol in (("out", out, ref[0], pt[0], 1e-5), ("lse", lse, ref[1], pt[1], 1e-4)):
-        ok, err, bound = max_err_check(ours, r, p, atol=atol, factor=factor)
-        assert ok, f"{name} {what}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e}"
+        assert_close_to_ref(f"{name} {what}", ours, r, p, atol=atol, factor=factor)
 
 
-def check_features_dense(q, k, v, backend, causal=False, window=(-1, -1), softcap=0.0):
+def check_features_dense(q, k, v, backend, causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None):
     """Dense window / softcap parity (3x PyTorch's error for softcap: tanh.approx vs torch.tanh)."""
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=softmax_scale)
     out, lse = flash_attn_func(q, k, v, return_lse=True, backend=backend, **kwargs)
     assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     check_out_lse("dense", out, lse, attention_ref(q, k, v, **kwargs), attention_ref(q, k, v, upcast=False, **kwargs),
@@ -90,9 +137,9 @@ def check_features_dense(q, k, v, backend, causal=False, window=(-1, -1), softca
 
 
 def check_features_varlen(q, k, v, cu_q, cu_k, backend, used_q=None, used_k=None, causal=False,
-                          window=(-1, -1), softcap=0.0, max_seqlen_q=None):
+                          window=(-1, -1), softcap=0.0, max_seqlen_q=None, softmax_scale=None):
     """Varlen parity (cu_seqlens, optional seqused and max_seqlen_q) with windows / softcap."""
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=softmax_scale)
     out, lse = flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max_seqlen_q, None, seqused_q=used_q, seqused_k=used_k, return_lse=True,
         backend=backend, **kwargs,

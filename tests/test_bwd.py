@@ -1,12 +1,20 @@
 """Backward parity through the public API (GPU tier): dq, dk, dv against the fp32 reference's autograd.
 
 Rule (flash-attn's): max|ours - ref_fp32| <= 2 * max|pytorch_same_dtype - ref_fp32| + atol for every gradient,
-with atol = twice the dtype's rounding error at the reference's magnitude (FA3's test atol). The reference is
-autograd through plain PyTorch attention, once on fp32 leaf copies (the oracle) and once in the input dtype.
+with atol = ``testing.rounding_atol`` (FA3's test atol, justified there). The reference is autograd through
+plain PyTorch attention, once on fp32 leaf copies (the oracle) and once in the input dtype.
 
 The dense causal tests use a local reference (``reference_grads``); window, softcap, varlen and the head
 dims 96-256 use autograd through ``testing.attention_ref`` (rows that see no key get zero gradients there).
 Softcap uses factor 3 instead of 2, as flash-attn's tests do.
+
+Backends: most tests force ``backend="sm80"`` (the sm80 forward and backward, on any GPU); the
+``default_path`` tests pass no backend, as training code does: on Hopper the sm90 forward, then the
+backward the dispatcher picks for its out/LSE (the sm80 kernels until the sm90 backward lands).
+
+Poisoned outputs: ``_parity.poisoned_bwd`` runs the launchers on NaN-filled dq/dk/dv (and out/lse)
+buffers it fills just before the call and checks the results are those buffers, so an element no kernel
+writes stays NaN whatever the caching allocator hands out. Repeat checks compare such poisoned calls.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import math
 import pytest
 import torch
 
-from flashattn_hopper import configs, flash_attn_func, flash_attn_varlen_func
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref, max_err_check
+from flashattn_hopper import configs, dispatch, flash_attn_func, flash_attn_varlen_func
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, rounding_atol
 
+from ._parity import poisoned_bwd, problem
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_SLOW
 
 pytestmark = pytest.mark.gpu
@@ -66,48 +75,91 @@ def reference_grads(q, k, v, dout, causal, softmax_scale=None, upcast=True):
     return out, dq, dk, dv
 
 
-def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    r = ref.to(dtype)
-    return 2.0 * ((r + 0.3 - 0.3) - r).abs().max().item() if r.numel() else 0.0
-
-
-def ours(q, k, v, dout, causal, deterministic=False, **kwargs):
+def ours(q, k, v, dout, causal, deterministic=False, backend="sm80", **kwargs):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, backend="sm80", **kwargs)
+    out = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, backend=backend, **kwargs)
     out.backward(dout)
     return out, q.grad, k.grad, v.grad
+
+
+def check_against_refs(grads, leaves, ref, pt, factor=2.0, what=""):
+    """Each gradient: shape, dtype, finite, and the parity rule against the fp32 reference's."""
+    for name, g, t, r, p in zip(("dq", "dk", "dv"), grads, leaves, ref, pt):
+        name = f"{what}{name}"
+        assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: {g.shape} {g.dtype}"
+        assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
+        assert_close_to_ref(name, g, r, p, atol=rounding_atol(r, t.dtype), factor=factor)
 
 
 def check_grads(q, k, v, dout, causal, **kwargs):
     out, *grads = ours(q, k, v, dout, causal, **kwargs)
     _, *ref = reference_grads(q, k, v, dout, causal, kwargs.get("softmax_scale"))
     _, *pt = reference_grads(q, k, v, dout, causal, kwargs.get("softmax_scale"), upcast=False)
-    for name, g, t, r, p in zip(("dq", "dk", "dv"), grads, (q, k, v), ref, pt):
-        assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: {g.shape} {g.dtype}"
-        assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
-        assert_close_to_ref(name, g, r, p, atol=rounding_atol(r, q.dtype))
+    check_against_refs(grads, (q, k, v), ref, pt)
     return grads
 
 
+@pytest.fixture
+def default_path(clean_settings, monkeypatch):
+    """For tests of the default path (no backend): records the backend of every kernel family the API
+    dispatches to and the deterministic flag the backward was asked for; ``check(p, deterministic)``
+    asserts the calls went where training calls go (no ``FLASHATTN_HOPPER_BACKEND``): on Hopper the
+    sm90 forward, and the sm90 backward once it takes the problem, else the sm80 one; elsewhere sm80
+    for both."""
+    seen = {"fwd": set(), "bwd": set(), "deterministic": set()}
+    fwd_for, bwd_for = dispatch.fwd_kernel_for, dispatch.bwd_kernel_for
+
+    def fwd(device, requested, p):
+        family = fwd_for(device, requested, p)
+        seen["fwd"].add(family.backend)
+        return family
+
+    def bwd(device, requested, p, deterministic):
+        family = bwd_for(device, requested, p, deterministic)
+        seen["bwd"].add(family.backend)
+        seen["deterministic"].add(deterministic)
+        return family
+
+    monkeypatch.setattr(dispatch, "fwd_kernel_for", fwd)
+    monkeypatch.setattr(dispatch, "bwd_kernel_for", bwd)
+
+    def check(p, deterministic=False):
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        bwd = "sm90" if hopper and dispatch.BWD_KERNELS["sm90"].can_implement(p, deterministic) is None else "sm80"
+        expected = {"fwd": {"sm90" if hopper else "sm80"}, "bwd": {bwd}, "deterministic": {deterministic}}
+        assert seen == expected, seen
+
+    return check
+
+
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 @pytest.mark.parametrize(
-    "shape, causal",
-    [((2, 333, 333, 4, 4, 128), True), ((2, 333, 333, 8, 2, 128), True), ((2, 1023, 1000, 4, 4, 64), False)],
-    ids=["mha", "gqa", "mha-split-tail"],
+    "shape, causal, deterministic",
+    [((2, 333, 333, 4, 4, 128), True, False), ((2, 333, 333, 8, 2, 128), True, False),
+     ((2, 1023, 1000, 4, 4, 64), False, False), ((2, 333, 333, 8, 2, 128), True, True)],
+    ids=["mha", "gqa", "mha-split-tail", "gqa-deterministic"],
 )
-def test_bwd_under_cuda_graph(shape, causal):
-    """Forward + backward captured in a CUDA graph replay to the eager gradients (training loops
-    capture whole steps; the backward's scratch and semaphore tensors must be capture-safe). The
-    non-causal case has fewer key blocks than SMs with 8 query blocks each: its tail is split
-    (tail_plan: 64 blocks in 2 segments on >= 128 SMs: H100, H200), scratch and arrival counts
-    captured too."""
+def test_bwd_under_cuda_graph(backend, shape, causal, deterministic):
+    """Forward + backward captured in a CUDA graph (training loops capture whole steps; the backward's
+    scratch and semaphore tensors must be capture-safe). The non-causal case has fewer key blocks than
+    SMs with 8 query blocks each: its tail is split (tail_plan: 64 blocks in 2 segments on >= 128 SMs:
+    H100, H200), scratch and arrival counts captured too.
+
+    Poisoning: a replay writes into the captured gradient tensors, which are NaN-filled before every
+    replay. Non-deterministic gradients (dQ, and dK/dV under GQA, are fp32 reduce-adds in any order) are
+    checked against the fp32 reference by the parity rule, eager and replayed; deterministic ones bit for
+    bit against the eager call (the same kernels, the same order)."""
     q, k, v, dout = make_inputs(*shape)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def step():
-        out = flash_attn_func(q, k, v, causal=causal, backend="sm80")
+        out = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, backend=backend)
         return torch.autograd.grad(out, (q, k, v), dout)
 
     eager = step()
+    _, *ref = reference_grads(q, k, v, dout, causal)
+    _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
+    check_against_refs(eager, (q, k, v), ref, pt, what="eager ")
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
@@ -121,10 +173,11 @@ def test_bwd_under_cuda_graph(shape, causal):
             g.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
-            # (not bitwise: dQ, and dK/dV under GQA, are fp32 reduce-adds in any order)
-            assert torch.isfinite(a).all(), f"{name}: NaN left after replay"
-            assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"{name} differs after replay"
+        if deterministic:
+            for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
+                assert torch.equal(a, b), f"{name}: the replay differs from the eager call"
+        else:
+            check_against_refs(captured, (q, k, v), ref, pt, what="replayed ")
 
 
 # Split tail (kernels/sm80/bwd.py): (batch, s_q, s_k, nheads, nheads_k, head_dim, SMs the launcher is
@@ -144,21 +197,20 @@ SPLIT_TAIL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SPLIT_TAIL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-h{c[3]}k{c[4]}-d{c[5]}-sm{c[6]}")
 def test_bwd_split_tail_parity(monkeypatch, dtype, case):
-    """The last wave's key blocks split into segments: gradients as the reference's, every dK/dV row
-    written (outputs land in NaN-filled memory), and as the unsplit launch's."""
+    """The last wave's key blocks split into segments: gradients as the reference's, and every element
+    of dq, dk, dv written: the launcher writes into NaN-filled buffers made just before the call and
+    must return exactly them (``_parity.poisoned_bwd``). The unsplit launch (one pretend SM: whole
+    waves) is checked the same way; both are fp32 reduce-adds in any order, so each is held to the
+    reference rather than to the other."""
     from flashattn_hopper.backends import sm80_bwd
 
     batch, s_q, s_k, h, h_k, d, sms, plan = case
     tile = configs.bwd_sm80_tiles("sm_90a")[d]
     assert sm80_bwd.tail_plan(batch, s_q, s_k, h, tile.tile_m, tile.tile_n, sms) == plan
     q, k, v, dout = make_inputs(batch, s_q, s_k, h, h_k, d, dtype=dtype)
-    monkeypatch.setattr(sm80_bwd, "num_sms", lambda device_index: sms)
-    poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # freed: dq, dk, dv reuse them
-    del poison
-    split = check_grads(q, k, v, dout, False)
-    monkeypatch.setattr(sm80_bwd, "num_sms", lambda device_index: 1)  # one SM: whole waves, no split
-    for name, a, b in zip(("dq", "dk", "dv"), split, ours(q, k, v, dout, False)[1:]):
-        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"{name}: split and unsplit differ"
+    for pretend_sms in (sms, 1):
+        monkeypatch.setattr(sm80_bwd, "num_sms", lambda device_index: pretend_sms)
+        check_poisoned_grads(q, k, v, dout, "sm80")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -194,26 +246,36 @@ def test_padded_head_dims(head_dim, head_dim_v):
     check_grads(q, k, v, dout, causal=True)
 
 
-def test_softmax_scale_and_expanded_dout():
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+def test_softmax_scale_and_expanded_dout(backend):
+    """A custom softmax_scale; then ``out.sum().backward()``, which hands the backward an expanded
+    (stride-0) dout (checked with a hook): every gradient against the reference's for dout = 1."""
     q, k, v, dout = make_inputs(1, 130, 130, 2, 2, 64)
-    check_grads(q, k, v, dout, causal=False, softmax_scale=0.3)
-    # out.sum().backward() hands the kernel an expanded (stride-0) dout.
-    q = q.detach().requires_grad_()
-    flash_attn_func(q, k, v, backend="sm80").sum().backward()
-    assert torch.isfinite(q.grad).all()
+    check_grads(q, k, v, dout, causal=False, softmax_scale=0.3, backend=backend)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, backend=backend)
+    douts = []
+    out.register_hook(lambda g: douts.append(g))
+    out.sum().backward()
+    assert len(douts) == 1 and all(st == 0 for st in douts[0].stride()), [d.stride() for d in douts]
+    ones = torch.ones_like(dout)
+    _, *ref = reference_grads(q, k, v, ones, False)
+    _, *pt = reference_grads(q, k, v, ones, False, upcast=False)
+    check_against_refs([t.grad for t in leaves], (q, k, v), ref, pt)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS_FAST)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_deterministic_is_bitwise_stable(head_dim, causal, heads):
+def test_deterministic_is_bitwise_stable(dtype, head_dim, causal, heads):
+    """deterministic=True: ten poisoned launches (NaN-filled dq/dk/dv made before each call, the
+    launcher must write exactly them: ``_parity.poisoned_bwd``) give the same bits, and the first
+    matches the reference."""
     h, h_k = heads
-    q, k, v, dout = make_inputs(2, 1000, 1100, h, h_k, head_dim)
-    first = check_grads(q, k, v, dout, causal, deterministic=True)
-    for _ in range(9):
-        _, *again = ours(q, k, v, dout, causal, deterministic=True)
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+    q, k, v, dout = make_inputs(2, 1000, 1100, h, h_k, head_dim, dtype=dtype)
+    first = check_poisoned_grads(q, k, v, dout, "sm80", deterministic=True, causal=causal)
+    _assert_bitwise_stable(first, lambda: poisoned_bwd(q, k, v, dout, "sm80", "sm80", deterministic=True, causal=causal))
 
 
 # ---------------------------------------------------------------- window, softcap, varlen, head dims
@@ -238,37 +300,44 @@ def ref_grads_api(q, k, v, dout, upcast, **kwargs):
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
 
-def ours_api(q, k, v, dout, varlen=None, deterministic=False, **kwargs):
+def ours_api(q, k, v, dout, varlen=None, deterministic=False, backend="sm80", **kwargs):
     """dq, dk, dv through the public API (varlen: dict of cu_seqlens_q/k and optional seqused_q/k)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     if varlen is not None:
         out = flash_attn_varlen_func(
             q, k, v, varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], seqused_q=varlen.get("seqused_q"),
-            seqused_k=varlen.get("seqused_k"), deterministic=deterministic, backend="sm80", **kwargs,
+            seqused_k=varlen.get("seqused_k"), deterministic=deterministic, backend=backend, **kwargs,
         )
     else:
-        out = flash_attn_func(q, k, v, deterministic=deterministic, backend="sm80", **kwargs)
+        out = flash_attn_func(q, k, v, deterministic=deterministic, backend=backend, **kwargs)
     out.backward(dout)
     return q.grad, k.grad, v.grad
 
 
-def check_grads_api(q, k, v, dout, factor=2.0, varlen=None, deterministic=False, **kwargs):
-    grads = ours_api(q, k, v, dout, varlen, deterministic, **kwargs)
+def check_with_refs_api(grads, q, k, v, dout, factor=2.0, varlen=None, **kwargs):
     ref_kwargs = dict(kwargs, **(varlen or {}))
     ref = ref_grads_api(q, k, v, dout, True, **ref_kwargs)
     pt = ref_grads_api(q, k, v, dout, False, **ref_kwargs)
-    for name, g, t, r, p in zip(("dq", "dk", "dv"), grads, (q, k, v), ref, pt):
-        assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: {g.shape} {g.dtype}"
-        assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
-        ok, err, bound = max_err_check(g, r, p, atol=rounding_atol(r, q.dtype), factor=factor)
-        assert ok, f"{name}: max |ours - fp32 ref| = {err:.3e} > allowed {bound:.3e} ({factor}x PyTorch's + atol)"
+    check_against_refs(grads, (q, k, v), ref, pt, factor)
     return grads
 
 
-def _window_case(dtype, head_dim, causal_window, seqlens, heads, seed=0):
+def check_grads_api(q, k, v, dout, factor=2.0, varlen=None, deterministic=False, backend="sm80", **kwargs):
+    grads = ours_api(q, k, v, dout, varlen, deterministic, backend, **kwargs)
+    return check_with_refs_api(grads, q, k, v, dout, factor, varlen, **kwargs)
+
+
+def check_poisoned_grads(q, k, v, dout, backend, varlen=None, deterministic=False, factor=2.0, **kwargs):
+    """``_parity.poisoned_bwd`` (forward and backward on ``backend``; None: the default path) against
+    the fp32 reference. ``kwargs``: causal, window_size, softcap, softmax_scale."""
+    grads = poisoned_bwd(q, k, v, dout, backend, backend, varlen, deterministic, **kwargs)
+    return check_with_refs_api(grads, q, k, v, dout, factor, varlen, **kwargs)
+
+
+def _window_case(dtype, head_dim, causal_window, seqlens, heads, seed=0, backend="sm80"):
     (causal, window), (s_q, s_k), (h, h_k) = causal_window, seqlens, heads
     q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, head_dim, dtype=dtype, seed=seed)
-    return check_grads_api(q, k, v, dout, causal=causal, window_size=window)
+    return check_grads_api(q, k, v, dout, backend=backend, causal=causal, window_size=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -289,12 +358,13 @@ def test_bwd_window_full(dtype, head_dim, causal_window, seqlens, heads):
     _window_case(dtype, head_dim, causal_window, seqlens, heads, seed=1)
 
 
-def _softcap_case(dtype, head_dim, causal, seqlens, heads, window=(-1, -1), seed=0):
+def _softcap_case(dtype, head_dim, causal, seqlens, heads, window=(-1, -1), seed=0, backend="sm80"):
     (s_q, s_k), (h, h_k) = seqlens, heads
     q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, head_dim, dtype=dtype, seed=seed)
     # Scores spread over the softcap's range, as flash-attn's tests do; factor 3 as theirs for softcap.
     q = q * SOFTCAP / 4
-    return check_grads_api(q, k, v, dout, factor=3.0, causal=causal, window_size=window, softcap=SOFTCAP)
+    return check_grads_api(q, k, v, dout, factor=3.0, backend=backend, causal=causal, window_size=window,
+                           softcap=SOFTCAP)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -352,11 +422,14 @@ VARLEN_CASES = [
 ]
 
 
-def _varlen_case(dtype, head_dim, causal, case, heads, window=(-1, -1), deterministic=False, seed=0):
+def _varlen_case(dtype, head_dim, causal, case, heads, window=(-1, -1), deterministic=False, seed=0,
+                 softcap=0.0, backend="sm80"):
     (lens_q, lens_k, used_q, used_k), (h, h_k) = case, heads
     q, k, v, dout, varlen = make_varlen(lens_q, lens_k, h, h_k, head_dim, dtype, used_q, used_k, seed)
-    grads = check_grads_api(q, k, v, dout, varlen=varlen, causal=causal, window_size=window,
-                            deterministic=deterministic)
+    if softcap:
+        q = q * softcap / 4  # scores over the softcap's range; factor 3 as flash-attn's tests for softcap
+    grads = check_grads_api(q, k, v, dout, factor=3.0 if softcap else 2.0, varlen=varlen, deterministic=deterministic,
+                            backend=backend, causal=causal, window_size=window, softcap=softcap)
     cu_q, cu_k = varlen["cu_seqlens_q"].tolist(), varlen["cu_seqlens_k"].tolist()
     if used_q is not None:  # rows past seqused are exactly 0
         for i, n in enumerate(used_q):
@@ -386,8 +459,15 @@ def test_bwd_varlen_full(dtype, head_dim, causal, case, heads):
     _varlen_case(dtype, head_dim, causal, case, heads, seed=1)
 
 
-def test_bwd_varlen_window():
-    _varlen_case(torch.bfloat16, 128, True, VARLEN_CASES[0], (4, 2), window=(30, -1))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_bwd_varlen_window(dtype):
+    _varlen_case(dtype, 128, True, VARLEN_CASES[0], (4, 2), window=(30, -1))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", VARLEN_CASES[1:], ids=["long", "seqused"])
+def test_bwd_varlen_softcap(causal, case):
+    _varlen_case(torch.bfloat16 if causal else torch.float16, 128, causal, case, (8, 2), softcap=SOFTCAP)
 
 
 def _head_dim_case(dtype, dims, causal, heads, seqlens=(113, 203), seed=0):
@@ -419,20 +499,94 @@ def test_bwd_head_dims_full(dtype, dims, causal, seqlens, heads):
 
 
 def _assert_bitwise_stable(first, rerun, runs=9):
+    """``rerun`` must be a poisoned call (``_parity.poisoned_bwd``): a fresh output could sit in the
+    memory of an earlier identical call and pass without being written."""
     for _ in range(runs):
         for name, a, b in zip(("dq", "dk", "dv"), first, rerun()):
             assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
 
 def test_deterministic_varlen_is_bitwise_stable():
-    q, k, v, dout, varlen, first = _varlen_case(
-        torch.bfloat16, 128, True, VARLEN_CASES[1], (8, 2), deterministic=True
-    )
-    _assert_bitwise_stable(first, lambda: ours_api(q, k, v, dout, varlen, deterministic=True, causal=True))
+    q, k, v, dout, varlen = make_varlen(*VARLEN_CASES[1][:2], 8, 2, 128, torch.bfloat16)
+    first = check_poisoned_grads(q, k, v, dout, "sm80", varlen, deterministic=True, causal=True)
+    _assert_bitwise_stable(first, lambda: poisoned_bwd(q, k, v, dout, "sm80", "sm80", varlen, True, causal=True))
 
 
 def test_deterministic_window_is_bitwise_stable():
     q, k, v, dout = make_inputs(2, 1000, 1100, 8, 2, 64)
     kwargs = {"window_size": (200, 50)}
-    first = check_grads_api(q, k, v, dout, deterministic=True, **kwargs)
-    _assert_bitwise_stable(first, lambda: ours_api(q, k, v, dout, deterministic=True, **kwargs))
+    first = check_poisoned_grads(q, k, v, dout, "sm80", deterministic=True, **kwargs)
+    _assert_bitwise_stable(first, lambda: poisoned_bwd(q, k, v, dout, "sm80", "sm80", None, True, **kwargs))
+
+
+# ---------------------------------------------------------------- the default path (no backend)
+#
+# What training code runs: on Hopper the sm90 forward, then the backward the dispatcher picks for its
+# out/LSE (today the sm80 kernels; the sm90 backward when it lands). The ``default_path`` fixture
+# checks that the calls went there.
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS_FAST)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (239, 1), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_default_path_parity(default_path, dtype, head_dim, causal, seqlens, heads):
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, head_dim, dtype=dtype)
+    check_grads(q, k, v, dout, causal, backend=None)
+    default_path(problem(q, k, v, causal=causal)[0])
+
+
+def _default_dense(dtype, d, causal, window=(-1, -1), softcap=0.0, heads=(4, 2)):
+    """Dense inputs (2 x 300 x 333), gradients through the API without a backend; returns the problem."""
+    q, k, v, dout = make_inputs(2, 300, 333, *heads, d, dtype=dtype)
+    if softcap:
+        q = q * softcap / 4  # scores over the softcap's range; factor 3 as flash-attn's tests for softcap
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    check_grads_api(q, k, v, dout, factor=3.0 if softcap else 2.0, backend=None, **kwargs)
+    return problem(q, k, v, **kwargs)[0]
+
+
+def test_bwd_default_path_window_softcap_head_dims(default_path):
+    """Dense features without a backend: windows, softcap with and without one, head dims 96 and 256."""
+    problems = [
+        _default_dense(torch.bfloat16, 128, True, window=(20, -1)),
+        _default_dense(torch.float16, 64, False, window=(40, 10)),
+        _default_dense(torch.float16, 128, True, softcap=SOFTCAP),
+        _default_dense(torch.bfloat16, 128, False, window=(40, 10), softcap=SOFTCAP),
+        _default_dense(torch.bfloat16, 96, True),
+        _default_dense(torch.float16, 256, False),
+    ]
+    for p in problems:
+        default_path(p)
+
+
+# (dtype, case, causal, window, softcap): zero-length sequences, seqused, softcap, an fp16 window
+DEFAULT_PATH_VARLEN = [
+    (torch.bfloat16, 0, True, (-1, -1), 0.0),
+    (torch.float16, 2, False, (-1, -1), 0.0),
+    (torch.bfloat16, 1, True, (-1, -1), SOFTCAP),
+    (torch.float16, 2, False, (-1, -1), SOFTCAP),
+    (torch.float16, 0, True, (30, -1), 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype, case, causal, window, softcap", DEFAULT_PATH_VARLEN,
+                         ids=["zero_len", "seqused_fp16", "softcap", "seqused_softcap_fp16", "window_fp16"])
+def test_bwd_default_path_varlen(default_path, dtype, case, causal, window, softcap):
+    q, k, v, _, varlen, _ = _varlen_case(dtype, 128, causal, VARLEN_CASES[case], (8, 2), window=window,
+                                         softcap=softcap, backend=None)
+    default_path(problem(q, k, v, varlen, causal=causal, window_size=window, softcap=softcap)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_bwd_default_path_deterministic(default_path, dtype):
+    """deterministic=True without a backend: through the API (the flag reaches the backward's dispatch,
+    the gradients match the reference), then poisoned launches of the families the dispatcher picks
+    (``_parity.poisoned_bwd``) repeat bit for bit."""
+    q, k, v, dout = make_inputs(2, 1000, 1100, 8, 2, 128, dtype=dtype)
+    check_grads(q, k, v, dout, True, deterministic=True, backend=None)
+    first = check_poisoned_grads(q, k, v, dout, None, deterministic=True, causal=True)
+    _assert_bitwise_stable(first, lambda: poisoned_bwd(q, k, v, dout, None, None, None, True, causal=True), runs=4)
+    default_path(problem(q, k, v, causal=True)[0], deterministic=True)
