@@ -7,6 +7,12 @@ seqlens (tests/shapes.py) x MHA/GQA/MQA; sliding windows (one- and two-sided, ca
 softcap, varlen (cu_seqlens, seqused, zero-length sequences, a 0-d tensor max_seqlen); NaN-poisoned
 output buffers and bitwise determinism. The fast subset runs in well under a minute; the full
 product is marked ``slow``.
+
+Poisoned outputs: ``_parity.poisoned_fwd`` hands the launcher out/lse buffers it NaN-fills just before
+the call and checks the results are those buffers, so a row the kernel does not write stays NaN. The
+bitwise-repeat checks compare such calls (a fresh output could sit in the memory of an earlier identical
+call and match without being written). Calls compared with each other run the same kernel; results of
+different kernels (sm90 vs sm80) are each held to the fp32 reference instead.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, validate
+from flashattn_hopper import flash_attn_func, validate
 from flashattn_hopper.api import _fwd
 from flashattn_hopper.backends.common import VarlenArgs
 from flashattn_hopper.testing import attention_ref
@@ -22,7 +28,7 @@ from flashattn_hopper.testing import attention_ref
 from ._parity import check_parity as _check_parity
 from ._parity import (
     check_features_dense, check_features_varlen, check_out_lse, check_poisoned_outputs, make_qkv, make_varlen,
-    seqused_pad_rows,
+    poisoned_fwd, seqused_pad_rows,
 )
 from .shapes import HEADS, SEQLENS_FAST, SEQLENS_SLOW
 from .test_fwd_sm80_features import VARLEN_LENS, WINDOWS
@@ -38,10 +44,12 @@ def check_parity(q, k, v, causal, backend="sm90", **kwargs):
 
 
 def check_bitwise_repeats(q, k, v, repeats, causal=False):
-    """``repeats`` more calls give the first call's out and LSE bit for bit (no races)."""
-    first, first_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+    """``repeats`` more calls give the first call's out and LSE bit for bit (no races). Every call is
+    poisoned (``_parity.poisoned_fwd``: NaN-filled out/lse made before the call, the launcher must write
+    exactly them), so a repeat that skips writes cannot match by reusing an earlier call's memory."""
+    first, first_lse = poisoned_fwd(q, k, v, "sm90", causal=causal)
     for _ in range(repeats):
-        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+        out, lse = poisoned_fwd(q, k, v, "sm90", causal=causal)
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
 
 
@@ -197,7 +205,10 @@ def test_fwd_sm90_tile_counter_is_left_zero(head_dim):
         assert _tile_counter_value() == 0
     torch.cuda.current_stream().wait_stream(side)
     check_poisoned_outputs(q, k, v, True, "sm90")
-    assert torch.equal(first, on_side) and _tile_counter_value() == 0
+    with torch.cuda.stream(side):  # poisoned: a call that skipped tiles would leave NaN, not stale rows
+        side_poisoned, _ = poisoned_fwd(q, k, v, "sm90", causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(first, on_side) and torch.equal(first, side_poisoned) and _tile_counter_value() == 0
 
 
 @pytest.mark.parametrize(
@@ -206,10 +217,12 @@ def test_fwd_sm90_tile_counter_is_left_zero(head_dim):
     ids=["causal-128", "full-128", "full-64-span"],
 )
 def test_fwd_sm90_under_cuda_graph(causal, shape):
-    # Replays must match eager calls. Causal: under capture each call gets its own zeroed tile
-    # counter. hdim 64 at 512 tokens runs the spanning tiles (two K/V rings).
+    """Replays match the eager call bit for bit (the same kernel), which matches the fp32 reference;
+    the captured output is NaN-filled before every replay (the replay writes into it). Causal: under
+    capture each call gets its own zeroed tile counter. hdim 64 at 512 tokens runs the spanning tiles
+    (two K/V rings)."""
     q, k, v = make_qkv(*shape)
-    eager = flash_attn_func(q, k, v, causal=causal, backend="sm90")
+    eager, _ = check_parity(q, k, v, causal)
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
@@ -230,20 +243,33 @@ def test_fwd_sm90_is_bitwise_deterministic():
     check_bitwise_repeats(q, k, v, 100, causal=True)
 
 
-def test_fwd_sm90_agrees_with_sm80():
+def test_fwd_sm90_and_sm80_both_match_the_reference():
+    """The two forward kernels on the same inputs, each held to the fp32 reference by the parity rule
+    (a tolerance between them would have no reference behind it)."""
     q, k, v = make_qkv(2, 513, 777, 4, 2, 128)
     for causal in (False, True):
-        out90, lse90 = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-        out80, lse80 = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm80")
-        torch.testing.assert_close(out90, out80, atol=2e-2, rtol=0)
-        torch.testing.assert_close(lse90, lse80, atol=1e-3, rtol=0)
+        for backend in ("sm90", "sm80"):
+            _check_parity(q, k, v, causal, backend)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_softmax_scale(head_dim, causal):
+    """A softmax_scale other than 1/sqrt(head_dim), above and below it, dense and with softcap / window
+    (the kernel folds the scale into exp2 and, with softcap, into the tanh argument)."""
+    q, k, v = make_qkv(2, 239, 300, 8, 2, head_dim)
+    for scale in (0.3, 0.02):
+        check_parity(q, k, v, causal, softmax_scale=scale)
+    check_features(q, k, v, causal=causal, window=(50, -1 if causal else 20), softmax_scale=0.3)
+    check_features(q * 4, k, v, causal=causal, softcap=10.0, softmax_scale=0.2)
 
 
 # ----------------------------------------------------------------------------- window, softcap, varlen
 
 
-def check_features(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
-    return check_features_dense(q, k, v, "sm90", causal=causal, window=window, softcap=softcap)
+def check_features(q, k, v, causal=False, window=(-1, -1), softcap=0.0, softmax_scale=None):
+    return check_features_dense(q, k, v, "sm90", causal=causal, window=window, softcap=softcap,
+                                softmax_scale=softmax_scale)
 
 
 def check_varlen(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kwargs):
@@ -298,6 +324,17 @@ def test_fwd_sm90_varlen_window_softcap():
     check_varlen(q * 2.5, k, v, cu_q, cu_k, softcap=10.0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_sm90_varlen_window_fp16(head_dim, causal):
+    """fp16 varlen with a sliding window (fast tier; the full product is slow), seqused, a custom scale."""
+    q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, 4, 2, head_dim, head_dim, torch.float16,
+                                                      slack_q=3, slack_k=5)
+    check_varlen(q, k, v, cu_q, cu_k, causal=causal, window=(32, -1 if causal else 8))
+    check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, window=(20, 0 if causal else 40),
+                 softmax_scale=0.1)
+
+
 def test_fwd_sm90_varlen_many_sequences():
     """More than 32 sequences: the tile scan walks several warp-wide steps."""
     gen = torch.Generator().manual_seed(3)
@@ -336,16 +373,19 @@ def test_fwd_sm90_varlen_does_not_write_across_sequences():
     check_varlen(q, k, v, cu_q, cu_k, causal=True)
 
 
-def test_fwd_sm90_varlen_is_bitwise_deterministic_and_agrees_with_sm80():
+def test_fwd_sm90_varlen_is_bitwise_deterministic_and_matches_the_reference():
+    """20 poisoned repeats (``_parity.poisoned_fwd``) equal the first bit for bit; sm90 and sm80 are each
+    held to the fp32 reference (not to each other)."""
     q, k, v, cu_q, cu_k, _, _ = make_varlen(VARLEN_LENS, 8, 2, 128, 128, torch.bfloat16, seed=4)
-    args = (q, k, v, cu_q, cu_k, None, None)
-    first, first_lse = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm90")
+    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    first, first_lse = poisoned_fwd(q, k, v, "sm90", varlen, causal=True)
     for _ in range(20):
-        out, lse = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm90")
+        out, lse = poisoned_fwd(q, k, v, "sm90", varlen, causal=True)
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
-    out80, lse80 = flash_attn_varlen_func(*args, causal=True, return_lse=True, backend="sm80")
-    torch.testing.assert_close(first, out80, atol=2e-2, rtol=0)
-    torch.testing.assert_close(first_lse, lse80, atol=1e-3, rtol=0)
+    refs = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_out_lse("sm90 varlen", first, first_lse, attention_ref(q, k, v, **refs),
+                  attention_ref(q, k, v, upcast=False, **refs), 2.0)
+    check_features_varlen(q, k, v, cu_q, cu_k, "sm80", causal=True)
 
 
 # ----------------------------------------------------------------------------- full product of the features
