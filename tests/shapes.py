@@ -24,6 +24,7 @@ HEADS = [
     (6, 1),  # MQA
 ]
 
-# head dims served by the first kernel (sm80 forward): 64 and 128 natively, others padded in Python
+# Head dims: 64 and 128, the common ones, in the fast tier; the slow tier adds 96 (its own tile row on
+# every kernel) and 8, 32, 80 (zero-padded in Python up to a row). 192 and 256 have their own tests.
 HEAD_DIMS_FAST = [64, 128]
 HEAD_DIMS_SLOW = [8, 32, 64, 80, 96, 128]

@@ -1,7 +1,9 @@
 """Forward parity through the public API against the fp32 reference (GPU tier).
 
 Rule (flash-attn's): max|ours - ref_fp32| <= 2 * max|pytorch_same_dtype - ref_fp32| + atol, for out and lse.
-Runs every backend the GPU can run: on Hopper both 'sm90' (once it exists) and the forced 'sm80'.
+The sm80 forward, forced with backend='sm80' (it runs on Ampere and on Hopper), plus the API's own
+behaviour through the default backend (return values, empty inputs, devices, streams, the disk cache).
+The sm90 forward's tests are in test_fwd_sm90.py.
 """
 
 from __future__ import annotations
@@ -87,11 +89,21 @@ def test_softmax_scale_and_default():
     torch.testing.assert_close(out_default, out_explicit, atol=0, rtol=0)
 
 
-def test_return_values():
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+def test_return_values(backend):
+    """out alone by default; (out, lse) with return_attn_probs (flash-attn's name) as with return_lse,
+    both checked against the fp32 reference."""
     q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
-    assert isinstance(flash_attn_func(q, k, v), torch.Tensor)
-    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
-    assert lse.shape == (1, 2, 16)
+    out_ref, lse_ref = attention_ref(q, k, v)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False)
+    out = flash_attn_func(q, k, v, backend=backend)
+    assert isinstance(out, torch.Tensor)
+    assert_close_to_ref("out", out, out_ref, out_pt)
+    for flag in ("return_attn_probs", "return_lse"):
+        out, lse = flash_attn_func(q, k, v, backend=backend, **{flag: True})
+        assert lse.shape == (1, 2, 16) and lse.dtype == torch.float32, flag
+        assert_close_to_ref(f"{flag} out", out, out_ref, out_pt)
+        assert_close_to_ref(f"{flag} lse", lse, lse_ref, lse_pt, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(0, 16, 16), (2, 0, 16), (2, 16, 0)], ids=["batch0", "seqlen_q0", "seqlen_k0"])
@@ -138,14 +150,36 @@ def test_second_device():
     assert_close_to_ref("out", out, out_ref, out_pt)
 
 
-def test_non_default_stream():
+# ~0.1 s at the H100/H200 clocks (1.6-2 GHz): far longer than a launch's host time once compiled.
+SLEEP_CYCLES = 200_000_000
+
+
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_non_default_stream(backend, causal):
+    """The kernel runs on the caller's current stream, in its order, without synchronizing. On a side
+    stream a ~0.1 s sleep kernel runs first, then the copy that makes q valid (it is NaN before); a
+    kernel launched on any other stream (the default stream does not wait for PyTorch's side streams)
+    would read the NaNs. The sleep must still be running when the call returns (no synchronization),
+    and the result, read after an event recorded behind it on the side stream, matches the reference.
+    Causal on the default backend also takes the sm90 forward's per-stream tile counter."""
     q, k, v = make_qkv(2, 512, 512, 4, 4, 128)
+    flash_attn_func(q, k, v, causal=causal, backend=backend)  # compiled: the launch below takes microseconds
+    q_late = torch.full_like(q, float("nan"))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # q, k, v and the NaN fill are done
+    slept, done = torch.cuda.Event(), torch.cuda.Event()
     with torch.cuda.stream(stream):
-        out = flash_attn_func(q, k, v)
-    stream.synchronize()
-    out_ref, _ = attention_ref(q, k, v)
-    out_pt, _ = attention_ref(q, k, v, upcast=False)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        slept.record(stream)
+        q_late.copy_(q)
+        out = flash_attn_func(q_late, k, v, causal=causal, backend=backend)
+        done.record(stream)
+    assert not slept.query(), "the sleep ended before the call returned: the call synchronized"
+    done.synchronize()
+    assert not torch.isnan(out).any(), "the kernel read q before the side stream's copy: it ran on another stream"
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
     assert_close_to_ref("out", out, out_ref, out_pt)
 
 

@@ -103,6 +103,17 @@ def test_varlen_window_softcap_hdim192():
     check_varlen(q * 2.5, k, v, cu_q, cu_k, softcap=10.0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_window_fp16(head_dim, causal):
+    """fp16 varlen with a sliding window (fast tier; the full product is slow), seqused, a custom scale."""
+    q, k, v, cu_q, cu_k, used_q, used_k = make_varlen(VARLEN_LENS, 4, 2, head_dim, head_dim, torch.float16,
+                                                      slack_q=3, slack_k=5)
+    check_varlen(q, k, v, cu_q, cu_k, causal=causal, window=(32, -1 if causal else 8))
+    check_varlen(q, k, v, cu_q, cu_k, used_q, used_k, causal=causal, window=(20, 0 if causal else 40),
+                 softmax_scale=0.1)
+
+
 def test_varlen_many_sequences():
     """More than 32 sequences: the tile scan walks several warp-wide steps."""
     gen = torch.Generator().manual_seed(3)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from flashattn_hopper import flash_attn_func
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, rounding_atol
 
-from ._parity import check_parity, make_qkv
+from ._parity import check_parity, make_qkv, poisoned_bwd
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,19 +46,34 @@ def test_forward_on_a_device_that_is_not_current(causal):
             assert torch.cuda.current_device() == 0, f"{backend} on cuda:{index} changed the current device"
 
 
-def test_backward_on_two_devices():
-    """fwd + bwd (sm80 backward: pre, main, post launches; GQA adds the dK/dV postprocess) on
-    device 1 then 0, current device 0: gradients equal those of the same inputs on device 0."""
+def _reference_grads(q, k, v, dout, upcast):
+    leaves = tuple((t.detach().float() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v))
+    out, _ = attention_ref(*leaves, causal=True, upcast=upcast)
+    return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+def test_backward_on_two_devices(backend):
+    """fwd + bwd (sm80 backward: pre, main, post launches; GQA adds the dK/dV postprocess) on device 1
+    then 0, current device 0. Through the API (dQ and the GQA dK/dV are fp32 reduce-adds in any order):
+    every gradient against the fp32 reference on its device. Deterministic launches into NaN-filled
+    buffers made just before the call (``_parity.poisoned_bwd``): bit for bit the same on both devices
+    (the same kernels on the same inputs)."""
     torch.cuda.set_device(0)
-    grads = {}
+    deterministic = {}
+    inputs = make_qkv(2, 257, 257, 4, 2, 64, device="cuda:0")
+    inputs += (torch.randn_like(inputs[0]),)
     for index in (1, 0):
-        q, k, v = (t.requires_grad_() for t in make_qkv(2, 257, 257, 4, 2, 64, device=f"cuda:{index}"))
-        out = flash_attn_func(q, k, v, causal=True, backend="sm80")
-        gen = torch.Generator(device=out.device).manual_seed(1)
-        dout = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
-        grads[index] = torch.autograd.grad(out, (q, k, v), dout)
-        assert all(g.device == q.device and torch.isfinite(g).all() for g in grads[index])
+        q, k, v, dout = (t.to(f"cuda:{index}") for t in inputs)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True, backend=backend)
+        grads = torch.autograd.grad(out, leaves, dout)
         assert torch.cuda.current_device() == 0
-    for name, a, b in zip(("dq", "dk", "dv"), grads[1], grads[0]):
-        # (not bitwise: dQ and the GQA dK/dV are fp32 reduce-adds in any order)
-        assert torch.allclose(a.cpu().float(), b.cpu().float(), rtol=1e-2, atol=1e-2), f"{name} differs between devices"
+        ref, pt = _reference_grads(q, k, v, dout, True), _reference_grads(q, k, v, dout, False)
+        for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
+            assert g.device == q.device, f"{name} on {g.device}"
+            assert_close_to_ref(f"cuda:{index} {name}", g, r, p, atol=rounding_atol(r, q.dtype))
+        deterministic[index] = [g.cpu() for g in poisoned_bwd(q, k, v, dout, backend, backend, None, True, causal=True)]
+        assert torch.cuda.current_device() == 0
+    for name, a, b in zip(("dq", "dk", "dv"), deterministic[1], deterministic[0]):
+        assert torch.equal(a, b), f"{name}: deterministic gradients differ between devices"
