@@ -549,33 +549,35 @@ def _default_dense(dtype, d, causal, window=(-1, -1), softcap=0.0, heads=(4, 2))
 
 
 def test_bwd_default_path_window_softcap_head_dims(default_path):
-    """Dense features without a backend: windows, softcap with and without one, head dims 96 and 256."""
+    """Dense features without a backend: windows, softcap with and without one, head dims 96 and 256
+    (each backward variant one the sm80 tests compile too: no extra compile time)."""
     problems = [
-        _default_dense(torch.bfloat16, 128, True, window=(20, -1)),
+        _default_dense(torch.bfloat16, 128, True, window=(20, -1), heads=(4, 4)),
         _default_dense(torch.float16, 64, False, window=(40, 10)),
-        _default_dense(torch.float16, 128, True, softcap=SOFTCAP),
-        _default_dense(torch.bfloat16, 128, False, window=(40, 10), softcap=SOFTCAP),
+        _default_dense(torch.float16, 128, True, softcap=SOFTCAP, heads=(4, 4)),
+        _default_dense(torch.bfloat16, 64, False, window=(40, 10), softcap=SOFTCAP),
         _default_dense(torch.bfloat16, 96, True),
-        _default_dense(torch.float16, 256, False),
+        _default_dense(torch.float16, 256, True, heads=(4, 4)),
     ]
     for p in problems:
         default_path(p)
 
 
-# (dtype, case, causal, window, softcap): zero-length sequences, seqused, softcap, an fp16 window
+# (dtype, head_dim, case, causal, window, softcap): zero-length sequences, seqused, softcap, an fp16
+# window; backward variants the sm80 tests compile too.
 DEFAULT_PATH_VARLEN = [
-    (torch.bfloat16, 0, True, (-1, -1), 0.0),
-    (torch.float16, 2, False, (-1, -1), 0.0),
-    (torch.bfloat16, 1, True, (-1, -1), SOFTCAP),
-    (torch.float16, 2, False, (-1, -1), SOFTCAP),
-    (torch.float16, 0, True, (30, -1), 0.0),
+    (torch.bfloat16, 128, 0, True, (-1, -1), 0.0),
+    (torch.float16, 64, 2, False, (-1, -1), 0.0),
+    (torch.bfloat16, 128, 1, True, (-1, -1), SOFTCAP),
+    (torch.float16, 128, 2, False, (-1, -1), SOFTCAP),
+    (torch.float16, 128, 0, True, (30, -1), 0.0),
 ]
 
 
-@pytest.mark.parametrize("dtype, case, causal, window, softcap", DEFAULT_PATH_VARLEN,
+@pytest.mark.parametrize("dtype, head_dim, case, causal, window, softcap", DEFAULT_PATH_VARLEN,
                          ids=["zero_len", "seqused_fp16", "softcap", "seqused_softcap_fp16", "window_fp16"])
-def test_bwd_default_path_varlen(default_path, dtype, case, causal, window, softcap):
-    q, k, v, _, varlen, _ = _varlen_case(dtype, 128, causal, VARLEN_CASES[case], (8, 2), window=window,
+def test_bwd_default_path_varlen(default_path, dtype, head_dim, case, causal, window, softcap):
+    q, k, v, _, varlen, _ = _varlen_case(dtype, head_dim, causal, VARLEN_CASES[case], (8, 2), window=window,
                                          softcap=softcap, backend=None)
     default_path(problem(q, k, v, varlen, causal=causal, window_size=window, softcap=softcap)[0])
 
