@@ -63,8 +63,9 @@ def _attention(
 
 
 def _autocast(*tensors: Any) -> tuple[Any, ...]:
-    """fp32 inputs under ``torch.autocast("cuda")`` run in its dtype, as SDPA's do (the cast is
-    differentiable: fp32 leaves get fp32 gradients); anything else is left for validation."""
+    """fp32 inputs under ``torch.autocast("cuda")`` run in its dtype (the cast is differentiable:
+    fp32 leaves get fp32 gradients). Unlike SDPA, 16-bit inputs are left as they are, so a dtype
+    mismatch stays a validation error rather than a silent cast."""
     if not torch.is_autocast_enabled("cuda"):
         return tensors
     dtype = torch.get_autocast_dtype("cuda")

@@ -110,6 +110,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
     ctx.options = dict(zip(_FWD_OPTIONS, options))
+    ctx.mark_non_differentiable(lse)  # as in eager (api.FlashAttnFunc) and flash-attn
     ctx.set_materialize_grads(False)
 
 

@@ -78,6 +78,22 @@ def _clusters() -> None:
         configs.sm90_fwd_tile, sm90_fwd.pack_gqa_factor = tile_of, pack_of
 
 
+def _few_sms(case: Callable[[], None]) -> Callable[[], None]:
+    """``case`` with the sm90 launcher told the GPU has 2 SMs: each persistent CTA walks many tiles,
+    so the dynamic scheduler's handoff runs in its steady state (the producer waits for every
+    consumer's read of one index before it publishes the next), not only its first publish."""
+    def run() -> None:
+        from flashattn_hopper.backends import sm90_fwd
+
+        num_sms = sm90_fwd.num_sms
+        sm90_fwd.num_sms = lambda index: 2
+        try:
+            case()
+        finally:
+            sm90_fwd.num_sms = num_sms
+    return run
+
+
 def _pack_gqa() -> None:
     """Decode-style GQA: 8 query heads per KV head packed into one tile's rows."""
     q, k, v = _qkv(4, 300, h=8, h_k=1)
@@ -94,6 +110,9 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_varlen_causal": _varlen("sm90", causal=True),
     "sm90_fwd_varlen_local": _varlen("sm90", **WINDOW),
     "sm90_fwd_softcap": _dense("sm90", causal=True, softcap=30.0),
+    "sm90_fwd_dense_causal_2sms": _few_sms(_dense("sm90", causal=True)),
+    "sm90_fwd_varlen_causal_2sms": _few_sms(_varlen("sm90", causal=True)),
+    "sm90_fwd_varlen_local_2sms": _few_sms(_varlen("sm90", **WINDOW)),
     "sm90_fwd_clusters": _clusters,
     "sm90_fwd_pack_gqa": _pack_gqa,
     "sm80_fwd_bwd_dense": _dense("sm80", backward=True),

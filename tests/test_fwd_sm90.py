@@ -458,7 +458,7 @@ def test_fwd_sm90_pack_gqa_forced_many_tiles(always_pack, head_dim, causal):
 @pytest.mark.parametrize("heads", [(12, 4), (12, 2)], ids=["g3", "g6"])
 def test_fwd_sm90_pack_gqa_forced_g_not_dividing_64(always_pack, heads, causal):
     """g = 3, 6 divide the 192-row hdim-64 tile but not a warpgroup's 64 rows: the kernel stores
-    O per tile (CTA-wide epilogue; causal: one handoff group for all MMA warpgroups). seqlen_q
+    O per tile (CTA-wide epilogue). seqlen_q
     above 1536 keeps the 192-row tile under causal (configs.FWD_SM90_SHORT_TILES)."""
     q, k, v = make_qkv(2, 1700, 1900, *heads, 64)
     check_parity(q, k, v, causal)

@@ -248,8 +248,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         self.release_q_before_next_q = persistent and self.o_aliases_q
         self.defer_store_wait = persistent and not self.o_aliases_q
         # Each MMA warpgroup stores its own 64 rows of O (its own named barrier and TMA store
-        # of a (64, head_dim_v) box) and reads the dynamic scheduler's handoff on its own
-        # barriers: no barrier spans warpgroups per tile, so the ping-pong phase (one warpgroup
+        # of a (64, head_dim_v) box) and waits only on the dynamic scheduler's handoff (an
+        # mbarrier every warpgroup waits on alone): no barrier spans warpgroups per tile, so the ping-pong phase (one warpgroup
         # half a block ahead) survives tile boundaries. A packed tile splits into per-warpgroup
         # boxes only when pack_gqa divides 64.
         self.wg_local_epilogue = wg_local_epilogue and 64 % pack_gqa == 0
