@@ -85,6 +85,19 @@ def test_fake_shapes_follow_v_and_the_lse_layout(varlen):
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
+def test_registered_autograd_under_fake_tensors():
+    """The op's autograd (setup_context, backward through the bwd op) runs on fake tensors: the
+    gradients have q, k, v's shapes and the LSE is not differentiable, as in eager."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (t.requires_grad_() for t in _dense())
+        out, lse = torch.ops.flashattn_hopper.fwd(q, k, v, None, None, None, None, None, True, -1, 0, 0.0, False, None)
+        assert out.requires_grad and not lse.requires_grad
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 # ---------------------------------------------------------------- GPU tier
 
 
