@@ -215,23 +215,35 @@ def red_add_tile(acc: cute.Tensor, gacc: cute.Tensor, vec: cutlass.Constexpr[int
             )
 
 
+def _group_barrier(barrier_id: int, num_threads: int | None) -> None:
+    """The CTA barrier, or named barrier ``barrier_id`` over ``num_threads`` threads (warp-specialised
+    kernels: only the threads that add take part)."""
+    if num_threads is None:
+        cute.arch.barrier()
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+
+
 @cute.jit
-def semaphore_wait(sem: cute.Tensor, idx, turn: Int32, tidx: Int32):
-    """Block the CTA until ``sem[idx] == turn``."""
+def semaphore_wait(sem: cute.Tensor, idx, turn: Int32, tidx: Int32,
+                   barrier_id: cutlass.Constexpr[int] = 0, num_threads: cutlass.Constexpr = None):
+    """Block the CTA (or the ``num_threads`` threads of named barrier ``barrier_id``, ``tidx``
+    counted among them) until ``sem[idx] == turn``."""
     if tidx == 0:
         ptr = elem_pointer(sem, idx)
         val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
         while val != turn:
             val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    cute.arch.barrier()
+    _group_barrier(barrier_id, num_threads)
 
 
 @cute.jit
-def semaphore_signal(sem: cute.Tensor, idx, tidx: Int32):
+def semaphore_signal(sem: cute.Tensor, idx, tidx: Int32,
+                     barrier_id: cutlass.Constexpr[int] = 0, num_threads: cutlass.Constexpr = None):
     """Pass the turn on once every thread's prior global reduce-adds are done: each thread's fence
-    (a fence waits for its own warp's adds only), then a CTA barrier, then thread 0's count."""
+    (a fence waits for its own warp's adds only), then a CTA (group) barrier, then thread 0's count."""
     cute.arch.fence_acq_rel_gpu()
-    cute.arch.barrier()
+    _group_barrier(barrier_id, num_threads)
     if tidx == 0:
         cute.arch.red(
             elem_pointer(sem, idx), Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu"

@@ -1,0 +1,701 @@
+"""FlashAttention-3 backward kernel for Hopper (sm90): ``FlashBwdSm90``.
+
+Purpose: given Q, K, V, dO and the preprocess outputs (``LSE_log2``, ``dPsum``,
+``common/bwd_pre.py``), compute dK, dV and accumulate dQ in fp32 (design doc 2.1-2.7) with TMA
+loads, WGMMA and warp specialisation:
+
+    S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)     dV += P^T dO   (P^T in registers)
+    dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum)                 dK += dS^T Q   (dS^T in registers)
+    dQaccum += dS K   (dS from smem; fp32 reduce-adds, scaled by the postprocess)
+
+The score GEMMs are computed transposed (keys as the MMA's M, FA3's ``SdP_swapAB``), so each MMA
+warpgroup's P^T and dS^T are, register for register, the A operands of its own dV and dK GEMMs:
+no smem round trip for P, and dS goes to smem only for the dQ GEMM, which needs all keys.
+
+Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` (varlen: ``(total,
+nheads, head_dim)`` with ``cu_seqlens_q/k`` and optional ``seqused_q/k``), unit last stride, other
+strides multiples of 8 elements, 16-byte aligned bases (TMA); ``head_dim == head_dim_v`` in
+{64, 96, 128} (the launcher pads); ``nheads % nheads_k == 0``. Scratch buffers as in
+``common/bwd_utils.py`` (``dQaccum`` and GQA's ``dKaccum``/``dVaccum`` row-major per head; the
+postprocess converts them in its row-major mode). Causal (bottom-right), sliding window,
+softcap (``dS_x = dS_s * (1 - tanh^2)``, as ``sm80/bwd.py``), GQA/MQA, deterministic dQ and
+GQA dK/dV sums (semaphores, ``common/bwd_utils.py``).
+
+Paper: FlashAttention-3 (Shah et al., 2024) section 3 and appendix B (backward); design doc
+``fa3_cute_design.md`` section 2.
+"""
+
+import enum
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+
+from ..common.bwd_utils import (
+    accum_tile, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal, semaphore_wait,
+)
+from ..common.block_info import BlockInfo
+from ..common.mask import AttentionMask
+from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
+from ..common.sm90_utils import (
+    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
+)
+from ..common.softmax import apply_softcap, softcap_scale_log2
+from ..common.utils import (
+    LOG2_E, acc_rows_cols, assume_strides_aligned, convert_to_16bit, select_modes, transpose_view,
+)
+
+_WG_THREADS = 128
+_SMEM_ALIGN = 1024  # each operand buffer starts on a full period of the 128-byte swizzle
+_SMEM_CAPACITY = 227 * 1024
+# (producer, MMA warpgroup) registers per thread after setmaxnreg: 128 * (24 + 2 * 240) <= 64K.
+_PRODUCER_REGS, _MMA_REGS = 24, 240
+
+
+class NamedBarrierBwd(enum.IntEnum):
+    """Hardware named barriers of the backward kernel (id 0 is ``__syncthreads``)."""
+
+    DS_READY = 1  # all MMA threads: this block's dS (every warpgroup's keys) is in smem
+    SEMAPHORE = 2  # all MMA threads: deterministic turns (common/bwd_utils.py)
+    EPILOGUE = 3  # all MMA threads: no WGMMA reads sK/sV any more
+    EPILOGUE_WG1 = 4  # warpgroup k on id + k: its rows of the dK/dV staging tile are written
+
+
+class FlashBwdSm90:
+    """FA3 backward on sm90: one CTA per key block ``(n_block, head, batch)``, 384 threads.
+
+        | warpgroup | warps | registers | role                                                |
+        | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m |
+        | WG0       | 1-3   | 24        | idle (exit after setmaxnreg)                        |
+        | WG1, WG2  | 4 each| 240       | MMA: 64 keys each; S^T, dP^T, dV, dK, dQ; epilogue  |
+
+    Pipelines (mbarriers; producer arrive = one elected ``arrive.expect_tx``, consumer arrive =
+    lane 0 of every MMA warp):
+
+        | pipeline    | stages | producer -> consumer            | tx bytes per stage          |
+        | pipeline_kv | 1      | TMA K, V -> every MMA warp      | tile_n * head_dim * 2 * 2   |
+        | pipeline_q  | 2      | TMA Q[m], LSE[m] -> MMA warps   | tile_m * head_dim * 2 + 4 * tile_m |
+        | pipeline_do | 2      | TMA dO[m], dPsum[m] -> MMA warps| tile_m * head_dim * 2 + 4 * tile_m |
+
+    Per m_block, each MMA warpgroup (its 64 keys)::
+
+        wait Q; issue S^T = K Q^T; wait dO; issue dP^T = V dO^T; wait S; softcap, mask,
+        P^T = exp2(S^T * scale_log2 - LSE); wait dP; dS^T = P^T (dP^T - dPsum) [* tanh'];
+        issue dV += P^T dO (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
+        issue dK += dS^T Q (A = dS^T registers); barrier DS_READY (both warpgroups' dS);
+        issue dQ = dS K (this warpgroup's half of head_dim, or of the rows); wait all;
+        release Q, dO; reduce-add dQ (red.global.add.v2.f32) [in this block's turn]
+
+    sdS has two stages: a warpgroup writes block j+1's dS while the other may still read block
+    j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
+    Epilogue: MHA: dK * scale and dV to 16 bits, through sK/sV (stmatrix) to predicated 128-bit
+    row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
+    """
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        is_causal: bool,
+        is_gqa: bool,
+        is_local: bool = False,
+        has_softcap: bool = False,
+        num_stages: int = 2,
+        dq_split_rows: bool = False,
+    ):
+        reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows)
+        if reason is not None:
+            raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.is_causal = is_causal
+        self.is_local = is_local
+        self.is_gqa = is_gqa
+        self.has_softcap = has_softcap
+        self.num_stages = num_stages
+        # The dQ GEMM (tile_m x head_dim) is split between the two MMA warpgroups by columns
+        # (head_dim halves) or, with tile_m = 128, by rows (64 queries each).
+        self.dq_split_rows = dq_split_rows
+        self.num_mma_wg = tile_n // 64
+        self.num_mma_threads = self.num_mma_wg * _WG_THREADS
+        self.num_threads = self.num_mma_threads + _WG_THREADS
+        elem = dtype.width // 8
+        self.tx_bytes_kv = 2 * tile_n * head_dim * elem
+        self.tx_bytes_q = tile_m * head_dim * elem + tile_m * 4
+
+    @staticmethod
+    def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
+                      dq_split_rows=False) -> str | None:
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype must be BFloat16 or Float16, got {dtype}"
+        if head_dim not in (64, 96, 128):
+            return f"head_dim must be 64, 96 or 128, got {head_dim}"
+        if tile_n != 128:
+            return f"tile_n must be 128 (two MMA warpgroups of 64 keys), got {tile_n}"
+        if tile_m not in (64, 128):
+            return f"tile_m must be 64 or 128, got {tile_m}"
+        if dq_split_rows != (tile_m == 128):
+            return "the dQ GEMM splits rows exactly when tile_m is 128"
+        if not dq_split_rows and (head_dim // 2) % 32 != 0:
+            return f"head_dim {head_dim} does not split into two dQ column halves of whole 64-byte swizzle atoms"
+        if is_causal and is_local:
+            return "is_causal and is_local are exclusive"
+        if num_stages not in (1, 2):
+            return f"num_stages must be 1 or 2, got {num_stages}"
+        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) > _SMEM_CAPACITY:
+            return "does not fit in shared memory"
+        return None
+
+    @staticmethod
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) -> int:
+        elem = dtype.width // 8
+        operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
+        return operands + 2 * num_stages * tile_m * 4 + 1024 + 256
+
+    # ------------------------------------------------------------------ layouts and MMAs
+
+    def _smem_layouts(self):
+        d, s = self.head_dim, self.num_stages
+        return {
+            "sQ": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
+            "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
+            "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d),
+            "sV": make_smem_layout_sm90(self.dtype, self.tile_n, d),
+            # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
+            "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, 2),
+        }
+
+    def _shared_storage(self, layouts):
+        def buffer(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
+
+        stats = self.tile_m * self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            sK: buffer(layouts["sK"])
+            sV: buffer(layouts["sV"])
+            sQ: buffer(layouts["sQ"])
+            sdO: buffer(layouts["sdO"])
+            sdSt: buffer(layouts["sdSt"])
+
+        return SharedStorage
+
+    def _tiled_mmas(self):
+        """S^T / dP^T: SS, both K-major, warpgroups along keys. dV / dK: A = P^T / dS^T from
+        registers, B = dO^T / Q^T (MN-major views). dQ: A = dS (M-major view of sdSt), B = K^T
+        (MN-major), warpgroups along head_dim (or rows)."""
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        wg = self.num_mma_wg
+        sdp = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(wg, 1, 1), tiler_mn=(64, self.tile_m),
+        )
+        dkv = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(wg, 1, 1),
+            tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
+        )
+        if const_expr(self.dq_split_rows):
+            dq = hopper_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(wg, 1, 1), tiler_mn=(64, self.head_dim),
+            )
+        else:
+            dq = hopper_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wg, 1),
+                tiler_mn=(64, self.head_dim // wg),
+            )
+        return sdp, dkv, dq
+
+    # ------------------------------------------------------------------ host entry point
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
+        mV: cute.Tensor,  # like mK
+        mdO: cute.Tensor,  # like mQ
+        mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
+        mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed, row-major
+        mdK: cute.Tensor,  # MHA: like mK, 16-bit output;
+        mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
+        mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed
+        mdKV_sem: cute.Tensor,  # (batch | 1, nheads_k, seqlen_k_padded / tile_n) int32, zeroed
+        softmax_scale: Float32,
+        window_left: Int32,  # is_local only; unbounded: a huge value
+        window_right: Int32,
+        softcap: Float32,  # has_softcap only
+        deterministic: Int32,  # 0 or 1
+        tail_blocks: Int32,  # unused (the sm80 launcher's split tail): 0
+        tail_segments: Int32,  # unused: 1
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mdKV_tail: cute.Tensor | None,  # unused: None
+        stream: cuda.CUstream,
+    ):
+        if const_expr(
+            not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type == self.dtype)
+        ):
+            raise TypeError(f"Q/K/V/dO must all be {self.dtype}")
+        acc_dtype = Float32 if const_expr(self.is_gqa) else self.dtype
+        if const_expr(mdK.element_type != acc_dtype or mdV.element_type != acc_dtype):
+            raise TypeError(f"dK/dV must be {acc_dtype}")
+        if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
+            raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
+        if const_expr(mdKV_tail is not None):
+            raise TypeError("the Hopper backward has no split tail")
+        varlen = const_expr(mCuSeqlensQ is not None)
+        modes = [0, 2, 1] if varlen else [1, 3, 2, 0]  # -> (s, d, h[, b])
+        mQ, mK, mV, mdO = [select_modes(assume_strides_aligned(t), modes) for t in (mQ, mK, mV, mdO)]
+        if const_expr(not self.is_gqa):
+            mdK, mdV = [select_modes(assume_strides_aligned(t), modes) for t in (mdK, mdV)]
+        # Scratch rows: (s_pad, h, b) views for the 1-D TMA boxes of LSE_log2 / dPsum.
+        mLSE_t = select_modes(mLSE_log2, [2, 1, 0])
+        mdPsum_t = select_modes(mdPsum, [2, 1, 0])
+        layouts = self._smem_layouts()
+        d = self.head_dim
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+
+        def tma(t, layout, rows):
+            return cpasync.make_tiled_tma_atom(tma_load, t, layout, (rows, d))
+
+        tma_atom_Q, tma_Q = tma(mQ, cute.select(layouts["sQ"], mode=[0, 1]), self.tile_m)
+        tma_atom_dO, tma_dO = tma(mdO, cute.select(layouts["sdO"], mode=[0, 1]), self.tile_m)
+        tma_atom_K, tma_K = tma(mK, layouts["sK"], self.tile_n)
+        tma_atom_V, tma_V = tma(mV, layouts["sV"], self.tile_n)
+        stat_layout = cute.make_layout(self.tile_m)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_load, mLSE_t, stat_layout, (self.tile_m,))
+        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_load, mdPsum_t, stat_layout, (self.tile_m,))
+        SharedStorage = self._shared_storage(layouts)
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        if const_expr(self.has_softcap):
+            softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
+        else:
+            softcap_scale, scale_log2 = Float32(1.0), softmax_scale * LOG2_E
+        if const_expr(varlen):
+            num_batch = mCuSeqlensK.shape[0] - 1
+            grid = [num_varlen_tiles_upper_bound(mK.shape[0], num_batch, self.tile_n), mQ.shape[2], 1]
+        else:
+            num_batch = mQ.shape[3]
+            grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
+            mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
+            window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
+            mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinates of (seqlen_q | total_q, head_dim, nheads[, batch])
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,  # TMA coordinates of (seqlen_q_padded, nheads, batch | 1)
+        mdPsum: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_dO: cute.CopyAtom,
+        tma_atom_LSE: cute.CopyAtom,
+        tma_atom_dPsum: cute.CopyAtom,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQ_sem: cute.Tensor,
+        mdKV_sem: cute.Tensor,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        softcap_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        qhead_per_kvhead: Int32,
+        deterministic: Int32,
+        num_batch: Int32,
+        seqlen_q_static: Int32,
+        seqlen_k_static: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        atoms = (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum)
+        if warp_idx == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=producer, consumer_group=consumers, tx_count=self.tx_bytes_kv,
+            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True,
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+            tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True,
+        )
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+            tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+        layouts = self._smem_layouts()
+
+        def smem(field, name):
+            return field.get_tensor(layouts[name].outer, swizzle=layouts[name].inner)
+
+        sQ, sdO = smem(storage.sQ, "sQ"), smem(storage.sdO, "sdO")
+        sK, sV = smem(storage.sK, "sK"), smem(storage.sV, "sV")
+        sdSt = smem(storage.sdSt, "sdSt")
+        stats_layout = cute.make_layout((self.tile_m, self.num_stages))
+        sLSE = storage.sLSE.get_tensor(stats_layout)
+        sdPsum = storage.sdPsum.get_tensor(stats_layout)
+
+        # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        varlen = const_expr(mCuSeqlensK is not None)
+        batch_idx, n_block = block_z, block_x
+        if const_expr(varlen):
+            batch_idx, n_block = varlen_tile_coord(block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK)
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+        if batch_idx >= 0:
+            seqlen = SeqlenInfo.create(
+                batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+            )
+            num_n_blocks = (seqlen.seqlen_k + (self.tile_n - 1)) // self.tile_n
+            if const_expr(self.is_causal or self.is_local):
+                if deterministic != 0:
+                    # Shortest-first: the last key block (fewest query blocks) takes the lowest
+                    # block index and the first turn on every m_block (sm80/bwd.py, same rule).
+                    n_block = num_n_blocks - 1 - n_block
+            m_block_min, m_block_max = m_block_min_max(
+                self.tile_m, self.tile_n, n_block, seqlen.seqlen_q, seqlen.seqlen_k, self.is_causal,
+                self.is_local, window_left, window_right,
+            )
+            # Scratch rows of this sequence: dense (batch, head) rows; varlen padded offsets.
+            scratch_b = Int32(0) if const_expr(varlen) else batch_idx
+            row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
+            head_idx_kv = head_idx // qhead_per_kvhead
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.load(
+                        mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
+                        pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
+                        row_offset_q, n_block, m_block_min, m_block_max,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(_MMA_REGS)
+                acc_dK, acc_dV, tiled_mma_dkv = self.mma(
+                    sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, pipe_kv, pipe_q, pipe_do,
+                    mdQaccum[scratch_b, head_idx, None], mdQ_sem[scratch_b, head_idx, None],
+                    seqlen, n_block, m_block_min, m_block_max, row_offset_q, scale_log2,
+                    softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
+                    deterministic,
+                )
+                tidx = cute.arch.thread_idx()[0] - _WG_THREADS
+                row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
+                if const_expr(self.is_gqa):
+                    k_block = (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block
+                    self.epilogue_gqa(
+                        acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
+                        mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
+                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic,
+                    )
+                else:
+                    self.epilogue_mha(
+                        acc_dK, acc_dV, softmax_scale,
+                        seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
+                        seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
+                        sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
+                    )
+
+    # ------------------------------------------------------------------ producer
+
+    @cute.jit
+    def load(
+        self,
+        mQ, mK, mV, mdO, mLSE, mdPsum,  # TMA coordinate tensors
+        sQ, sK, sV, sdO, sLSE, sdPsum,
+        atoms,
+        pipe_kv: pipeline.PipelineTmaAsync,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_do: pipeline.PipelineTmaAsync,
+        seqlen: SeqlenInfo,
+        batch_idx: Int32,
+        head_idx: Int32,
+        head_idx_kv: Int32,
+        scratch_b: Int32,
+        row_offset_q: Int32,
+        n_block: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+    ):
+        """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
+        query block into the two-stage rings (the consumers release a stage after its last GEMM)."""
+        atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
+        d = self.head_dim
+        if m_block_min < m_block_max:
+            gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
+            gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
+            tKsK, tKgK = cpasync.tma_partition(
+                atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+            gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            # Scratch rows of this (sequence, head): m_block's tile_m values start at
+            # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
+            gLSE = cute.local_tile(mLSE[None, head_idx, scratch_b], (self.tile_m,), (None,))
+            gdPsum = cute.local_tile(mdPsum[None, head_idx, scratch_b], (self.tile_m,), (None,))
+            tLsL, tLgL = cpasync.tma_partition(
+                atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
+            )
+            tPsP, tPgP = cpasync.tma_partition(
+                atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
+            )
+            block_offset = row_offset_q // self.tile_m
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pipe_q.producer_acquire(state)
+                bar_q = pipe_q.producer_get_barrier(state)
+                cute.copy(atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+                cute.copy(atom_LSE, tLgL[None, block_offset + m_block], tLsL[None, state.index], tma_bar_ptr=bar_q)
+                pipe_do.producer_acquire(state)
+                bar_do = pipe_do.producer_get_barrier(state)
+                cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)
+                state.advance()
+
+    # ------------------------------------------------------------------ MMA warpgroups
+
+    @cute.jit
+    def mma(
+        self,
+        sQ, sK, sV, sdO, sdSt, sLSE, sdPsum,
+        pipe_kv: pipeline.PipelineTmaAsync,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_do: pipeline.PipelineTmaAsync,
+        mdQaccum: cute.Tensor,  # (seqlen_q_padded * head_dim,) of this (batch, head)
+        mdQ_sem: cute.Tensor,  # (num_m_blocks_padded,)
+        seqlen: SeqlenInfo,
+        n_block: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+        row_offset_q: Int32,
+        scale_log2: Float32,
+        softcap_scale: Float32 | None,
+        window_left: Int32,
+        window_right: Int32,
+        deterministic: Int32,
+    ):
+        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv)."""
+        tidx = cute.arch.thread_idx()[0] - _WG_THREADS
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * _WG_THREADS)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * _WG_THREADS)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        d = self.head_dim
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        # dS^T (16-bit, C layout) -> sdSt with stmatrix, as the forward stores O.
+        r2s_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
+        tdSsdS = r2s_dS.partition_D(sdSt)
+        # Column (query) of each of this thread's S^T values, for LSE / dPsum and the mask.
+        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
+        gdQ_all = mdQaccum
+        block_offset = row_offset_q // self.tile_m
+
+        if m_block_min < m_block_max:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            stage = state.index
+            ds_stage = (m_block - m_block_min) % 2
+            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+            acc_S_mn = acc_rows_cols(acc_S)
+            num_rows = cute.size(acc_S_mn.shape[0])
+            num_cols = cute.size(acc_S_mn.shape[1])
+            lse = cute.make_rmem_tensor((num_cols,), Float32)
+            for c in cutlass.range_constexpr(num_cols):
+                lse[c] = sLSE[tScS_mn[0, c][1], stage]
+            warpgroup.wait_group(1)  # S^T has landed
+            if const_expr(softcap_scale is not None):
+                apply_softcap(acc_S, softcap_scale)  # S = tanh(x * scale / softcap)
+            if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+                mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+            dpsum = cute.make_rmem_tensor((num_cols,), Float32)
+            acc_dP_mn = acc_rows_cols(acc_dP)
+            if const_expr(softcap_scale is None):
+                for r in cutlass.range_constexpr(num_rows):
+                    for c in cutlass.range_constexpr(num_cols):
+                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse[c], fastmath=True)
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum[c] = sdPsum[tScS_mn[0, c][1], stage]
+                warpgroup.wait_group(0)  # dP^T has landed
+                for r in cutlass.range_constexpr(num_rows):
+                    for c in cutlass.range_constexpr(num_cols):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum[c])
+            else:
+                # P and dS in one pass, so tanh (S) is still at hand for its derivative
+                # 1 - tanh^2 (a masked score is -inf: clamped to -1 the factor is 0, not NaN).
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum[c] = sdPsum[tScS_mn[0, c][1], stage]
+                warpgroup.wait_group(0)  # dP^T has landed
+                for r in cutlass.range_constexpr(num_rows):
+                    for c in cutlass.range_constexpr(num_cols):
+                        t = acc_S_mn[r, c]
+                        p = cute.math.exp2(t * scale_log2 - lse[c], fastmath=True)
+                        t = cute.arch.fmax(t, Float32(-1.0))
+                        acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum[c]) * (Float32(1.0) - t * t)
+                        acc_S_mn[r, c] = p
+            # dV += P^T dO with P^T straight from registers.
+            tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            rdS = convert_to_16bit(acc_dP, self.dtype)
+            cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+            tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA).
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=0)
+            pipe_q.consumer_release(state)
+            pipe_do.consumer_release(state)
+            state.advance()
+            self._add_dq(
+                acc_dQ, thr_dq, gdQ_all, mdQ_sem, block_offset + m_block, m_block, n_block, block_info,
+                seqlen, deterministic, tidx,
+            )
+        return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def _add_dq(self, acc_dQ, thr_dq, mdQaccum, mdQ_sem, q_block: Int32, m_block: Int32, n_block: Int32,
+                block_info: BlockInfo, seqlen: SeqlenInfo, deterministic: Int32, tidx: Int32):
+        """Reduce-add this block's dQ into the row-major fp32 accumulator (in the deterministic
+        mode in this key block's turn: ascending n_block, descending for causal/local)."""
+        gdQ = thr_dq.partition_C(accum_tile(mdQaccum, self.tile_m, self.head_dim, q_block))
+        if deterministic != 0:
+            turn = n_block
+            if const_expr(self.is_causal or self.is_local):
+                _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+                turn = n_block_max - 1 - n_block
+            semaphore_wait(mdQ_sem, q_block, turn, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+        red_add_tile(acc_dQ, gdQ, 2)
+        if deterministic != 0:
+            semaphore_signal(mdQ_sem, q_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+
+    # ------------------------------------------------------------------ epilogues
+
+    @cute.jit
+    def epilogue_mha(self, acc_dK, acc_dV, dk_scale: Float32, mdK_cur, mdV_cur, sK, sV,
+                     tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32, seqlen_k: Int32):
+        """dK * scale, dV -> 16-bit -> sK / sV (stmatrix; every WGMMA is done reading them) ->
+        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores."""
+        acc_dK.store(acc_dK.load() * dk_scale)
+        rdK = convert_to_16bit(acc_dK, self.dtype)
+        rdV = convert_to_16bit(acc_dV, self.dtype)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_dkv,
+        ).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
+        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
+        rows = (64, self.head_dim)
+        row0 = n_block * self.tile_n + wg_idx * 64
+        wg_block = n_block * (self.tile_n // 64) + wg_idx
+        for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
+            store_rows_predicated(
+                cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
+                tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
+            )
+
+    @cute.jit
+    def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
+        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums."""
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        gdK = thr_dkv.partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
+        gdV = thr_dkv.partition_C(accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block))
+        if deterministic != 0:
+            semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+        red_add_tile(acc_dV, gdV, 2)
+        red_add_tile(acc_dK, gdK, 2)
+        if deterministic != 0:
+            semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)

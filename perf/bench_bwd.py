@@ -1,0 +1,122 @@
+"""Backward benchmark on Hopper: our sm90 backward against cuDNN SDPA and FA4 (not a test).
+
+    python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
+                             [--repeat N] [--deterministic] [--sm80]
+
+FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
+alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
+main kernel, postprocess and their scratch allocations; ``--sm80``: also the Ampere backward), SDPA
+pinned to CUDNN_ATTENTION on BHSD copies, and FA4 (``flash_attn.cute.flash_attn_func``, its sm90
+backward) when it imports (a benchmark-only peer carried to the GPU machine as wheels; never imported
+by the package). Before timing, every column's gradients are checked against cuDNN's on the same inputs
+(max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
+median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
+* h * s^2 * d (x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / the faster peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
+
+GRAD_TOLERANCE = 0.1
+
+
+def fa4_func():
+    """FA4's ``flash_attn_func`` if the benchmark-only wheels are installed, else None."""
+    try:
+        from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+    except Exception as e:  # not installed, or its import fails: the column reads "-"
+        print(f"note: FA4 not available ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return flash_attn_func
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--causal", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--deterministic", action="store_true", help="ours with deterministic=True")
+    ap.add_argument("--sm80", action="store_true", help="also time our Ampere backward")
+    args = ap.parse_args(argv)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from flashattn_hopper import flash_attn_func
+
+    fa4 = fa4_func()
+    timer = make_timer()
+    print(f"# bwd, bf16, 16k tokens, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"deterministic={args.deterministic}, repeat={args.repeat}\n")
+    ours_cols = ["sm90", *(["sm80"] if args.sm80 else [])]
+    cols = [*ours_cols, "cudnn", "fa4"]
+    print("| hdim | seqlen | causal | " + " | ".join(cols) + " | sm90/cudnn | sm90/fa4 | sm90/best |")
+    print("|" + "---|" * (len(cols) + 6))
+    for hdim in args.hdims:
+        for seqlen in args.seqlens:
+            for causal in (c == "on" for c in args.causal):
+                batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v, dout = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
+                                             generator=gen) for _ in range(4))
+                flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
+                fns, layouts = {}, {}
+                for col in ours_cols:
+                    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+                    out = flash_attn_func(*leaves, causal=causal, deterministic=args.deterministic, backend=col)
+                    fns[col] = lambda o=out, x=leaves: torch.autograd.grad(o, x, dout, retain_graph=True)
+                    layouts[col] = "bshd"
+                bhsd = tuple(t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+                dout_bhsd = dout.transpose(1, 2).contiguous()
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o = sdpa(*bhsd, is_causal=causal)
+                fns["cudnn"] = lambda o=o: torch.autograd.grad(o, bhsd, dout_bhsd, retain_graph=True)
+                layouts["cudnn"] = "bhsd"
+                if fa4 is not None:
+                    leaves4 = tuple(t.clone().requires_grad_() for t in (q, k, v))
+                    o4 = fa4(*leaves4, causal=causal)
+                    o4 = o4[0] if isinstance(o4, tuple) else o4
+                    fns["fa4"] = lambda o=o4, x=leaves4: torch.autograd.grad(o, x, dout, retain_graph=True)
+                    layouts["fa4"] = "bshd"
+                tflops, timed = {}, []
+                for name, fn in fns.items():
+                    try:
+                        fn()
+                        timed.append(name)
+                    except Exception as e:  # one broken cell must not hide the rest
+                        tflops[name] = f"ERR({type(e).__name__})"
+                        print(f"note: {name} hdim{hdim} s{seqlen} causal={causal}: {e}", file=sys.stderr)
+                if "cudnn" in timed:
+                    ref = fns["cudnn"]()
+                    for col in [c for c in timed if c != "cudnn"]:
+                        grads = fns[col]()
+                        err = max((a - (b.transpose(1, 2) if layouts[col] == "bshd" else b)).abs().max().item()
+                                  for a, b in zip(grads, ref))
+                        if not err < GRAD_TOLERANCE:
+                            tflops[col] = f"WRONG({err:.2g})"
+                            timed.remove(col)
+                tflops.update(time_interleaved(timer, fns, timed, args.repeat, flops))
+                cells = format_cells(tflops, cols)
+                ratios = []
+                ours = tflops.get("sm90")
+                peers = [tflops.get(p) for p in ("cudnn", "fa4")]
+                best = max((p for p in peers if isinstance(p, float)), default=None)
+                for base in (*peers, best):
+                    ok = isinstance(ours, float) and isinstance(base, float)
+                    ratios.append(f"{ours / base:.2f}" if ok else "-")
+                print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells + ratios) + " |",
+                      flush=True)
+                del fns
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,113 @@
+"""The Hopper backward (kernels/sm90/bwd.py) through the public API with ``backend="sm90"`` (GPU tier,
+Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``test_bwd.py`` (whose
+helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
+
+Matrix: both dtypes, head dims 64 and 128 (the sm90 rows), causal or not, odd and unequal seqlens,
+MHA/GQA/MQA; windows; softcap; varlen with zero-length sequences and seqused; deterministic mode
+bitwise stable over repeats and batch-invariant (a sequence alone gives the same bits as inside a
+varlen batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn_hopper import dispatch
+
+from ._parity import poisoned_bwd
+from .test_bwd import (
+    SEQLENS_BWD_FAST, SOFTCAP, VARLEN_CASES, WINDOWS_FAST, _softcap_case, _varlen_case, _window_case,
+    check_poisoned_grads, make_inputs, make_varlen,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 backward needs a Hopper GPU",
+    ),
+]
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [64, 128]
+
+
+def test_sm90_backward_takes_the_common_problems():
+    from ._parity import problem
+
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 128)
+    assert dispatch.BWD_KERNELS["sm90"].can_implement(problem(q, k, v), False) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS_BWD_FAST, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_bwd_sm90_parity(dtype, head_dim, causal, seqlens, heads):
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, head_dim, dtype=dtype)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal_window", WINDOWS_FAST, ids=lambda c: f"c{int(c[0])}w{c[1][0]}_{c[1][1]}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_window(dtype, causal_window, seqlens, heads):
+    _window_case(dtype, 128 if dtype == torch.bfloat16 else 64, causal_window, seqlens, heads, backend="sm90")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bwd_sm90_softcap(dtype, causal, seqlens):
+    _softcap_case(dtype, 128, causal, seqlens, (8, 2), backend="sm90")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["zero_len", "long", "seqused"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_varlen(dtype, causal, case, heads):
+    _varlen_case(dtype, 128 if dtype == torch.bfloat16 else 64, causal, case, heads, backend="sm90")
+
+
+def test_bwd_sm90_varlen_window_softcap():
+    _varlen_case(torch.bfloat16, 128, True, VARLEN_CASES[0], (4, 2), window=(30, -1), backend="sm90")
+    _varlen_case(torch.bfloat16, 128, False, VARLEN_CASES[1], (8, 2), softcap=SOFTCAP, backend="sm90")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_deterministic_bitwise(head_dim, causal, heads):
+    """deterministic=True: 20 poisoned launches give the same bits; the first passes the parity rule."""
+    h, h_k = heads
+    q, k, v, dout = make_inputs(2, 1000, 1100, h, h_k, head_dim)
+    first = check_poisoned_grads(q, k, v, dout, "sm90", deterministic=True, causal=causal)
+    for _ in range(19):
+        again = poisoned_bwd(q, k, v, dout, "sm90", "sm90", deterministic=True, causal=causal)
+        for name, a, b in zip(("dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_sm90_deterministic_batch_invariant(causal):
+    """A sequence's gradients are bitwise the same computed alone and inside a varlen batch of other
+    sequences (deterministic=True)."""
+    lens = [300, 777, 64]
+    q, k, v, dout, varlen = make_varlen(lens, lens, 8, 2, 128, torch.bfloat16, None, None, 3)
+    batch = poisoned_bwd(q, k, v, dout, "sm90", "sm90", varlen, deterministic=True, causal=causal)
+    start = lens[0]
+    one = slice(start, start + lens[1])
+    alone_varlen = {
+        "cu_seqlens_q": torch.tensor([0, lens[1]], dtype=torch.int32, device="cuda"),
+        "cu_seqlens_k": torch.tensor([0, lens[1]], dtype=torch.int32, device="cuda"),
+    }
+    alone = poisoned_bwd(
+        q[one].contiguous(), k[one].contiguous(), v[one].contiguous(), dout[one].contiguous(), "sm90", "sm90",
+        alone_varlen, deterministic=True, causal=causal,
+    )
+    for name, a, b in zip(("dq", "dk", "dv"), alone, batch):
+        assert torch.equal(a, b[one]), f"{name}: the sequence alone differs from inside the batch"
