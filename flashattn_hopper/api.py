@@ -14,8 +14,21 @@ from typing import Any
 import torch
 
 from . import dispatch, ops, validate
-from .backends.common import VarlenArgs
+from .backends.common import FwdPlan, VarlenArgs
+from .env import settings
 from .validate import AttnProblem
+
+# Dense forward plans (backends.common.FwdPlan, or None where a call cannot have one) by call
+# signature: shapes, dtypes and devices of q, k, v and the options. A cached call skips validation,
+# dispatch and key building: everything they derive is a function of the signature, and TVM-FFI
+# checks what it does not hold (strides, alignment) before launching.
+_PLANS: dict[tuple[Any, ...], FwdPlan | None] = {}
+_MAX_PLANS = 4096  # signatures kept (then the table starts over): shapes that vary call to call
+
+
+def clear_plans() -> None:
+    """Forget the cached call plans (they hold no memory but the compiled functions' references)."""
+    _PLANS.clear()
 
 
 def _fwd(
@@ -50,6 +63,66 @@ class FlashAttnFunc(torch.autograd.Function):
         family = dispatch.bwd_kernel_for(q.device, ctx.backend, ctx.problem, ctx.deterministic)
         dq, dk, dv = family.backward(dout, q, k, v, out, lse, ctx.problem, ctx.varlen, ctx.deterministic)
         return dq, dk, dv, None, None, None, None
+
+
+class PlannedAttnFunc(torch.autograd.Function):
+    """Autograd of a call with a dense plan (``_PLANS``); its backward keeps a backward plan on the
+    forward's (one per ``deterministic``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FwdPlan,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = plan(q, k, v)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.deterministic = plan, deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, deterministic = ctx.plan, ctx.deterministic
+        bwd = plan.bwd.get(deterministic)
+        if bwd is None:
+            bwd = plan.bwd[deterministic] = _bwd_plan(plan, q.device, deterministic)
+        dq, dk, dv = bwd(dout, q, k, v, out, lse)
+        return dq, dk, dv, None, None
+
+
+def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool) -> Any:
+    """A callable ``(dout, q, k, v, out, lse) -> (dq, dk, dv)`` for a planned problem: the backward
+    family's own plan where it has one, else its ``backward``."""
+    p = plan.problem
+    family = dispatch.bwd_kernel_for(device, plan.backend, p, deterministic)
+    if hasattr(family, "plan"):
+        return family.plan(p, None, deterministic, device)
+    return lambda dout, q, k, v, out, lse: family.backward(dout, q, k, v, out, lse, p, None, deterministic)
+
+
+def _planned(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, signature: tuple[Any, ...], deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cached call of a signature that has a plan; None where it has none (yet) or where TVM-FFI
+    turns the inputs down (strides or alignment the kernel cannot take: the general path copies them)."""
+    plan = _PLANS.get(signature)
+    if plan is None:
+        return None
+    try:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return PlannedAttnFunc.apply(q, k, v, plan, deterministic)
+        return plan(q, k, v)
+    except (ValueError, TypeError):
+        return None
+
+
+def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: tuple[Any, ...]) -> None:
+    family = dispatch.fwd_kernel_for(q.device, backend, p)
+    plan = family.plan(q, p) if hasattr(family, "plan") else None
+    if plan is not None:
+        plan.backend = backend
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[signature] = plan
 
 
 def _attention(
@@ -98,6 +171,24 @@ def flash_attn_func(
     (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
     Options are keyword-only (``positional_options`` exists only to say so).
     """
+    # Cached calls first: plain option types only (a bool and an int, or an int and a float, compare
+    # equal as dictionary keys, and the general path must see the others to reject them).
+    signature = None
+    if (not positional_options and not flash_attn_extras and (causal is False or causal is True)
+            and (deterministic is False or deterministic is True) and type(softcap) is float
+            and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+            and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
+            and not torch.compiler.is_compiling()):
+        try:
+            signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+                         v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend)
+        except AttributeError:  # not tensors: the general path says which
+            signature = None
+        else:
+            result = _planned(q, k, v, signature, deterministic)
+            if result is not None:
+                return result if (return_lse or return_attn_probs) else result[0]
     if positional_options:
         raise validate.too_many_positional("flash_attn_func", "q, k, v", positional_options, "dropout_p", "softmax_scale")
     q, k, v = _autocast(q, k, v)
@@ -109,6 +200,11 @@ def flash_attn_func(
         out, lse = ops.attention(q, k, v, None, softmax_scale, causal, window_size, softcap, deterministic, backend)
         return (out, lse) if (return_lse or return_attn_probs) else out
     p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    if signature is not None and signature not in _PLANS and q.dtype == signature[3]:  # (not autocast)
+        _make_plan(q, p, backend, signature)
+        result = _planned(q, k, v, signature, deterministic)
+        if result is not None:
+            return result if (return_lse or return_attn_probs) else result[0]
     out, lse = _attention(q, k, v, p, backend, deterministic, None)
     return (out, lse) if (return_lse or return_attn_probs) else out
 

@@ -6,7 +6,10 @@ every shape and stride is a dynamic value of the compiled function, so one compi
 
 On disk (``FLASHATTN_HOPPER_CACHE_DIR``, default ``~/.cache/flashattn_hopper``) entries live under a
 fingerprint of the kernel sources, the DSL version, the Python version and the ``CUTE_DSL_*`` codegen
-settings, so an upgrade never loads a stale binary. Each entry is an object file exported by the DSL,
+settings, so an upgrade never loads a stale binary. Each entry is the DSL's export of the kernel: for a
+TVM-FFI function (the launchers' calling path) a shared library linked against the DSL's runtime
+library and ``libtvm_ffi`` (``.so``; ``.ffi.o`` where no C compiler driver links it), which a new
+process loads with ``tvm_ffi`` alone, without importing the DSL; otherwise an object file (``.o``);
 a ``.key`` sidecar with the key's full name (for ``python -m flashattn_hopper cache info``) and a
 ``.sha256`` sidecar written last. File names are ``<kernel>-<digest16>`` whatever the key holds: a key's
 full name runs past 250 characters, more than a file system allows in one name (ext4: 255 bytes).
@@ -137,6 +140,7 @@ def source_fingerprint() -> str:
     h = hashlib.sha256()
     h.update(f"python{sys.version_info.major}.{sys.version_info.minor}".encode())
     h.update(dsl_version().encode())
+    h.update(_version("apache-tvm-ffi").encode())
     for name in sorted(os.environ):
         if name.startswith("CUTE_DSL_") and not name.startswith(_DSL_ENV_IGNORED):
             h.update(f"{name}={os.environ[name]}".encode())
@@ -146,6 +150,15 @@ def source_fingerprint() -> str:
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "none"
 
 
 def dsl_version() -> str:
@@ -160,10 +173,25 @@ def dsl_version() -> str:
 
 
 def target_arch() -> str:
-    """The arch the CuTe DSL compiles for in this process (``CUTE_DSL_ARCH`` or the detected GPU)."""
-    from cutlass.base_dsl.dsl import BaseDSL
+    """The arch the CuTe DSL compiles for in this process (``CUTE_DSL_ARCH`` or the detected GPU).
 
-    return str(BaseDSL._get_dsl().get_arch_enum())
+    Asks the DSL once it is imported (it fixes its arch per process); before that, derives the same
+    answer without importing it (importing the DSL costs seconds, and a warm disk cache needs no
+    compiler): ``CUTE_DSL_ARCH``, else the current GPU's compute capability as the DSL names it
+    (``sm_90a`` for 9.0, ``sm_86`` for 8.6; ``sm_100a`` without a GPU, as the DSL defaults)."""
+    if "cutlass" in sys.modules:
+        from cutlass.base_dsl.dsl import BaseDSL
+
+        return str(BaseDSL._get_dsl().get_arch_enum())
+    return os.environ.get("CUTE_DSL_ARCH") or _detected_arch()
+
+
+@functools.cache
+def _detected_arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (10, 0)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
 @dataclass
@@ -194,7 +222,7 @@ class CompileCache:
         with self._lock:  # the DSL compiler is not re-entrant; one compile at a time per process
             fn = self._memory.get(key)
             if fn is None:
-                fn = self._load_or_compile(key, build)
+                fn = callable_of(self._load_or_compile(key, build))
                 self._memory[key] = fn
             return fn
 
@@ -279,6 +307,53 @@ def _load_module(path: Path, symbol: str) -> Any:
     return getattr(cute.runtime.load_module(str(path)), symbol)
 
 
+def _load_ffi_library(path: Path, symbol: str) -> Any:
+    """The ``tvm_ffi.Function`` a linked TVM-FFI entry exports, loaded without the DSL: the library
+    names ``libcute_dsl_runtime.so`` and ``libtvm_ffi.so`` as dependencies (with their directories as
+    its rpath), so one ``dlopen`` resolves the CUDA helpers the host code calls."""
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(path))[symbol]
+
+
+def _load_ffi_object(path: Path, symbol: str) -> Any:
+    """A TVM-FFI entry kept as an object file (no linker when it was written): the DSL links it."""
+    import cutlass.cute as cute
+
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
+
+
+def is_ffi_function(compiled: Any) -> bool:
+    """Whether ``compiled`` is a TVM-FFI function (``cute.compile(..., options="--enable-tvm-ffi")``,
+    or one loaded from the disk cache) rather than a function of the DSL's own calling convention."""
+    return hasattr(compiled, "__tvm_ffi_object__") or hasattr(compiled, "__chandle__")
+
+
+def callable_of(compiled: Any) -> Any:
+    """What a launcher calls: the plain ``tvm_ffi.Function`` under a DSL wrapper (the DSL wraps
+    kernels whose ``__call__`` has defaults in a Python keyword layer that launchers do not need:
+    they pass every argument by position), else ``compiled`` itself."""
+    inner = getattr(compiled, "__tvm_ffi_object__", None)
+    return compiled if inner is None else inner()
+
+
+def _link_shared(object_path: Path, library_path: Path) -> bool:
+    """Links a TVM-FFI object file into a shared library that needs neither the DSL nor its linker
+    at load time. False when no C compiler driver is found (the entry then stays an object file)."""
+    import subprocess
+
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return False
+    libs = [str(Path(lib).resolve()) for lib in find_runtime_libraries(enable_tvm_ffi=True)]
+    rpaths = sorted({f"-Wl,-rpath,{Path(lib).parent}" for lib in libs})
+    subprocess.run([cc, "-shared", "-o", str(library_path), str(object_path), *libs, *rpaths],
+                   check=True, capture_output=True)
+    return True
+
+
 class _DiskEntry:
     """One key's files: ``<kind>-<digest16>.o``, its ``.key`` and ``.sha256`` sidecars and its lock
     file, each name under 100 characters whatever the key holds (``*.corrupt`` copies included)."""
@@ -289,6 +364,8 @@ class _DiskEntry:
         kind = re.sub(r"[^A-Za-z0-9_.]", "_", key.kernel)[:_KIND_IN_FILE_NAME]
         stem = f"{kind}-{key.digest[:16]}"
         self.object_path = directory / f"{stem}.o"
+        self.library_path = directory / f"{stem}.so"  # TVM-FFI entries, linked
+        self.ffi_object_path = directory / f"{stem}.ffi.o"  # TVM-FFI entries where no linker was found
         self.key_path = directory / f"{stem}.key"
         self.sum_path = directory / f"{stem}.sha256"
         self.lock_path = directory / "locks" / f"{stem}.lock"
@@ -298,30 +375,34 @@ class _DiskEntry:
     def load(self) -> Any | None:
         """The entry's function, or None when there is none or it is unusable (then quarantined).
         File-system errors other than a missing entry raise OSError: the cache itself is unusable."""
-        try:
-            data = self.object_path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            expected: str | None = self.sum_path.read_text().strip()
-        except FileNotFoundError:
-            expected = None
-        try:
-            if expected != hashlib.sha256(data).hexdigest():
-                raise ValueError("checksum missing or wrong (partial or corrupt write)")
-            return _load_module(self.object_path, self.symbol)
-        except Exception as e:  # any failure means: never trust this entry
-            self._quarantine(e)
-            return None
+        for path, loader in ((self.library_path, _load_ffi_library), (self.ffi_object_path, _load_ffi_object),
+                             (self.object_path, _load_module)):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            try:
+                expected: str | None = self.sum_path.read_text().strip()
+            except FileNotFoundError:
+                expected = None
+            try:
+                if expected != hashlib.sha256(data).hexdigest():
+                    raise ValueError("checksum missing or wrong (partial or corrupt write)")
+                return loader(path, self.symbol)
+            except Exception as e:  # any failure means: never trust this entry
+                self._quarantine(e, path)
+                return None
+        return None
 
     def quarantine_path(self, path: Path) -> Path:
         return path.with_name(f"{path.name}.{os.getpid()}-{time.time_ns()}.corrupt")
 
-    def _quarantine(self, reason: Exception) -> None:
+    def _quarantine(self, reason: Exception, entry_path: Path | None = None) -> None:
         self.was_corrupt = True
+        entry_path = self.object_path if entry_path is None else entry_path
         log.warning("flashattn_hopper: cache entry %s (%s) is unusable (%s); recompiling",
-                    self.object_path.name, self.key.display_name, reason)
-        for path in (self.object_path, self.sum_path):
+                    entry_path.name, self.key.display_name, reason)
+        for path in (entry_path, self.sum_path):
             try:
                 os.replace(path, self.quarantine_path(path))
             except OSError:
@@ -330,10 +411,19 @@ class _DiskEntry:
     def publish(self, compiled: Any) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.directory, prefix=".tmp-") as tmp:
-            compiled.export_to_c(tmp, "kernel", function_prefix=self.symbol)
             tmp_object = Path(tmp) / "kernel.o"
+            if is_ffi_function(compiled):
+                compiled.export_to_c(str(tmp_object), self.symbol)
+                tmp_library = Path(tmp) / "kernel.so"
+                if _link_shared(tmp_object, tmp_library):
+                    tmp_object, target = tmp_library, self.library_path
+                else:
+                    target = self.ffi_object_path
+            else:
+                compiled.export_to_c(tmp, "kernel", function_prefix=self.symbol)
+                target = self.object_path
             digest = hashlib.sha256(tmp_object.read_bytes()).hexdigest()
-            os.replace(tmp_object, self.object_path)
+            os.replace(tmp_object, target)
             tmp_key = Path(tmp) / "kernel.key"
             tmp_key.write_text(self.key.name + "\n")
             os.replace(tmp_key, self.key_path)
@@ -393,7 +483,7 @@ class CacheEntry:
     """One compiled kernel on disk."""
 
     fingerprint: str  # the directory: kernel sources, DSL, Python and codegen settings it was built with
-    file: str  # the object file's name, ``<kind>-<digest16>.o``
+    file: str  # the entry's file: ``<kind>-<digest16>.so`` (TVM-FFI, linked), ``.ffi.o`` or ``.o``
     key_name: str  # the key's full name (``KernelKey.name``), from the ``.key`` sidecar; "" if missing
     bytes: int
 
@@ -402,7 +492,7 @@ def cache_entries() -> list[CacheEntry]:
     """Every entry of the disk cache, all fingerprints, sorted by fingerprint then key name."""
     entries = []
     try:
-        objects = [p for p in cache_dir().glob("*/*.o") if p.is_file()]
+        objects = [p for pattern in ("*/*.o", "*/*.so") for p in cache_dir().glob(pattern) if p.is_file()]
     except OSError:  # an unreadable cache directory lists as empty
         return []
     for path in objects:
@@ -411,7 +501,7 @@ def cache_entries() -> list[CacheEntry]:
         except OSError:
             continue
         try:
-            key_name = path.with_suffix(".key").read_text().strip()
+            key_name = path.with_name(path.name.split(".")[0] + ".key").read_text().strip()
         except OSError:
             key_name = ""
         entries.append(CacheEntry(path.parent.name, path.name, key_name, size))

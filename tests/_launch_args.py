@@ -1,4 +1,6 @@
-"""``python -m tests._launch_args ARCH``: the launch path's ready-made kernel arguments (scalars,
+"""``python -m tests._launch_args ARCH``: each launcher's argument list fits its compiled kernel. For
+TVM-FFI kernels (``backends.common.ffi_compile``): TVM-FFI accepts the argument count. For kernels of
+the DSL's own calling convention: the launch path's ready-made kernel arguments (scalars,
 stream, compiled-as-None slots: ``backends.common.kernel_arg`` / ``current_stream``) marshal to the
 same bytes as the DSL's own conversion of plain Python values, and the pointers ``backends.common.launch``
 hands the executor are the DSL's own list, for one compiled key per launcher signature of the target
@@ -12,12 +14,38 @@ import os
 import sys
 
 
+def check_ffi(compiled, args: tuple, label: str) -> None:
+    """A TVM-FFI function (``backends.common.ffi_compile``) takes the launcher's argument list: torch
+    tensors, Python scalars and None, no stream. Without a GPU the call stops at the first tensor
+    (a CPU tensor where a CUDA one is expected), after TVM-FFI has checked the argument count."""
+    import torch
+
+    from flashattn_hopper.jit import callable_of
+
+    fn = callable_of(compiled)
+    plain = tuple(a._tensor if hasattr(a, "_tensor") else a for a in args)  # to_cute -> the torch tensor
+    try:
+        fn(*plain)
+    except TypeError as e:
+        raise AssertionError(f"{label}: {e}") from None
+    except ValueError as e:
+        assert "argument #0" in str(e), f"{label}: {e}"
+    else:
+        assert torch.cuda.is_available(), f"{label}: a CPU tensor was accepted"
+    print(f"ok {label}: {len(plain)} arguments (TVM-FFI)")
+
+
 def check(compiled, args: tuple, stream_handle: int, label: str) -> None:
     """``args``: the call's arguments before the stream; tensors ready-made (``to_cute``), the rest
     plain Python values (float: Float32 slot, int: Int32 slot, None: compiled as None)."""
     import cuda.bindings.driver as cuda
 
     from flashattn_hopper.backends import common
+    from flashattn_hopper.jit import is_ffi_function
+
+    if is_ffi_function(compiled):
+        check_ffi(compiled, args, label)
+        return
 
     # Both argument lists stay referenced: the marshalled pointers lead into these objects.
     our_args = (*(common.kernel_arg(x) for x in args), common.current_stream_arg(stream_handle))

@@ -37,3 +37,14 @@ def clean_settings(monkeypatch):
     settings.cache_clear()
     yield monkeypatch
     settings.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_call_plans():
+    """Each test starts without the API's cached call plans (``api._PLANS``): tests that patch key
+    building or dispatch must see those run again."""
+    from flashattn_hopper import api
+
+    api.clear_plans()
+    yield
+    api.clear_plans()

@@ -218,10 +218,11 @@ def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements."""
+    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements (a fresh
+    copy, not ``contiguous()``, which returns a contiguous but misaligned view as it is)."""
     if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def empty_result(q: torch.Tensor, p: AttnProblem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,11 +263,27 @@ def int_to_cute(t: torch.Tensor) -> Any:
     return _TensorArg(t)
 
 
+def ffi_compile(kernel: Any, *args: Any, options: str | None = None) -> Any:
+    """``cute.compile(kernel, *args, stream)`` for the TVM-FFI calling path: ``args`` are fake tensors
+    (``fake_bshd``, ``fake_f32``, ...), DSL scalars and None (slots compiled as absent); the stream
+    parameter (last) is the environment stream, i.e. PyTorch's current stream of the first CUDA
+    tensor argument's device, which TVM-FFI also makes the current device for the launch. The
+    result (the DSL's function; ``jit.callable_of`` gives the plain ``tvm_ffi.Function``) takes torch
+    tensors, Python ints/floats and None positionally, without the stream, and checks dtypes, ranks,
+    shared extents, stride divisibility and alignment itself (ValueError/TypeError on a mismatch,
+    before any launch). A call costs a few us of host time against ~40-80 us for the DSL's own
+    argument conversion (H100 node, perf/NOTES.md)."""
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi" + (f" {options}" if options else ""))
+
+
 def compile_forward(
     kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None,
     extra_args: tuple[Any, ...] = (),
 ) -> Any:
-    """``cute.compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
+    """``ffi_compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
     window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
     arguments as compile-time stand-ins (the sm90 kernel's CTA count and tile counter); the family's
@@ -294,10 +311,9 @@ def compile_forward(
         tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
                    fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
         varlen_tensors = (None, None, None, None)
-    kwargs = {"options": options} if options else {}
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
     scalars += tuple(extra_args)
-    return cute.compile(kernel, *tensors, *scalars, *varlen_tensors, cute.runtime.make_fake_stream(), **kwargs)
+    return ffi_compile(kernel, *tensors, *scalars, *varlen_tensors, options=options)
 
 
 def launch_forward(
@@ -307,8 +323,9 @@ def launch_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pads and aligns the inputs, allocates out/lse (``out``/``lse`` given: tests pass NaN-poisoned
     contiguous buffers with the kernel's padded head dim) and launches a ``compile_forward`` kernel
-    on the inputs' device and ``stream_handle`` (None: its current stream). ``key`` carries
-    head_dim(_v) and the feature flags."""
+    (``compiled``: its ``jit.callable_of``) on the inputs' device and current stream (TVM-FFI's
+    environment stream; ``stream_handle``, that stream's handle, only chose ``extra_args``). ``key``
+    carries head_dim(_v) and the feature flags."""
     q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
     v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
     if key.varlen:
@@ -326,19 +343,46 @@ def launch_forward(
     softcap = p.softcap if key.softcap else 1.0
     if varlen is not None:
         ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
-        int_args = tuple(None if t is None else int_to_cute(int_ready(t)) for t in ints)
+        int_args = tuple(None if t is None else int_ready(t) for t in ints)
     else:
         int_args = (None, None, None, None)
-    with torch.cuda.device(q.device):
-        launch(
-            compiled, *(to_cute(t) for t in (q_k, k_k, v_k, out, lse)),
-            *(kernel_arg(x) for x in (float(p.softmax_scale), window_left, window_right, float(softcap))),
-            *(kernel_arg(x) for x in extra_args), *(kernel_arg(x) for x in int_args),
-            current_stream(q.device) if stream_handle is None else current_stream_arg(stream_handle),
-        )
+    compiled(q_k, k_k, v_k, out, lse, float(p.softmax_scale), window_left, window_right, float(softcap),
+             *extra_args, *int_args)
     if key.head_dim_v != p.head_dim_v:
         out = out[..., : p.head_dim_v]
     return out, lse
+
+
+class FwdPlan:
+    """A dense forward call with everything its signature fixes (shapes, dtypes, device, options)
+    worked out once: the compiled function and its scalar arguments, the output shapes. A call then
+    allocates out/lse and makes one TVM-FFI call (``api`` keeps plans per signature). Only for
+    inputs the kernel takes as they are (native head dims, no padding or slicing); TVM-FFI rejects,
+    before launching, inputs whose strides or alignment the kernel cannot take (ValueError): the
+    caller then goes the general way (``FwdLauncher.forward``), which copies them."""
+
+    __slots__ = ("fn", "key", "problem", "family", "out_shape", "lse_shape", "dtype", "head", "counter_device",
+                 "backend", "bwd")
+
+    def __init__(self, fn: Any, key: Any, problem: AttnProblem, family: Any, head: tuple[Any, ...],
+                 counter_device: int | None) -> None:
+        self.fn, self.key, self.problem, self.family, self.head = fn, key, problem, family, head
+        self.counter_device = counter_device  # the device index of a dynamic schedule's tile counter
+        p = problem
+        self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
+        self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
+        self.dtype = p.dtype
+        self.backend: str | None = None  # the backend the caller asked for (the backward's dispatch)
+        self.bwd: dict[bool, Any] = {}  # deterministic -> the backward's plan (callers fill it)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = q.new_empty(self.out_shape)  # (q's dtype and device: fewer arguments to parse than torch.empty)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        if self.counter_device is None:
+            self.fn(q, k, v, out, lse, *self.head, None, None, None, None)
+        else:
+            self.fn(q, k, v, out, lse, *self.head, tile_counter(self.counter_device), None, None, None, None)
+        return out, lse
 
 
 class FwdLauncher:
@@ -355,9 +399,26 @@ class FwdLauncher:
             return empty_result(q, p)
         key = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
         compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
-        stream_handle = torch.cuda.current_stream(q.device).cuda_stream
-        extra = self.extra_args(key, q.device, stream_handle)
-        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse, extra, stream_handle)
+        index = device_index(q.device)
+        extra = self.extra_args(key, q.device, current_stream_handle(index))
+        return launch_forward(compiled, key, q, k, v, p, varlen, out, lse, extra)
+
+    def plan(self, q: torch.Tensor, p: AttnProblem) -> FwdPlan | None:
+        """A ``FwdPlan`` for a dense problem the kernel takes without padding, else None."""
+        if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+            return None
+        key = self.key(p, target_arch(), None)  # type: ignore[attr-defined]
+        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
+            return None
+        fn = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
+        index = device_index(q.device)
+        extra = self.extra_args(key, q.device, current_stream_handle(index))
+        window_left, window_right = window_args(p) if key.local else (0, 0)
+        softcap = float(p.softcap) if key.softcap else 1.0
+        head = (float(p.softmax_scale), window_left, window_right, softcap)
+        if extra:  # (max_ctas, tile counter or None): the counter is per stream, fetched per call
+            return FwdPlan(fn, key, p, self, (*head, extra[0]), index if extra[1] is not None else None)
+        return FwdPlan(fn, key, p, self, head, None)
 
     def extra_args(self, key: Any, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """A family's own call-time kernel arguments (see ``compile_forward``) for a launch on the
@@ -365,13 +426,52 @@ class FwdLauncher:
         return ()
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The CUstream handle of a device's current stream: ``torch.cuda.current_stream(i).cuda_stream``
+    without building a Stream object (this runs on every call of a causal sm90 forward)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 def is_capturing(device_index: int) -> bool:
     """Whether the current stream of a device is being captured into a CUDA graph (without a device
-    switch when it is the current device: this runs on every launch that asks)."""
-    if device_index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
+    switch when it is the current device: this runs on every launch that asks; torch's private
+    getters, as ``torch.cuda.current_device``/``is_current_stream_capturing`` call them, skip the
+    public wrappers' lazy-init checks, ~1 us per call on an H100 node's host)."""
+    if device_index == torch._C._cuda_getDevice():
+        return torch._C._cuda_isCurrentStreamCapturing()
     with torch.cuda.device(device_index):
         return torch.cuda.is_current_stream_capturing()
+
+
+def tile_counter(device_index: int, stream_handle: int | None = None) -> torch.Tensor:
+    """The dynamic schedule's tile counter for the current stream of a device. The kernel leaves it
+    at zero (its last fetch resets it, kernels/common/tile_scheduler.py), so each stream's counter
+    is zeroed once, when first used, instead of by a memset before every launch (2-4 us of a
+    100-200 us causal call at 512-2k tokens); ``stream_handle`` is the launch's stream (None: the
+    device's current one). One per stream: launches on a stream run in order,
+    launches on two streams may overlap. Under CUDA graph capture every call gets its own zeroed
+    counter (a captured memset): a replay may run beside eager calls on the capture stream.
+    Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
+    destroyed stream's handle is not reused while its causal kernels still run."""
+    if is_capturing(device_index):
+        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+    if stream_handle is None:
+        stream_handle = current_stream_handle(device_index)
+    return _stream_tile_counter(device_index, stream_handle)
+
+
+@functools.cache
+def _stream_tile_counter(device_index: int, stream_handle: int) -> torch.Tensor:
+    """A zeroed int32 counter kept for one (device, stream): a cache, like the compile cache (one
+    4-byte buffer per stream the process launches causal kernels on)."""
+    return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 
 
 @functools.cache

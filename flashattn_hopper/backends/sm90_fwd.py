@@ -1,15 +1,14 @@
 """Launcher of the Hopper FA3 forward (kernels/sm90/fwd.py): key, compile, launch.
 
 Dense and varlen (packed ``(total, h, d)``) layouts, causal / sliding-window / softcap, GQA/MQA. Head
-dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds them, v's by its own
-row when smaller than q's (192/128 natively; inputs zero-padded in Python, the output sliced back).
+dims are served by the smallest row of ``configs.FWD_SM90_TILES`` that holds each, q/k's and v's at
+their own widths (192/128 and 64/256 natively; inputs zero-padded in Python, the output sliced back).
 Nothing here reads device memory: ``cu_seqlens``, ``seqused`` and a tensor ``max_seqlen`` stay on
 the GPU (the varlen grid is an upper bound).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    cluster_ctas, int_to_cute, is_capturing, mask_flags, num_sms,
+    cluster_ctas, mask_flags, num_sms, tile_counter,
 )
 
 
@@ -130,10 +129,11 @@ class FwdSm90(FwdLauncher):
         dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
-        if (hdim % 64 == 0) != (hdim_v % 64 == 0):
+        if hdim_v < hdim and (hdim % 64 == 0) != (hdim_v % 64 == 0):
             # 96 tiles shared memory with a 64-byte swizzle atom, the other rows with 128 bytes; sO
             # may share sQ's buffer only with the same atom (kernels/sm90/fwd.py), so such pairs
-            # (96/64, 128/96, ...) run v zero-padded to q's width.
+            # (96/64, 128/96, ...) run v zero-padded to q's width. (A v above q's, 96/192 or 64/96,
+            # always has its own sO.)
             hdim_v = hdim
         causal, local = mask_flags(p)
         # Varlen: seqlen_q is the total of all sequences, which says nothing about each one's length.
@@ -151,9 +151,9 @@ class FwdSm90(FwdLauncher):
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
-        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128, the
+        softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and causal 64/256, the
         spanning tiles, the two-Q-buffer tiles, the cluster rows without clusters and the short-sequence
-        tiles (61 keys).
+        tiles (62 keys).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -166,8 +166,10 @@ class FwdSm90(FwdLauncher):
         keys.append(self._key(arch, "bf16", 128, causal=False, local=True))
         keys += [self._key(arch, "bf16", 128, causal=causal, softcap=True) for causal in (False, True)]
         keys += [self._key(arch, "bf16", 128, causal=True, pack_gqa=g) for g in (4, 8)]
-        # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile.
+        # v's head dim below q's: 192/128 (MLA-style prefill) with its own tile; above it (own sO
+        # always): 64/256, flash-attn 3's own pair, one representative.
         keys += [self._key(arch, "bf16", 192, None, 128, causal=causal) for causal in (False, True)]
+        keys.append(self._key(arch, "bf16", 64, None, 256, causal=True))
         # Spanning tiles (hdim 64 at 512 rows: 192-row tiles would pad 12.5 %), bf16/fp16.
         keys += [
             self._key(arch, dtype, hdim, 512, causal=False)
@@ -222,30 +224,6 @@ class FwdSm90(FwdLauncher):
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
         return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None
-
-
-def tile_counter(device_index: int, stream_handle: int | None = None) -> Any:
-    """The dynamic schedule's tile counter for the current stream of a device. The kernel leaves it
-    at zero (its last fetch resets it, kernels/common/tile_scheduler.py), so each stream's counter
-    is zeroed once, when first used, instead of by a memset before every launch (2-4 us of a
-    100-200 us causal call at 512-2k tokens); ``stream_handle`` is the launch's stream (None: the
-    device's current one). One per stream: launches on a stream run in order,
-    launches on two streams may overlap. Under CUDA graph capture every call gets its own zeroed
-    counter (a captured memset): a replay may run beside eager calls on the capture stream.
-    Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
-    destroyed stream's handle is not reused while its causal kernels still run."""
-    if is_capturing(device_index):
-        return int_to_cute(torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index)))
-    if stream_handle is None:
-        stream_handle = torch.cuda.current_stream(device_index).cuda_stream
-    return _stream_tile_counter(device_index, stream_handle)
-
-
-@functools.cache
-def _stream_tile_counter(device_index: int, stream_handle: int) -> Any:
-    """Kernel argument of a zeroed int32 counter kept for one (device, stream): a cache, like the
-    compile cache (one 4-byte buffer per stream the process launches causal kernels on)."""
-    return int_to_cute(torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index)))
 
 
 def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:
