@@ -1,7 +1,7 @@
 """Tile configurations per kernel family, as frozen tables. One comment per row says why.
 
-A row is chosen by the *kernel* head dim: the user's head dims are padded (in Python, with zeros)
-up to the smallest row that holds both ``head_dim`` and ``head_dim_v``.
+A row is chosen by the *kernel* head dims: the user's head dims are padded (in Python, with zeros)
+up to the smallest row that holds each (``head_dim`` and ``head_dim_v`` each at its own width).
 """
 
 from __future__ import annotations
@@ -170,12 +170,29 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
 }
 
 
-# v's head dim below q's (kernel head dims (qk, v)): O takes fewer registers and sV less smem than
-# the qk row assumes. 192/128 (DeepSeek-style MLA prefill): FA3's 128x128 (S 64 + O 64 + P 32 = 160
-# regs; smem Q 48 + K 96 + V 64 = 208 KB, sO in sQ's buffer) instead of the 192 row's 128x112.
+# v's head dim other than q's (kernel head dims (qk, v)). Below q's, O takes fewer registers and sV
+# less smem than the qk row assumes. 192/128 (DeepSeek-style MLA prefill): FA3's 128x128 (S 64 + O 64
+# + P 32 = 160 regs; smem Q 48 + K 96 + V 64 = 208 KB, sO in sQ's buffer) instead of the 192 row's 128x112.
+# Above q's (v wider than q/k; FA3's 64/256), sO always has its own buffer (it cannot live in sQ's, and
+# a warpgroup's O would land on another's Q), so smem = Q + own sO + 2 stages of K and V; registers are
+# the v row's (O at v's width). Pairs not listed take sm90_dv_above_tile (the v row's tile, tile_n
+# shrunk until own sO fits).
 FWD_SM90_DV_TILES: dict[tuple[int, int], FwdTileSm90] = {
     (192, 128): FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
+
+
+def sm90_dv_above_tile(hdim: int, hdim_v: int) -> FwdTileSm90:
+    """The tile of a v head dim above q/k's that FWD_SM90_DV_TILES does not list: the v row's tile
+    (its registers hold O at v's width) without clusters, spanning tiles or a second Q buffer, with
+    the widest tile_n (multiple of 16) whose smem holds Q, K and V stages and an own sO."""
+    from .kernels.sm90.fwd_budget import SMEM_CAPACITY, smem_bytes
+
+    row = FWD_SM90_TILES[hdim_v]
+    tile_n = row.tile_n
+    while tile_n > 16 and smem_bytes(2, hdim, hdim_v, row.tile_m, tile_n, row.num_stages, True) > SMEM_CAPACITY:
+        tile_n -= 16
+    return replace(row, tile_n=tile_n, cluster_m=1, span_heads=False, q_stages=1)
 
 
 # Spanning tiles (FwdTileSm90.span_heads) pay where whole tiles would compute many rows past each sequence:
@@ -200,6 +217,8 @@ def sm90_fwd_tile(
     the table row, the long-sequence tile). A row's clusters only where ``cluster_pays``."""
     if hdim_v is not None and (hdim, hdim_v) in FWD_SM90_DV_TILES:
         return FWD_SM90_DV_TILES[(hdim, hdim_v)]
+    if hdim_v is not None and hdim_v > hdim:
+        return _dv_above_tile(hdim, hdim_v)
     short = FWD_SM90_SHORT_TILES.get(hdim)
     if short is not None and seqlen_q is not None and seqlen_q <= short[1 if causal else 0]:
         return short[2]
@@ -207,6 +226,12 @@ def sm90_fwd_tile(
     if row.cluster_m > 1 and seqlen_q is not None and not cluster_pays(seqlen_q, seqlen_k):
         return _without_clusters(row)
     return row
+
+
+@functools.cache
+def _dv_above_tile(hdim: int, hdim_v: int) -> FwdTileSm90:
+    """``sm90_dv_above_tile`` (cached: the launcher asks on every call)."""
+    return sm90_dv_above_tile(hdim, hdim_v)
 
 
 @functools.cache
@@ -223,12 +248,14 @@ def kernel_head_dim(table: dict[int, FwdTile], head_dim: int, head_dim_v: int) -
 
 
 def kernel_head_dims(table: dict, head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
-    """(qk, v) kernel head dims of a forward: the row holding both, and the smallest row holding v
-    (a v head dim below q's runs P.V, the V loads and the O store at its own width, 192/128)."""
-    hdim = kernel_head_dim(table, head_dim, head_dim_v)
-    if hdim is None:
+    """(qk, v) kernel head dims: the smallest row holding q/k's head dim and the smallest holding v's,
+    each run at its own width (192/128 and 64/256 natively; 80/40 as 96/64), or None if the table
+    has no row for one of them."""
+    qk = [d for d in sorted(table) if d >= head_dim]
+    v = [d for d in sorted(table) if d >= head_dim_v]
+    if not qk or not v:
         return None
-    return hdim, min(d for d in table if d >= head_dim_v)
+    return qk[0], v[0]
 
 
 @dataclass(frozen=True)
@@ -305,6 +332,28 @@ def bwd_dq_red_vec(arch: str) -> int:
     back to back; v4 issues 8 (lg_throttle 10k). Time: +1-3 % at hdim 256, within +-1 % at 64/128
     (the wait moved to the MIO queue; 3 interleaved repeats, perf/NOTES_sm80_bwd.md)."""
     return 4 if arch.startswith("sm_90") else 1
+
+
+@functools.cache
+def bwd_sm80_tile(arch: str, hdim: int, hdim_v: int) -> BwdSm80Tile:
+    """The sm80 backward tile for kernel head dims (q/k's, v's). Equal: the row. Different (192/128,
+    64/256, 96/192): the wider row's tile, whose accumulators (dK + dV, S + dP) and smem hold both
+    (they shrink with the narrower dim), with warps 4 along the M of the dK/dV and dQ GEMMs where the
+    row's atoms would split the narrower dim into warp tiles that are not whole (96 against the 192
+    row's 2 x 4: 64-column warp tiles)."""
+    t = bwd_sm80_tiles(arch)[max(hdim, hdim_v)]
+    if hdim == hdim_v:
+        return t
+    warps = t.num_threads // 32
+
+    def whole(atom: int, *cols: int) -> bool:
+        return all(c % (16 * (warps // atom)) == 0 for c in cols)
+
+    if not whole(t.atom_n_dkv, hdim, hdim_v):
+        t = replace(t, atom_n_dkv=4)
+    if not whole(t.atom_m_dq, hdim):
+        t = replace(t, atom_m_dq=4)
+    return t
 
 
 def bwd_sm80_tiles(arch: str) -> dict[int, BwdSm80Tile]:

@@ -116,8 +116,8 @@ def test_kernel_head_dim_padding(head_dim, head_dim_v, expected):
     assert configs.kernel_head_dim(configs.FWD_SM80_TILES, head_dim, head_dim_v) == expected
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(192, 128, (192, 128, 128, 128)), (128, 64, (128, 64, 128, 128)), (80, 40, (96, 96, 128, 128)), (128, 96, (128, 128, 128, 128)), (64, 128, (128, 128, 128, 128))])
-def test_sm90_key_runs_a_smaller_v_head_dim_at_its_own_width(head_dim, head_dim_v, expected):
+@pytest.mark.parametrize("head_dim,head_dim_v,expected", [(192, 128, (192, 128, 128, 128)), (128, 64, (128, 64, 128, 128)), (80, 40, (96, 96, 128, 128)), (128, 96, (128, 128, 128, 128)), (64, 128, (64, 128, 128, 128)), (64, 256, (64, 256, 128, 80)), (96, 192, (96, 192, 128, 112))])
+def test_sm90_key_runs_v_head_dim_at_its_own_width(head_dim, head_dim_v, expected):
     key = dispatch.FWD_KERNELS["sm90"].key(problem(head_dim=head_dim, head_dim_v=head_dim_v, seqlen_q=4096, seqlen_k=4096), "sm_90a")
     assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
 

@@ -101,9 +101,16 @@ def test_head_dim_too_large_says_supported_range():
     raises(ValueError, r"head dim must be in \[1, 256\], got 512", flash_attn_func, q, k, v)
 
 
-def test_head_dim_v_larger_than_qk():
-    q, k, v = qkv(d=64, dv=128)
-    raises(ValueError, "v head dim .* larger than q/k head dim", flash_attn_func, q, k, v)
+def test_head_dim_v_above_the_limit_names_it():
+    """flash-attn 3 tries head_dim_v 512 (its MLA decode kernel): not implemented, and said so."""
+    q, k, v = qkv(d=64, dv=512)
+    raises(NotImplementedError, r"v head dim 512 is not implemented: head_dim_v must be <= 256", flash_attn_func, q, k, v)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 128), (64, 256), (128, 256), (96, 192), (8, 256)])
+def test_head_dim_v_larger_than_qk_passes_the_head_dim_checks(d, dv):
+    q, k, v = qkv(d=d, dv=dv)  # CPU tensors: the device check, after the shapes', is what stops them
+    raises(ValueError, "q must be on a CUDA device", flash_attn_func, q, k, v)
 
 
 def test_last_dim_not_contiguous():

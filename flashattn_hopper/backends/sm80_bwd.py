@@ -5,9 +5,10 @@ One backward call is 3 launches (MHA) or 5 (GQA/MQA: the postprocess also conver
 sums): pre (dPsum, LSE_log2, zero dQaccum) -> main (dK, dV; dQ reduce-added in fp32) -> post (dQ).
 Dense and varlen (packed ``(total, h, d)``; scratch buffers at per-sequence padded offsets, sized from
 ``total + batch * SEQ_PAD``, so nothing here reads ``cu_seqlens``, ``seqused`` or ``max_seqlen``),
-causal / sliding window / softcap, GQA/MQA. Head dims are zero-padded in Python up to a row of
-``configs.bwd_sm80_tiles(arch)`` (both to the same row: 192/128 runs as 192; sm_90a targets get the
-larger-smem rows of ``BWD_SM80_TILES_SM90``). ``deterministic`` is a runtime
+causal / sliding window / softcap, GQA/MQA. Head dims are zero-padded in Python up to the rows of
+``configs.bwd_sm80_tiles(arch)`` that hold them, q/k's and v's each at its own width (192/128, 64/256
+natively; the tile is ``configs.bwd_sm80_tile``'s; sm_90a targets get the larger-smem rows of
+``BWD_SM80_TILES_SM90``). ``deterministic`` is a runtime
 flag of the main kernel (semaphore-ordered reduce-adds), not a separate compile.
 """
 
@@ -24,8 +25,8 @@ from .. import configs
 from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, current_stream, cutlass_dtype, fake_bshd, int_ready,
-    int_to_cute, kernel_arg, launch, mask_flags, num_sms, pad_head_dim, to_cute, window_args,
+    DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, cutlass_dtype, device_index, fake_bshd, ffi_compile,
+    int_ready, mask_flags, num_sms, pad_head_dim, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
@@ -41,10 +42,12 @@ _POST_TILE_M, _POST_THREADS = 64, 128
 
 @dataclass(frozen=True)
 class BwdPreKey(KernelKey):
-    """bwd_pre_sm80: dPsum, LSE_log2, zeroed dQaccum; per dtype, head dim and varlen layout."""
+    """bwd_pre_sm80: dPsum, LSE_log2, zeroed dQaccum; per dtype, head dims (dQaccum's, O's) and
+    varlen layout."""
 
     dtype: str
     head_dim: int
+    head_dim_v: int
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
 
@@ -69,6 +72,7 @@ class BwdPostKey(KernelKey):
 class BwdKey(KernelKey):
     dtype: str
     head_dim: int
+    head_dim_v: int
     tile_m: int
     tile_n: int
     num_threads: int
@@ -151,7 +155,7 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     strides = t.stride()
     if t.data_ptr() % 16 == 0 and strides[-1] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:-1]):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)  # (contiguous() keeps a misaligned view as it is)
 
 
 def _unused_semaphore(device_index: int) -> torch.Tensor:
@@ -177,10 +181,6 @@ def _check_given(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, na
         )
 
 
-def _int_arg(t: torch.Tensor | None) -> Any:
-    return None if t is None else int_to_cute(int_ready(t))
-
-
 class BwdSm80:
     """FA2-style backward: parallel over key blocks, dQ by fp32 reduce-adds, dK/dV in registers."""
 
@@ -189,7 +189,7 @@ class BwdSm80:
     tiles = configs.BWD_SM80_TILES
 
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
-        if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None:
+        if configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v) is None:
             return (
                 f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm80 backward; "
                 f"supported: head dims up to {max(self.tiles)}"
@@ -210,41 +210,44 @@ class BwdSm80:
              sms: int | None = None) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
         """(pre, main, post for dQ, post for the GQA dK/dV sums). ``sms``: the GPU's SM count, for the
         split tail of dense unmasked non-deterministic calls (None: no split)."""
-        hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
-        assert hdim is not None, "can_implement() must accept the problem first"
+        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        assert dims is not None, "can_implement() must accept the problem first"
+        hdim, hdim_v = dims
         dtype = DTYPE_NAMES[p.dtype]
         causal, local = mask_flags(p)
         is_varlen = varlen is not None
         su_q = is_varlen and varlen.seqused_q is not None
         su_k = is_varlen and varlen.seqused_k is not None
         main = self._main_key(
-            arch, dtype, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
+            arch, dtype, hdim, hdim_v, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k,
         )
         if sms is not None and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
             if plan[0] > 0:
                 main = dataclasses.replace(main, tail_split=True)
-        post_dq, post_kv = self._post_keys(arch, dtype, hdim, is_varlen, su_q, su_k)
+        post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k)
         return (
-            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, varlen=is_varlen, seqused=su_q),
+            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
+                      varlen=is_varlen, seqused=su_q),
             main, post_dq, post_kv,
         )
 
-    def _main_key(self, arch: str, dtype: str, hdim: int, causal: bool, gqa: bool, **flags: bool) -> BwdKey:
-        t = configs.bwd_sm80_tiles(arch)[hdim]
+    def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
+                  **flags: bool) -> BwdKey:
+        t = configs.bwd_sm80_tile(arch, hdim, hdim_v)
         return BwdKey(
-            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m, tile_n=t.tile_n,
+            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             num_threads=t.num_threads, atom_m_sdp=t.atom_m_sdp, atom_n_dkv=t.atom_n_dkv, atom_m_dq=t.atom_m_dq,
             causal=causal, gqa=gqa, stages_q=t.stages_q, stages_do=t.stages_do,
             dv_first=t.dv_first, dq_red_vec=configs.bwd_dq_red_vec(arch), stmatrix_pds=t.stmatrix_pds,
             **flags,
         )
 
-    def _post_keys(self, arch: str, dtype: str, hdim: int, varlen: bool = False, seqused_q: bool = False,
-                   seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
-        """(dQ postprocess, GQA dK/dV postprocess)."""
-        t = configs.bwd_sm80_tiles(arch)[hdim]
+    def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
+                   seqused_q: bool = False, seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
+        """(dQ postprocess, GQA dK postprocess; the dV one is this with ``head_dim_v``)."""
+        t = configs.bwd_sm80_tile(arch, hdim, hdim_v)
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                        num_threads=t.num_threads, atom_m=t.atom_m_dq, varlen=varlen, seqused=seqused_q,
@@ -257,31 +260,38 @@ class BwdSm80:
         """The variants users hit, for precompile and the compile-only tests: head dims 64
         and 128 dense in both dtypes (causal or not, MHA or GQA); 96/192/256 bf16 dense MHA (causal or
         not), each non-causal one with its split-tail segments kernel; bf16 d128 causal varlen (MHA),
-        sliding window and causal softcap. Rarer ones (fp16 features, GQA at 96-256, seqused, varlen
+        sliding window and causal softcap; bf16 64/256 causal (MHA and GQA). Rarer ones (fp16 features, GQA at 96-256, seqused, varlen
         GQA, window + varlen, ...) compile on first use."""
         keys: list[KernelKey] = []
         for hdim in self.tiles:
             common = hdim in (64, 128)
             for dtype in ("bf16", "fp16") if common else ("bf16",):
-                keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim))
-                post_dq, post_kv = self._post_keys(arch, dtype, hdim)
+                keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim))
+                post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim)
                 keys.extend((post_dq, post_kv) if common else (post_dq,))
                 for causal in (False, True):
                     for gqa in (False, True) if common else (False,):
-                        keys.append(self._main_key(arch, dtype, hdim, causal, gqa))
+                        keys.append(self._main_key(arch, dtype, hdim, hdim, causal, gqa))
                         # Dense unmasked calls split their last wave (tail_plan) with a segments kernel;
                         # sm_80's d128 MHA one spills 1 register (1 LDL + 1 STL; it runs at most one
                         # short wave) and compiles on first use.
                         if not causal and (arch.startswith("sm_90") or gqa or hdim != 128):
-                            keys.append(self._main_key(arch, dtype, hdim, causal, gqa, tail_split=True))
+                            keys.append(self._main_key(arch, dtype, hdim, hdim, causal, gqa, tail_split=True))
         if 128 in self.tiles:
-            keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, varlen=True))
-            keys.append(self._post_keys(arch, "bf16", 128, varlen=True)[0])
+            keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128,
+                                  varlen=True))
+            keys.append(self._post_keys(arch, "bf16", 128, 128, varlen=True)[0])
             # Causal only: non-causal varlen d128 spills 1 register on sm_80 (1 LDL + 1 STL; varlen seqlens
             # live in registers, dense ones in the parameter bank); it compiles on first use.
-            keys.append(self._main_key(arch, "bf16", 128, True, False, varlen=True))
-            keys.append(self._main_key(arch, "bf16", 128, False, False, local=True))
-            keys.append(self._main_key(arch, "bf16", 128, True, False, softcap=True))
+            keys.append(self._main_key(arch, "bf16", 128, 128, True, False, varlen=True))
+            keys.append(self._main_key(arch, "bf16", 128, 128, False, False, local=True))
+            keys.append(self._main_key(arch, "bf16", 128, 128, True, False, softcap=True))
+        # q/k and v at their own widths (one code path for 192/128, 64/256, 96/192): 64/256 causal,
+        # MHA and GQA (with the dV sums' postprocess at v's width).
+        keys.append(BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=64, head_dim_v=256))
+        post_dq, post_k = self._post_keys(arch, "bf16", 64, 256)
+        keys += [post_dq, dataclasses.replace(post_k, head_dim=256)]
+        keys += [self._main_key(arch, "bf16", 64, 256, True, gqa) for gqa in (False, True)]
         return keys
 
     # ------------------------------------------------------------------ compile
@@ -290,31 +300,31 @@ class BwdSm80:
         import cutlass
         import cutlass.cute as cute
 
-        kwargs = {"options": options} if options else {}
         dtype = cutlass_dtype(key.dtype)  # type: ignore[attr-defined]
         f32, i32 = cutlass.Float32, cutlass.Int32
         varlen = getattr(key, "varlen", False)
         # Scratch buffers get their own symbols: a shared symbol asserts equal extents at run time.
-        b, s_q, s_k, h, h_k, d, s_pad, acc_len, acc_k, b1, nb = (cute.sym_int() for _ in range(11))
+        b, s_q, s_k, h, h_k, d, d_v, s_pad, acc_len, acc_k, acc_v, b1, nb = (cute.sym_int() for _ in range(13))
         sem_q = tuple(cute.sym_int() for _ in range(3))
         sem_kv = tuple(cute.sym_int() for _ in range(3))
-        stream = cute.runtime.make_fake_stream()
 
-        def qkv(seqlen: Any, heads: Any) -> Any:  # dense (b, s, h, d) or packed (total, h, d)
-            return _fake_packed(dtype, seqlen, heads, d) if varlen else fake_bshd(dtype, b, seqlen, heads, d)
+        def qkv(seqlen: Any, heads: Any, dim: Any = d) -> Any:  # dense (b, s, h, d) or packed (total, h, d)
+            return _fake_packed(dtype, seqlen, heads, dim) if varlen else fake_bshd(dtype, b, seqlen, heads, dim)
 
         if key.kernel == "bwd_pre_sm80":
             from ..kernels.common.bwd_pre import FlashBwdPreprocess
 
             pre: BwdPreKey = key  # type: ignore[assignment]
-            kernel = FlashBwdPreprocess(dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim))
+            kernel = FlashBwdPreprocess(
+                dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v
+            )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
-                qkv(s_q, h), qkv(s_q, h), lse, _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, s_pad)),
+                qkv(s_q, h, d_v), qkv(s_q, h, d_v), lse, _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, s_pad)),
                 _fake(f32, (b, h, acc_len), 4),
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
-            return cute.compile(kernel, *fakes, *ints, stream, **kwargs)
+            return ffi_compile(kernel, *fakes, *ints, options=options)
         if key.kernel == "bwd_post_sm80":
             from ..kernels.common.bwd_post import FlashBwdPostprocess
 
@@ -324,24 +334,24 @@ class BwdSm80:
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))
-            return cute.compile(kernel, *fakes, f32(1.0), *ints, stream, **kwargs)
+            return ffi_compile(kernel, *fakes, f32(1.0), *ints, options=options)
         if key.kernel != self.kind:
             raise ValueError(f"not a key of this family: {key.name}")
         from ..kernels.sm80.bwd import FlashBwdSm80
 
         k: BwdKey = key  # type: ignore[assignment]
         kernel = FlashBwdSm80(
-            dtype, k.head_dim, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
+            dtype, k.head_dim, k.head_dim_v, k.tile_m, k.tile_n, k.num_threads, k.atom_m_sdp, k.atom_n_dkv, k.atom_m_dq,
             k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap, stages_q=k.stages_q,
             stages_do=k.stages_do, dv_first=k.dv_first, dq_red_vec=k.dq_red_vec,
             stmatrix_pds=k.stmatrix_pds, tail_split=k.tail_split, arch=k.arch,
         )
         if k.gqa:
-            dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
+            dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
         else:
-            dkv = (qkv(s_k, h_k), qkv(s_k, h_k))
+            dkv = (qkv(s_k, h_k), qkv(s_k, h_k, d_v))
         fakes = (
-            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h), _fake(f32, (b, h, s_pad)),
+            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k, d_v), qkv(s_q, h, d_v), _fake(f32, (b, h, s_pad)),
             _fake(f32, (b, h, s_pad)), _fake(f32, (b, h, acc_len), 4), *dkv, _fake(i32, sem_q),
             _fake(i32, sem_kv),
         )
@@ -351,7 +361,7 @@ class BwdSm80:
         )
         scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0), i32(0), i32(0))
         tail = _fake(f32, (cute.sym_int(), cute.sym_int(), cute.sym_int()), 4) if k.tail_split and not k.gqa else None
-        return cute.compile(kernel, *fakes, *scalars, *ints, tail, stream, **kwargs)
+        return ffi_compile(kernel, *fakes, *scalars, *ints, tail, options=options)
 
     # ------------------------------------------------------------------ launch
 
@@ -368,8 +378,12 @@ class BwdSm80:
             if dq is not None:
                 return dq.zero_(), dk.zero_(), dv.zero_()
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dev = q.device
-        sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        return self.plan(p, varlen, deterministic, q.device)(dout, q, k, v, out, lse, varlen, dq, dk, dv)
+
+    def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device) -> BwdPlan:
+        """The compiled kernels and every static argument of a backward call of problem ``p`` (a
+        non-empty one) on ``device``; ``varlen``: only which of its tensors are given matters."""
+        sms = num_sms(device_index(device))
         pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms)
         pre = compile_cache.get(pre_key, self.compile)
         # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
@@ -379,81 +393,107 @@ class BwdSm80:
             main = compile_cache.get(dataclasses.replace(main_key, tail_split=False), self.compile)
         post_dq = compile_cache.get(post_dq_key, self.compile)
         post_kv = compile_cache.get(post_kv_key, self.compile) if main_key.gqa else None
-        d = main_key.head_dim
-        q_k, k_k, v_k, out_k, dout_k = (_ready(pad_head_dim(t, d)) for t in (q, k, v, out, dout))
-        lse_k = _ready(lse)
-        b, s_q, s_k, h, h_k = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k
-        f32 = torch.float32
-        if varlen is not None:
-            # One "batch" row of scratch; sequence i starts at its padded offset (kernels/common/bwd_utils.py).
-            b_scr = 1
-            s_q_pad = -(-(s_q + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
-            s_k_pad = -(-(s_k + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
-            q_shape, k_shape = (s_q, h, d), (s_k, h_k, d)
-            ints = tuple(_int_arg(t) for t in (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q,
-                                                  varlen.seqused_k))
-        else:
-            b_scr, s_q_pad, s_k_pad = b, -(-s_q // SEQ_PAD) * SEQ_PAD, -(-s_k // SEQ_PAD) * SEQ_PAD
-            q_shape, k_shape = (b, s_q, h, d), (b, s_k, h_k, d)
-            ints = (None, None, None, None)
-        lse_log2 = torch.empty(b_scr, h, s_q_pad, dtype=f32, device=dev)
-        dpsum = torch.empty(b_scr, h, s_q_pad, dtype=f32, device=dev)
-        dq_accum = torch.empty(b_scr, h, s_q_pad * d, dtype=f32, device=dev)
-        # Rows past seqused are never written by the kernels: they must read 0.
-        if dq is None:
-            dq = (torch.zeros if main_key.seqused_q else torch.empty)(q_shape, dtype=q.dtype, device=dev)
-            dk = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
-            dv = (torch.zeros if main_key.seqused_k else torch.empty)(k_shape, dtype=q.dtype, device=dev)
-        else:
-            _check_given(dq, q_shape, q.dtype, "dq")
-            _check_given(dk, k_shape, q.dtype, "dk")
-            _check_given(dv, k_shape, q.dtype, "dv")
-            if main_key.seqused_q:
-                dq.zero_()
-            if main_key.seqused_k:
-                dk.zero_(), dv.zero_()
-        if main_key.gqa:
-            dk_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)
-            dv_main = torch.zeros(b_scr, h_k, s_k_pad * d, dtype=f32, device=dev)
-        else:
-            dk_main, dv_main = dk, dv
-        if deterministic:
-            sem_q = torch.zeros(b_scr, h, s_q_pad // main_key.tile_m, dtype=torch.int32, device=dev)
-            sem_kv = (torch.zeros(b_scr, h_k, s_k_pad // main_key.tile_n, dtype=torch.int32, device=dev)
-                      if main_key.gqa else sem_q)
-        else:
-            sem_q = sem_kv = _unused_semaphore(dev.index)
-        tail_blocks, tail_segments, tail_sums = 0, 1, None
+        post_v = post_kv  # the GQA dV sums' postprocess: at v's width
+        if main_key.gqa and main_key.head_dim_v != main_key.head_dim:
+            post_v = compile_cache.get(dataclasses.replace(post_kv_key, head_dim=main_key.head_dim_v), self.compile)
+        tail_blocks, tail_segments = 0, 1
         if main_key.tail_split:
-            tail_blocks, tail_segments = tail_plan(b, s_q, s_k, h, main_key.tile_m, main_key.tile_n, sms)
-            if not main_key.gqa:  # MHA: the split blocks' partial dK/dV sums and arrival counts
-                tail_sums = torch.zeros(max(tail_blocks, 1), 2, main_key.tile_n * d, dtype=f32, device=dev)
-                sem_kv = torch.zeros(1, 1, max(tail_blocks, 1), dtype=torch.int32, device=dev)
-        scale, one = kernel_arg(float(p.softmax_scale)), kernel_arg(1.0)
+            tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
+                                                   main_key.tile_n, sms)
+        return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
+                       tail_segments)
+
+
+class BwdPlan:
+    """One backward problem's kernels and static arguments, worked out once (``BwdSm80.plan``); a
+    call allocates the scratch and the gradients and makes 3 TVM-FFI calls (5 with GQA, 4 with a
+    split tail) on the inputs' device and current stream."""
+
+    def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
+                 tail_blocks: int, tail_segments: int) -> None:
+        self.p, self.main_key, self.deterministic = p, main_key, deterministic
+        self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
+        self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
+        d = self.d = main_key.head_dim
+        d_v = self.d_v = main_key.head_dim_v
+        b, s_q, s_k, h, h_k = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_k
+        if p.is_varlen:
+            # One "batch" row of scratch; sequence i starts at its padded offset (kernels/common/bwd_utils.py).
+            self.b_scr = 1
+            self.s_q_pad = -(-(s_q + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
+            self.s_k_pad = -(-(s_k + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
+            self.q_shape, self.k_shape, self.v_shape = (s_q, h, d), (s_k, h_k, d), (s_k, h_k, d_v)
+        else:
+            self.b_scr, self.s_q_pad, self.s_k_pad = b, -(-s_q // SEQ_PAD) * SEQ_PAD, -(-s_k // SEQ_PAD) * SEQ_PAD
+            self.q_shape, self.k_shape, self.v_shape = (b, s_q, h, d), (b, s_k, h_k, d), (b, s_k, h_k, d_v)
+        self.rows_shape = (self.b_scr, h, self.s_q_pad)
+        self.acc_shape = (self.b_scr, h, self.s_q_pad * d)
+        self.padded = d != p.head_dim or d_v != p.head_dim_v
         window_left, window_right = window_args(p) if main_key.local else (0, 0)
         softcap = float(p.softcap) if main_key.softcap else 1.0
-        scalars = (scale, *(kernel_arg(x) for x in (
-            window_left, window_right, softcap, int(deterministic), tail_blocks, tail_segments)))
-        cu_q, cu_k, su_q, su_k = (kernel_arg(x) for x in ints)
-        with torch.cuda.device(dev):
-            stream = current_stream(dev)
-            lse_log2_arg, dpsum_arg, dq_accum_arg, dout_arg = (to_cute(t) for t in (lse_log2, dpsum, dq_accum, dout_k))
-            launch(
-                pre, to_cute(out_k), dout_arg, to_cute(lse_k), lse_log2_arg, dpsum_arg, dq_accum_arg, cu_q, su_q, stream,
-            )
-            main_args = (
-                *(to_cute(t) for t in (q_k, k_k, v_k)), dout_arg, lse_log2_arg, dpsum_arg, dq_accum_arg,
-                *(to_cute(t) for t in (dk_main, dv_main, sem_q, sem_kv)), *scalars, cu_q, cu_k, su_q, su_k,
-            )
-            launch(main, *main_args, kernel_arg(None), stream)
-            if segments is not None and tail_blocks > 0:
-                launch(segments, *main_args, kernel_arg(None) if tail_sums is None else to_cute(tail_sums), stream)
-            launch(post_dq, dq_accum_arg, to_cute(dq), scale, cu_q, su_q, stream)
-            if post_kv is not None:
-                launch(post_kv, to_cute(dk_main), to_cute(dk), scale, cu_k, su_k, stream)
-                launch(post_kv, to_cute(dv_main), to_cute(dv), one, cu_k, su_k, stream)
+        self.scale = float(p.softmax_scale)
+        self.scalars = (self.scale, window_left, window_right, softcap, int(deterministic), tail_blocks, tail_segments)
+
+    def __call__(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, varlen: VarlenArgs | None = None, dq: torch.Tensor | None = None,
+        dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``backward`` of the plan's problem (see there); ``varlen``: the call's varlen tensors."""
+        p, key, d, d_v, dev = self.p, self.main_key, self.d, self.d_v, q.device
+        if self.padded:
+            q, k = (pad_head_dim(t, d) for t in (q, k))
+            v, out, dout = (pad_head_dim(t, d_v) for t in (v, out, dout))
+        q, k, v, out, dout, lse = (_ready(t) for t in (q, k, v, out, dout, lse))
+        f32 = torch.float32
+        if varlen is not None:
+            cu_q, cu_k, su_q, su_k = (None if t is None else int_ready(t) for t in (
+                varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k))
+        else:
+            cu_q = cu_k = su_q = su_k = None
+        lse_log2 = torch.empty(self.rows_shape, dtype=f32, device=dev)
+        dpsum = torch.empty(self.rows_shape, dtype=f32, device=dev)
+        dq_accum = torch.empty(self.acc_shape, dtype=f32, device=dev)
+        # Rows past seqused are never written by the kernels: they must read 0.
+        if dq is None:
+            dq = (torch.zeros if key.seqused_q else torch.empty)(self.q_shape, dtype=q.dtype, device=dev)
+            dk = (torch.zeros if key.seqused_k else torch.empty)(self.k_shape, dtype=q.dtype, device=dev)
+            dv = (torch.zeros if key.seqused_k else torch.empty)(self.v_shape, dtype=q.dtype, device=dev)
+        else:
+            _check_given(dq, self.q_shape, q.dtype, "dq")
+            _check_given(dk, self.k_shape, q.dtype, "dk")
+            _check_given(dv, self.v_shape, q.dtype, "dv")
+            if key.seqused_q:
+                dq.zero_()
+            if key.seqused_k:
+                dk.zero_(), dv.zero_()
+        if key.gqa:
+            dk_main = torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad * d, dtype=f32, device=dev)
+            dv_main = torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad * d_v, dtype=f32, device=dev)
+        else:
+            dk_main, dv_main = dk, dv
+        if self.deterministic:
+            sem_q = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32, device=dev)
+            sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // key.tile_n, dtype=torch.int32, device=dev)
+                      if key.gqa else sem_q)
+        else:
+            sem_q = sem_kv = _unused_semaphore(device_index(dev))
+        tail_sums = None
+        if self.tail_blocks > 0 and not key.gqa:  # MHA: the split blocks' partial dK/dV sums and arrival counts
+            tail_sums = torch.zeros(self.tail_blocks, 2, key.tile_n * max(d, d_v), dtype=f32, device=dev)
+            sem_kv = torch.zeros(1, 1, self.tail_blocks, dtype=torch.int32, device=dev)
+        self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q)
+        main_args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk_main, dv_main, sem_q, sem_kv, *self.scalars,
+                     cu_q, cu_k, su_q, su_k)
+        self.main(*main_args, None)
+        if self.segments is not None and self.tail_blocks > 0:
+            self.segments(*main_args, tail_sums)
+        self.post_dq(dq_accum, dq, self.scale, cu_q, su_q)
+        if self.post_kv is not None:
+            self.post_kv(dk_main, dk, self.scale, cu_k, su_k)
+            self.post_v(dv_main, dv, 1.0, cu_k, su_k)
         if d != p.head_dim:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
-        if d != p.head_dim_v:
+        if d_v != p.head_dim_v:
             dv = dv[..., : p.head_dim_v]
         return dq, dk, dv

@@ -9,10 +9,10 @@ block, computed once (design doc 2.2), in fp32:
   ``+inf`` and ``dPsum = 0``, so ``P = 0`` and ``dS = 0`` there (pitfall 19);
 - ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds.
 
-Constraints: O/dO ``(batch, seqlen_q, nheads, head_dim)`` 16-bit with 16-byte rows and aligned
+Constraints: O/dO ``(batch, seqlen_q, nheads, head_dim_v)`` 16-bit with 16-byte rows and aligned
 strides; LSE fp32 ``(batch, nheads, seqlen_q)``; scratch shapes per ``common/bwd_utils.py``
-(``seqlen_q_padded`` a multiple of ``tile_m``). Varlen (``cu_seqlens_q`` given): O/dO
-``(total_q, nheads, head_dim)``, LSE ``(nheads, total_q)``, scratch ``(1, nheads, rows)`` at the
+(``seqlen_q_padded`` a multiple of ``tile_m``; dQaccum rows ``head_dim`` wide, q's). Varlen (``cu_seqlens_q`` given): O/dO
+``(total_q, nheads, head_dim_v)``, LSE ``(nheads, total_q)``, scratch ``(1, nheads, rows)`` at the
 per-sequence padded offsets; the grid covers an upper bound of tiles and each CTA finds its
 ``(sequence, m_block)`` (``common/seqlen.py``). One CTA per ``tile_m`` padded rows, plain
 128-bit loads: this kernel is bandwidth-bound and reads O and dO exactly once.
@@ -44,23 +44,28 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
-                 num_threads: int = 128):
-        reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
+                 num_threads: int = 128, head_dim_v: int | None = None):
+        """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``)."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if reason is not None:
             raise ValueError(f"FlashBwdPreprocess cannot implement this config: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.tile_m = tile_m
         self.num_threads = num_threads
 
     @staticmethod
-    def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
-        return scratch_tile_reason(dtype, head_dim, tile_m, num_threads, 8, "16-byte")
+    def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
+        return scratch_tile_reason(
+            dtype, head_dim if head_dim_v is None else head_dim_v, tile_m, num_threads, 8, "16-byte"
+        ) or scratch_tile_reason(dtype, head_dim, tile_m, num_threads, 4, "16-byte fp32")
 
     @cute.jit
     def __call__(
         self,
-        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim_v) | varlen (total_q, nheads, head_dim_v)
         mdO: cute.Tensor,  # like mO
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) | varlen (nheads, total_q) fp32, natural log
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32, output
@@ -96,8 +101,8 @@ class FlashBwdPreprocess:
     @cute.kernel
     def kernel(
         self,
-        mO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
-        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mO: cute.Tensor,  # (seqlen_q, head_dim_v, nheads[, batch])
+        mdO: cute.Tensor,  # (seqlen_q, head_dim_v, nheads[, batch])
         mLSE: cute.Tensor,  # (seqlen_q, nheads[, batch])
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
         mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
@@ -148,9 +153,9 @@ class FlashBwdPreprocess:
         mdO_cur = seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx)
         mLSE_cur = seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx)
 
-        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim_v, is_async=False)
         thr_copy = tiled_copy.get_slice(tidx)
-        tile = (self.tile_m, self.head_dim)
+        tile = (self.tile_m, self.head_dim_v)
         tOgO = thr_copy.partition_S(cute.local_tile(mO_cur, tile, (m_block, 0)))
         tOgdO = thr_copy.partition_S(cute.local_tile(mdO_cur, tile, (m_block, 0)))
         cO = cute.make_identity_tensor(tile)
@@ -169,7 +174,7 @@ class FlashBwdPreprocess:
 
         prod = cute.make_rmem_tensor_like(rO, Float32)
         prod.store(rO.load().to(Float32) * rdO.load().to(Float32))
-        threads_per_row = copy_threads_per_row(self.head_dim, 8, self.num_threads)
+        threads_per_row = copy_threads_per_row(self.head_dim_v, 8, self.num_threads)
         mLSE_log2_cur = mLSE_log2[scratch_b, head_idx, None]
         mdPsum_cur = mdPsum[scratch_b, head_idx, None]
         for m in cutlass.range_constexpr(cute.size(prod.shape[1])):

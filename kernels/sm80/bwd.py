@@ -7,10 +7,11 @@ Purpose: given Q, K, V, dO and the preprocess outputs (``LSE_log2``, ``dPsum``, 
     dP = dO V^T,  dS = P * (dP - dPsum)                   dK += dS^T Q   (times softmax_scale)
     dQaccum += dS K                                      (scaled by the postprocess)
 
-Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` (varlen: ``(total,
-nheads, head_dim)`` with ``cu_seqlens_q/k`` and optional ``seqused_q/k``) with unit last stride,
-other strides multiples of 8 elements, 16-byte aligned bases; ``head_dim == head_dim_v`` a
-multiple of 16 (the launcher zero-pads other head dims); ``nheads % nheads_k == 0``. Scratch
+Constraints: bf16/fp16; Q/K ``(batch, seqlen, nheads, head_dim)``, V/dO with ``head_dim_v``
+(varlen: ``(total, nheads, head_dim)`` with ``cu_seqlens_q/k`` and optional ``seqused_q/k``) with
+unit last stride, other strides multiples of 8 elements, 16-byte aligned bases; ``head_dim`` and
+``head_dim_v`` multiples of 16, each at its own width (S, dK, dQ over head_dim; dP, dV over
+head_dim_v; the launcher zero-pads other head dims); ``nheads % nheads_k == 0``. Scratch
 buffers as in ``common/bwd_utils.py``. Bottom-right causal; sliding window (``is_local``,
 runtime sides, unbounded = a huge value); softcap: ``s = softcap * tanh(x * scale / softcap)``
 is recomputed from ``x = Q K^T`` and ``dS_x = dS_s * (1 - tanh^2)`` (the scale stays outside, as
@@ -84,7 +85,7 @@ class Gemm:
 
 @dataclass(frozen=True)
 class StagedLoad:
-    """``cp.async`` partition of a ``(rows, head_dim)`` operand: gmem ``(CPY, R, C, block)``,
+    """``cp.async`` partition of a ``(rows, head_dim | head_dim_v)`` operand: gmem ``(CPY, R, C, block)``,
     smem ``(CPY, R, C[, stage])``, and the identity partitions used for row predicates."""
 
     tiled_copy: cute.TiledCopy
@@ -198,6 +199,7 @@ class FlashBwdSm80(BwdSm80Epilogue):
         self,
         dtype: type[cutlass.Numeric],
         head_dim: int,
+        head_dim_v: int,
         tile_m: int,
         tile_n: int,
         num_threads: int,
@@ -218,7 +220,7 @@ class FlashBwdSm80(BwdSm80Epilogue):
     ):
         reason = self.can_implement(
             dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
-            stages_q, stages_do, arch, dq_red_vec, stmatrix_pds,
+            stages_q, stages_do, arch, dq_red_vec, stmatrix_pds, head_dim_v,
         )
         if is_causal and is_local:
             reason = "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
@@ -228,6 +230,7 @@ class FlashBwdSm80(BwdSm80Epilogue):
             raise ValueError(f"FlashBwdSm80 cannot implement this config: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_threads = num_threads
@@ -256,14 +259,17 @@ class FlashBwdSm80(BwdSm80Epilogue):
     @staticmethod
     def can_implement(
         dtype, head_dim, tile_m, tile_n, num_threads, atom_m_sdp, atom_n_dkv, atom_m_dq,
-        stages_q=2, stages_do=2, arch="sm_80", dq_red_vec=1, stmatrix_pds=False,
+        stages_q=2, stages_do=2, arch="sm_80", dq_red_vec=1, stmatrix_pds=False, head_dim_v=None,
     ) -> str | None:
         """None if this static config compiles into a correct kernel for ``arch`` (its shared
-        memory capacity: sm_80 164 KiB, sm_90 227 KiB), else the reason why not."""
+        memory capacity: sm_80 164 KiB, sm_90 227 KiB), else the reason why not. ``head_dim_v``
+        None: ``head_dim``."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
-        if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
-            return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
+        for name, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if dim % 16 != 0 or not 16 <= dim <= 256:
+                return f"{name} must be a multiple of 16 in [16, 256], got {dim}"
         if num_threads <= 0 or num_threads % 32 != 0:
             return f"num_threads must be a positive multiple of 32, got {num_threads}"
         if dq_red_vec not in (1, 4) or (dq_red_vec == 4 and not arch.startswith("sm_90")):
@@ -279,23 +285,26 @@ class FlashBwdSm80(BwdSm80Epilogue):
         for name, atom, (m, n) in (
             ("atom_m_sdp", atom_m_sdp, (tile_m, tile_n)),
             ("atom_n_dkv", atom_n_dkv, (tile_n, head_dim)),
+            ("atom_n_dkv", atom_n_dkv, (tile_n, head_dim_v)),
             ("atom_m_dq", atom_m_dq, (tile_m, head_dim)),
         ):
             if atom <= 0 or num_warps % atom != 0:
                 return f"{name} ({atom}) must divide the number of warps ({num_warps})"
             if m % (16 * atom) != 0 or n % (16 * (num_warps // atom)) != 0:
                 return f"{name} ({atom}): the {m} x {n} tile is not a whole number of warp tiles"
-        for name, rows in (("Q/dO", tile_m), ("K/V", tile_n)):
-            threads_per_row = copy_threads_per_row(head_dim, 128 // dtype.width, num_threads)
+        for name, rows, cols in (
+            ("Q", tile_m, head_dim), ("K", tile_n, head_dim), ("dO", tile_m, head_dim_v), ("V", tile_n, head_dim_v)
+        ):
+            threads_per_row = copy_threads_per_row(cols, 128 // dtype.width, num_threads)
             if num_threads % threads_per_row or rows % (num_threads // threads_per_row):
-                return f"the {name} tile ({rows} x {head_dim}) is not covered by whole copy passes"
-        acc_regs = (2 * tile_n * head_dim + 2 * tile_m * tile_n) // num_threads
+                return f"the {name} tile ({rows} x {cols}) is not covered by whole copy passes"
+        acc_regs = (tile_n * (head_dim + head_dim_v) + 2 * tile_m * tile_n) // num_threads
         if acc_regs > _MAX_ACC_REGS_PER_THREAD:
             return f"accumulators need {acc_regs} fp32 registers per thread (> {_MAX_ACC_REGS_PER_THREAD})"
         elem = dtype.width // 8
         smem = (
-            (stages_q + stages_do) * tile_m * head_dim * elem  # sQ, sdO
-            + 2 * tile_n * head_dim * elem  # sK, sV
+            (stages_q * head_dim + stages_do * head_dim_v) * tile_m * elem  # sQ, sdO
+            + tile_n * (head_dim + head_dim_v) * elem  # sK, sV
             + 2 * tile_m * tile_n * elem  # sP, sdS
         )
         base_arch = arch.rstrip("abf")  # sm_90a -> sm_90: the capacity table knows base archs
@@ -313,12 +322,12 @@ class FlashBwdSm80(BwdSm80Epilogue):
                 return cute.tile_to_shape(atom, (rows, cols), (0, 1))
             return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
         return {
             "sQ": tile(self.tile_m, d, self.stages_q),
-            "sdO": tile(self.tile_m, d, self.stages_do),
+            "sdO": tile(self.tile_m, dv, self.stages_do),
             "sK": tile(self.tile_n, d),
-            "sV": tile(self.tile_n, d),
+            "sV": tile(self.tile_n, dv),
             "sP": tile(self.tile_m, self.tile_n),
             "sdS": tile(self.tile_m, self.tile_n),
         }
@@ -350,13 +359,13 @@ class FlashBwdSm80(BwdSm80Epilogue):
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, nheads, head_dim) | varlen (total_q, nheads, head_dim)
         mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
-        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim) | varlen (total_k, ...)
-        mdO: cute.Tensor,  # like mQ
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, head_dim_v) | varlen (total_k, ...)
+        mdO: cute.Tensor,  # like mQ with head_dim_v
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
         mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
         mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed
-        mdK: cute.Tensor,  # MHA: like mK, 16-bit output;
-        mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
+        mdK: cute.Tensor,  # MHA: like mK (mdV: like mV), 16-bit output;
+        mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim[_v]) fp32, zeroed
         mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed
         mdKV_sem: cute.Tensor,  # (batch | 1, nheads_k, seqlen_k_padded / tile_n) int32, zeroed
         softmax_scale: Float32,
@@ -370,7 +379,8 @@ class FlashBwdSm80(BwdSm80Epilogue):
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32
-        # segments kernel, MHA: (tail_blocks, 2, tile_n * head_dim) fp32 partial dK/dV sums, zeroed,
+        # segments kernel, MHA: (tail_blocks, 2, tile_n * max(head_dim, head_dim_v)) fp32 partial
+        # dK/dV sums, zeroed,
         # with mdKV_sem (1, 1, tail_blocks) int32 zeroed arrival counts; else None
         mdKV_tail: cute.Tensor | None,
         stream: cuda.CUstream,
@@ -427,8 +437,8 @@ class FlashBwdSm80(BwdSm80Epilogue):
         self,
         mQ: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
         mK: cute.Tensor,  # (seqlen_k, head_dim, nheads_k[, batch])
-        mV: cute.Tensor,  # (seqlen_k, head_dim, nheads_k[, batch])
-        mdO: cute.Tensor,  # (seqlen_q, head_dim, nheads[, batch])
+        mV: cute.Tensor,  # (seqlen_k, head_dim_v, nheads_k[, batch])
+        mdO: cute.Tensor,  # (seqlen_q, head_dim_v, nheads[, batch])
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
         mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded)
         mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim)
@@ -560,19 +570,19 @@ class FlashBwdSm80(BwdSm80Epilogue):
         sP = storage.sP.get_tensor(layouts["sP"])
         sdS = storage.sdS.get_tensor(layouts["sdS"])
 
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
         mQ_cur = seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx)
         mdO_cur = seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx)
         mK_cur = seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx)
         mV_cur = seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx)
         gQ = cute.local_tile(mQ_cur, (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(mdO_cur, (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(mdO_cur, (self.tile_m, dv), (None, 0))
         gK = cute.local_tile(mK_cur, (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV_cur, (self.tile_n, d), (None, 0))
-        load_Q = self._staged_load(gQ, sQ, self.tile_m, tidx)
-        load_dO = self._staged_load(gdO, sdO, self.tile_m, tidx)
-        load_K = self._staged_load(gK, sK, self.tile_n, tidx)
-        load_V = self._staged_load(gV, sV, self.tile_n, tidx)
+        gV = cute.local_tile(mV_cur, (self.tile_n, dv), (None, 0))
+        load_Q = self._staged_load(gQ, sQ, self.tile_m, d, tidx)
+        load_dO = self._staged_load(gdO, sdO, self.tile_m, dv, tidx)
+        load_K = self._staged_load(gK, sK, self.tile_n, d, tidx)
+        load_V = self._staged_load(gV, sV, self.tile_n, dv, tidx)
 
         tiled_mma_sdp = self._tiled_mma(self.atom_m_sdp)
         tiled_mma_dkv = self._tiled_mma(self.atom_n_dkv)
@@ -580,7 +590,7 @@ class FlashBwdSm80(BwdSm80Epilogue):
         thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
         acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, dv)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -670,10 +680,10 @@ class FlashBwdSm80(BwdSm80Epilogue):
                     n_block, seqlen.seqlen_k,
                 )
 
-    def _staged_load(self, gX, sX, rows: int, tidx) -> StagedLoad:
-        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=True)
+    def _staged_load(self, gX, sX, rows: int, cols: int, tidx) -> StagedLoad:
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, cols, is_async=True)
         thr_copy = tiled_copy.get_slice(tidx)
-        cX = cute.make_identity_tensor((rows, self.head_dim))
+        cX = cute.make_identity_tensor((rows, cols))
         return StagedLoad(
             tiled_copy=tiled_copy,
             gX=thr_copy.partition_S(gX),

@@ -2,7 +2,7 @@
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``BwdSm80Epilogue`` is a
 mixin of ``FlashBwdSm80``; it reads the kernel's static configuration (``dtype``, ``head_dim``,
-``tile_n``, ``num_threads``) from ``self``. Three ends of a key block:
+``head_dim_v``, ``tile_n``, ``num_threads``) from ``self``. Three ends of a key block:
 
 - MHA (``epilogue_mha``): 16-bit dK/dV through smem to global memory;
 - GQA (``epilogue_gqa``): fp32 reduce-adds into the KV head's sums (the postprocess converts);
@@ -28,7 +28,7 @@ class BwdSm80Epilogue:
         acc_dV: cute.Tensor,
         dk_scale: Float32,  # softmax_scale
         mdK_cur: cute.Tensor,  # (seqlen_k, head_dim) of this (batch, kv head)
-        mdV_cur: cute.Tensor,
+        mdV_cur: cute.Tensor,  # (seqlen_k, head_dim_v)
         sK: cute.Tensor,
         sV: cute.Tensor,
         tiled_mma_dkv: cute.TiledMma,
@@ -53,16 +53,16 @@ class BwdSm80Epilogue:
         cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
         cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
         cute.arch.barrier()
-        self._store_tile(sK, mdK_cur, tidx, n_block, seqlen_k)
-        self._store_tile(sV, mdV_cur, tidx, n_block, seqlen_k)
+        self._store_tile(sK, mdK_cur, self.head_dim, tidx, n_block, seqlen_k)
+        self._store_tile(sV, mdV_cur, self.head_dim_v, tidx, n_block, seqlen_k)
 
     @cute.jit
-    def _store_tile(self, sX: cute.Tensor, mX: cute.Tensor, tidx: Int32, n_block: Int32,
-                    seqlen_k: Int32):
-        """smem ``(tile_n, head_dim)`` -> registers -> 128-bit stores of rows ``< seqlen_k``."""
-        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
+    def _store_tile(self, sX: cute.Tensor, mX: cute.Tensor, cols: cutlass.Constexpr[int], tidx: Int32,
+                    n_block: Int32, seqlen_k: Int32):
+        """smem ``(tile_n, cols)`` -> registers -> 128-bit stores of rows ``< seqlen_k``."""
+        tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, cols, is_async=False)
         thr_copy = tiled_copy.get_slice(tidx)
-        tile = (self.tile_n, self.head_dim)
+        tile = (self.tile_n, cols)
         cX = cute.make_identity_tensor(tile)
         tXcX = thr_copy.partition_S(cX)
         t0XcX = tiled_copy.get_slice(0).partition_S(cX)
@@ -81,7 +81,7 @@ class BwdSm80Epilogue:
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
         mdKaccum: cute.Tensor,  # (seqlen_k_padded * head_dim,) fp32 of this (batch, kv head)
-        mdVaccum: cute.Tensor,
+        mdVaccum: cute.Tensor,  # (seqlen_k_padded * head_dim_v,)
         mdKV_sem: cute.Tensor,  # (seqlen_k_padded / tile_n,)
         thr_mma_dkv: cute.ThrMma,
         tidx: Int32,
@@ -93,7 +93,7 @@ class BwdSm80Epilogue:
     ):
         """Reduce-add the fp32 dK (unscaled) and dV of this query head into the KV head's sums."""
         gdK = accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block)
-        gdV = accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block)
+        gdV = accum_tile(mdVaccum, self.tile_n, self.head_dim_v, k_block)
         if deterministic != 0:
             # Turns in ascending query-head order: lower heads have lower block indices.
             semaphore_wait(mdKV_sem, k_block, head_idx - head_idx_kv * qhead_per_kvhead, tidx)
@@ -107,7 +107,8 @@ class BwdSm80Epilogue:
         self,
         acc_dK: cute.Tensor,  # unscaled
         acc_dV: cute.Tensor,
-        mdKV_tail_block: cute.Tensor,  # (2, tile_n * head_dim) fp32 of this tail block, zeroed
+        # (2, tile_n * max(head_dim, head_dim_v)) fp32 of this tail block, zeroed
+        mdKV_tail_block: cute.Tensor,
         mTailArrivals: cute.Tensor,  # (tail_blocks,) int32, zeroed
         sArrived: cute.Tensor,  # (1,) int32 smem: the arrival count, for every thread
         tail_index: Int32,
@@ -128,7 +129,7 @@ class BwdSm80Epilogue:
         the last arrival's threads fence again before reading the sums)."""
         thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
         gdK = thr_mma_dkv.partition_C(accum_tile(mdKV_tail_block[0, None], self.tile_n, self.head_dim, 0))
-        gdV = thr_mma_dkv.partition_C(accum_tile(mdKV_tail_block[1, None], self.tile_n, self.head_dim, 0))
+        gdV = thr_mma_dkv.partition_C(accum_tile(mdKV_tail_block[1, None], self.tile_n, self.head_dim_v, 0))
         red_add_tile(acc_dK, gdK)
         red_add_tile(acc_dV, gdV)
         # Every thread's fence: a fence waits for its own warp's reduce-adds only, and the last
@@ -143,19 +144,21 @@ class BwdSm80Epilogue:
         cute.arch.barrier()
         if sArrived[0] == tail_segments - 1:  # CTA-uniform: one value from smem
             cute.arch.fence_acq_rel_gpu()  # every thread reads the sums after the last arrival
-            self._store_sums(mdKV_tail_block[0, None], mdK_cur, softmax_scale, tidx, n_block, seqlen_k)
-            self._store_sums(mdKV_tail_block[1, None], mdV_cur, Float32(1.0), tidx, n_block, seqlen_k)
+            self._store_sums(mdKV_tail_block[0, None], mdK_cur, self.head_dim, softmax_scale, tidx, n_block, seqlen_k)
+            self._store_sums(
+                mdKV_tail_block[1, None], mdV_cur, self.head_dim_v, Float32(1.0), tidx, n_block, seqlen_k
+            )
 
     @cute.jit
-    def _store_sums(self, mSum: cute.Tensor, mX: cute.Tensor, scale: Float32, tidx: Int32,
-                    n_block: Int32, seqlen_k: Int32):
-        """A key block's fp32 sums (row-major ``tile_n x head_dim``) times ``scale`` -> 16-bit rows
-        ``< seqlen_k`` of ``mX`` (``(seqlen_k, head_dim)``), element by element straight from gmem:
+    def _store_sums(self, mSum: cute.Tensor, mX: cute.Tensor, cols: cutlass.Constexpr[int], scale: Float32,
+                    tidx: Int32, n_block: Int32, seqlen_k: Int32):
+        """A key block's fp32 sums (row-major ``tile_n x cols``) times ``scale`` -> 16-bit rows
+        ``< seqlen_k`` of ``mX`` (``(seqlen_k, cols)``), element by element straight from gmem:
         once per split key block, coalesced (consecutive threads, consecutive elements), and nothing
         written to registers or smem that the rest of the kernel uses."""
         row0 = n_block * self.tile_n
-        for i in cutlass.range_constexpr(self.tile_n * self.head_dim // self.num_threads):
+        for i in cutlass.range_constexpr(self.tile_n * cols // self.num_threads):
             e = i * self.num_threads + tidx
-            row = e // self.head_dim
+            row = e // cols
             if row0 + row < seqlen_k:
-                mX[row0 + row, e % self.head_dim] = (mSum[e] * scale).to(self.dtype)
+                mX[row0 + row, e % cols] = (mSum[e] * scale).to(self.dtype)

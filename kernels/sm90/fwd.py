@@ -15,8 +15,8 @@ Constraints:
   ``(nheads, total_q)``, ``cu_seqlens`` int32 ``(batch + 1,)``, optional ``seqused`` int32
   ``(batch,)``. Unit last stride, other strides multiples of 8 elements, 16-byte-aligned base
   pointers (TMA descriptors need 16-byte strides). All extents dynamic; the runtime head dim
-  must equal the compiled one (the launcher zero-pads), multiples of 16 up to 256 with
-  ``head_dim_v <= head_dim`` (e.g. 192/128).
+  must equal the compiled one (the launcher zero-pads), multiples of 16 up to 256, ``head_dim_v``
+  below q's (192/128) or above it (64/256: sO then has its own buffer).
 - Any ``seqlen_q, seqlen_k >= 1`` (varlen: any per-sequence length >= 0): TMA zero-fills rows
   past the tensor, and in a packed tensor reads rows of the next sequence, which the
   ``seqlen_k`` mask of the first key block hides (P = 0 there); Q rows past ``seqlen_q`` are
@@ -223,8 +223,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         # (0: one (batch, head) per section, the order before 2026-11-21 session 9).
         self.dynamic_schedule = persistent and (is_causal or is_local)
         self.section_l2_mb = section_l2_mb
+        # A v head dim above q's needs its own sO in any case: sQ's buffer is too small, and a
+        # warpgroup's O rows would land on the next warpgroup's Q rows while it may still read them.
         self.o_aliases_q = not (
-            persistent
+            (persistent or head_dim_v > head_dim)
             and self._smem_bytes(
                 dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages
             )
@@ -232,12 +234,17 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         )
         # A ring of q_stages Q buffers: with 2 the next tile's Q loads while this tile still reads
         # its own (short tiles otherwise wait for Q after each tile's last QK^T). Needs the own sO.
-        if q_stages not in (1, 2) or (q_stages == 2 and self.o_aliases_q):
+        if q_stages not in (1, 2) or (q_stages == 2 and (self.o_aliases_q or not persistent)):
             raise ValueError(
                 f"FlashFwdSm90: q_stages {q_stages} needs a persistent kernel with room for its own sO "
                 f"and {q_stages} Q buffers"
             )
         self.q_stages = q_stages
+        if self.o_aliases_q and head_dim_v > head_dim:
+            raise ValueError(
+                f"FlashFwdSm90: head_dim_v {head_dim_v} > head_dim {head_dim} needs its own sO, which does "
+                f"not fit in shared memory with tile {tile_m}x{tile_n} and {num_stages} stages"
+            )
         if self.o_aliases_q and not same_smem_atom(dtype, head_dim, head_dim_v):
             # sO's rows would not sit on the same warpgroup's sQ rows (a different swizzle atom
             # tiles the buffer differently): a warpgroup's O could land on Q another one still reads.
@@ -270,8 +277,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
             return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
-        if head_dim_v % 16 != 0 or not 16 <= head_dim_v <= head_dim:
-            return f"head_dim_v must be a multiple of 16 in [16, head_dim = {head_dim}], got {head_dim_v}"
+        if head_dim_v % 16 != 0 or not 16 <= head_dim_v <= 256:
+            return f"head_dim_v must be a multiple of 16 in [16, 256], got {head_dim_v}"
         if is_causal and is_local:
             return "is_causal and is_local are exclusive (causal with a window is local, right = 0)"
         if tile_m not in (64, 128, 192):
@@ -299,7 +306,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                 f"with {num_wg} MMA warpgroups); use a smaller tile_n"
             )
         rings = 2 if span_heads else 1
-        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, False)
+        own_sO = head_dim_v > head_dim  # sO cannot share sQ's buffer
+        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO)
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None
@@ -465,7 +473,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim)
+        # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 

@@ -27,7 +27,7 @@ class FwdSm90Smem:
 
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
-        sO; sO fits in sQ's buffer (head_dim_v <= head_dim)."""
+        sO (in sQ's buffer only where head_dim_v <= head_dim)."""
         kv_stages = self.num_stages * self.num_rings
         q_stages = self.q_stages if const_expr(self.q_stages > 1) else None
         return (
