@@ -66,6 +66,11 @@ def select_backend(device: torch.device, requested: str | None) -> tuple[str, bo
     return requested, True
 
 
+# The Hopper backward serves only backend="sm90" until its dQ writer warp (kernels/sm90/bwd.py,
+# 2026-11-25 session 16) has passed the GPU tier: without a backend, Hopper's backward runs on the
+# Ampere kernels. The version before that change passed tests/test_bwd_sm90.py on an H100.
+SM90_BWD_BY_DEFAULT = False
+
 FWD_KERNELS: dict[str, FwdFamily] = {"sm90": FwdSm90(), "sm80": FwdSm80()}
 BWD_KERNELS: dict[str, BwdFamily] = {"sm90": BwdSm90(), "sm80": BwdSm80()}
 
@@ -90,6 +95,8 @@ def fwd_kernel_for(device: torch.device, requested: str | None, p: AttnProblem) 
 
 def bwd_kernel_for(device: torch.device, requested: str | None, p: AttnProblem, deterministic: bool) -> BwdFamily:
     backend, explicit = select_backend(device, requested)
+    if backend == "sm90" and not explicit and not SM90_BWD_BY_DEFAULT:
+        backend = "sm80"
     family = BWD_KERNELS[backend]
     reason = family.can_implement(p, deterministic)
     if reason is not None and not explicit and backend == "sm90":

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-OPCODES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
+OPCODES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
 # Opcodes with a modifier counted apart as well (also counted under their opcode).
 MODIFIED_OPCODES = ("UTMALDG.MULTICAST",)
 

@@ -84,12 +84,25 @@ def test_explicit_sm90_never_falls_back(fake_gpu):
         dispatch.fwd_kernel_for(CUDA0, "sm90", problem(head_dim=320, head_dim_v=320))
 
 
-def test_auto_backward_on_hopper_falls_back_to_sm80(fake_gpu, monkeypatch):
+@pytest.mark.parametrize("by_default", [False, True])
+def test_auto_backward_on_hopper_runs_sm90_where_it_can(fake_gpu, monkeypatch, by_default):
+    """Hopper backward for head dims up to 128 (q and v equal); the Ampere backward for the rest
+    unless sm90 is asked for explicitly, which then raises and says why. While the Hopper backward
+    is opt-in (``SM90_BWD_BY_DEFAULT`` False), only backend="sm90" runs it."""
     fake_gpu((9, 0))
     monkeypatch.setattr(dispatch, "check_target_arch", lambda device: "sm_90a")
-    assert dispatch.bwd_kernel_for(CUDA0, None, problem(head_dim=64, head_dim_v=64), False).backend == "sm80"
-    with pytest.raises(NotImplementedError, match="sm90"):
-        dispatch.bwd_kernel_for(CUDA0, "sm90", problem(head_dim=64, head_dim_v=64), False)
+    monkeypatch.setattr(dispatch, "SM90_BWD_BY_DEFAULT", by_default)
+    auto = "sm90" if by_default else "sm80"
+    for dims in ((64, 64), (128, 128), (96, 96)):
+        p = problem(head_dim=dims[0], head_dim_v=dims[1])
+        assert dispatch.bwd_kernel_for(CUDA0, None, p, False).backend == auto
+        assert dispatch.bwd_kernel_for(CUDA0, None, p, True).backend == auto
+        assert dispatch.bwd_kernel_for(CUDA0, "sm90", p, False).backend == "sm90"
+    for dims in ((256, 256), (192, 128), (64, 256)):
+        p = problem(head_dim=dims[0], head_dim_v=dims[1])
+        assert dispatch.bwd_kernel_for(CUDA0, None, p, False).backend == "sm80"
+        with pytest.raises(NotImplementedError, match="sm90 backward"):
+            dispatch.bwd_kernel_for(CUDA0, "sm90", p, False)
 
 
 @pytest.mark.parametrize("overrides,match", [

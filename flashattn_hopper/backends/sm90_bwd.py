@@ -1,35 +1,162 @@
-"""Launcher of the Hopper FA3 backward (kernels/common/bwd_pre.py, bwd_sm90.py, bwd_post.py). Not written yet
-(after the Hopper forward, issue 4): every problem is refused with a reason."""
+"""Launcher of the Hopper FA3 backward: preprocess (kernels/common/bwd_pre.py), main
+(kernels/sm90/bwd.py: TMA + WGMMA, warp-specialised) and postprocess (kernels/common/bwd_post.py).
+
+The pre and post kernels, the scratch buffers, the deterministic semaphores and the launch sequence
+are the Ampere family's (``BwdSm80.backward``); only the main kernel and its key differ, and the
+dQ accumulator is row-major (the postprocess runs in its row-major mode, as for GQA's dK/dV sums).
+Head dims 64, 96 and 128 (q and v the same after padding); other problems run on the Ampere
+backward (dispatch falls back when this family cannot implement them).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
-from .common import VarlenArgs
+from .common import DTYPE_NAMES, VarlenArgs, cutlass_dtype, fake_bshd, ffi_compile, mask_flags
+from .sm80_bwd import (
+    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
+)
 
-_NOT_YET = "the attention backward is not implemented yet on the sm90 backend (after the Hopper forward, issue 4)"
+
+@dataclass(frozen=True)
+class BwdSm90Tile:
+    tile_m: int  # query rows per m_block step
+    tile_n: int  # key rows per CTA (64 per MMA warpgroup)
+    num_stages: int = 2  # Q / dO ring stages
+    dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
 
 
-class BwdSm90:
+# Tiles by (padded) head dim. 64x128 with two 64-key MMA warpgroups: FA3's sm90 tile for d=128.
+BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
+    64: BwdSm90Tile(tile_m=64, tile_n=128),
+    128: BwdSm90Tile(tile_m=64, tile_n=128),
+}
+
+
+@dataclass(frozen=True)
+class BwdSm90Key(KernelKey):
+    dtype: str
+    head_dim: int
+    head_dim_v: int  # == head_dim (the launcher pads v to q/k's width)
+    tile_m: int
+    tile_n: int
+    causal: bool
+    gqa: bool  # nheads != nheads_k: dK/dV summed over query heads in fp32 scratch
+    num_stages: int = 2
+    dq_split_rows: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
+    tail_split: bool = False  # never (the launcher shared with sm80 reads it)
+
+
+class BwdSm90(BwdSm80):
+    """FA3 backward on sm90: parallel over key blocks, dQ by fp32 reduce-adds, dK/dV in registers."""
+
     backend = "sm90"
     kind = "bwd_sm90"
+    tiles = BWD_SM90_TILES
 
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
-        return _NOT_YET
+        if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None or p.head_dim != p.head_dim_v:
+            return (
+                f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm90 backward yet; "
+                f"supported: q and v head dims equal, up to {max(self.tiles)}"
+            )
+        return super().can_implement(p, deterministic)
+
+    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
+             sms: int | None = None) -> tuple[BwdPreKey, BwdSm90Key, BwdPostKey, BwdPostKey]:
+        hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
+        assert hdim is not None, "can_implement() must accept the problem first"
+        dtype = DTYPE_NAMES[p.dtype]
+        causal, local = mask_flags(p)
+        is_varlen = varlen is not None
+        su_q = is_varlen and varlen.seqused_q is not None
+        su_k = is_varlen and varlen.seqused_k is not None
+        main = self._main_key(
+            arch, dtype, hdim, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
+            varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, deterministic=deterministic,
+        )
+        post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim, is_varlen, su_q, su_k)
+        pre = BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim,
+                        varlen=is_varlen, seqused=su_q)
+        return pre, main, post_dq, post_kv
+
+    def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
+                  **flags: bool) -> BwdSm90Key:
+        t = self.tiles[hdim]
+        return BwdSm90Key(
+            kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
+            causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows, **flags,
+        )
+
+    def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
+                   seqused_q: bool = False, seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
+        """(dQ postprocess, GQA dK/dV postprocess): both row-major."""
+        def post(seqused: bool) -> BwdPostKey:
+            return BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
+                              num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused)
+
+        return post(seqused_q), post(seqused_k)
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        return []
+        """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
+        d128 varlen causal, window and causal softcap. (The pre/post keys are the sm80 family's.)"""
+        if not arch.startswith("sm_90"):
+            return []
+        main = self._main_key
+        return [
+            main(arch, "bf16", 128, 128, False, False),
+            main(arch, "bf16", 128, 128, True, True),
+            main(arch, "bf16", 128, 128, True, True, deterministic=True),
+            main(arch, "bf16", 64, 64, True, False),
+            main(arch, "bf16", 128, 128, True, False, varlen=True),
+            main(arch, "bf16", 128, 128, False, False, local=True),
+            main(arch, "bf16", 128, 128, True, False, softcap=True),
+        ]
 
     def compile(self, key: KernelKey, options: str | None = None) -> Any:
-        raise NotImplementedError(_NOT_YET)
+        if key.kernel != self.kind:
+            return super().compile(key, options)
+        import cutlass
+        import cutlass.cute as cute
 
-    def backward(
-        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
-        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise NotImplementedError(_NOT_YET)
+        from ..kernels.sm90.bwd import FlashBwdSm90
+
+        k: BwdSm90Key = key  # type: ignore[assignment]
+        dtype = cutlass_dtype(k.dtype)
+        f32, i32 = cutlass.Float32, cutlass.Int32
+        b, s_q, s_k, h, h_k, d, s_pad, acc_len, acc_k, b1, nb = (cute.sym_int() for _ in range(11))
+        sem_q = tuple(cute.sym_int() for _ in range(3))
+        sem_kv = tuple(cute.sym_int() for _ in range(3))
+
+        def qkv(seqlen: Any, heads: Any) -> Any:
+            return _fake_packed(dtype, seqlen, heads, d) if k.varlen else fake_bshd(dtype, b, seqlen, heads, d)
+
+        kernel = FlashBwdSm90(
+            dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
+            num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
+        )
+        if k.gqa:
+            dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
+        else:
+            dkv = (qkv(s_k, h_k), qkv(s_k, h_k))
+        fakes = (
+            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h), _fake(f32, (b, h, s_pad), 4),
+            _fake(f32, (b, h, s_pad), 4), _fake(f32, (b, h, acc_len), 4), *dkv, _fake(i32, sem_q),
+            _fake(i32, sem_kv),
+        )
+        ints = (
+            _fake_ints(b1) if k.varlen else None, _fake_ints(b1) if k.varlen else None,
+            _fake_ints(nb) if k.seqused_q else None, _fake_ints(nb) if k.seqused_k else None,
+        )
+        scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0), i32(0), i32(0))
+        return ffi_compile(kernel, *fakes, *scalars, *ints, None, options=options)

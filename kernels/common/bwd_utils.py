@@ -239,12 +239,17 @@ def semaphore_wait(sem: cute.Tensor, idx, turn: Int32, tidx: Int32,
 
 @cute.jit
 def semaphore_signal(sem: cute.Tensor, idx, tidx: Int32,
-                     barrier_id: cutlass.Constexpr[int] = 0, num_threads: cutlass.Constexpr = None):
+                     barrier_id: cutlass.Constexpr[int] = 0, num_threads: cutlass.Constexpr = None,
+                     fence_after_barrier: cutlass.Constexpr[bool] = False):
     """Pass the turn on once every thread's prior global reduce-adds are done: each thread's fence
-    (a fence waits for its own warp's adds only), then a CTA (group) barrier, then thread 0's count."""
+    (a fence waits for its own warp's adds only), then a CTA (group) barrier, then thread 0's count.
+    ``fence_after_barrier``: thread 0 fences again before counting, for adds issued by another
+    thread of the group (a TMA reduce from a lane the DSL elected, not necessarily lane 0)."""
     cute.arch.fence_acq_rel_gpu()
     _group_barrier(barrier_id, num_threads)
     if tidx == 0:
+        if cutlass.const_expr(fence_after_barrier):
+            cute.arch.fence_acq_rel_gpu()
         cute.arch.red(
             elem_pointer(sem, idx), Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu"
         )

@@ -65,6 +65,9 @@ class NamedBarrierBwd(enum.IntEnum):
     SEMAPHORE = 2  # all MMA threads: deterministic turns (common/bwd_utils.py)
     EPILOGUE = 3  # all MMA threads: no WGMMA reads sK/sV any more
     EPILOGUE_WG1 = 4  # warpgroup k on id + k: its rows of the dK/dV staging tile are written
+    DQ_FULL = 6  # MMA threads arrive, the dQ writer warp syncs: this m_block's dQ is in sdQ
+    DQ_EMPTY = 7  # the dQ writer arrives, MMA threads sync: its reduce-adds have read sdQ
+    DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
 
 
 class FlashBwdSm90:
@@ -72,7 +75,8 @@ class FlashBwdSm90:
 
         | warpgroup | warps | registers | role                                                |
         | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m |
-        | WG0       | 1-3   | 24        | idle (exit after setmaxnreg)                        |
+        | WG0       | 1     | 24        | dQ writer: TMA reduce-add sdQ -> dQaccum per m      |
+        | WG0       | 2-3   | 24        | idle (exit after setmaxnreg)                        |
         | WG1, WG2  | 4 each| 240       | MMA: 64 keys each; S^T, dP^T, dV, dK, dQ; epilogue  |
 
     Pipelines (mbarriers; producer arrive = one elected ``arrive.expect_tx``, consumer arrive =
@@ -90,7 +94,14 @@ class FlashBwdSm90:
         issue dV += P^T dO (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
         issue dK += dS^T Q (A = dS^T registers); barrier DS_READY (both warpgroups' dS);
         issue dQ = dS K (this warpgroup's half of head_dim, or of the rows); wait all;
-        release Q, dO; reduce-add dQ (red.global.add.v2.f32) [in this block's turn]
+        release Q, dO; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL
+
+    dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; an elected lane
+    issues the TMA reduce-adds (``cp.reduce.async.bulk.tensor``; 32-column boxes of the 128-byte
+    swizzle, two per warpgroup chunk at hdim 128) of each sdQ chunk into the fp32 accumulator;
+    waits until they have read sdQ [deterministic: until they are done in L2, then passes the
+    turn]; arrive DQ_EMPTY. The MMA warpgroups never wait on global memory for dQ: with one
+    sdQ buffer they wait only for the TMA unit to have read the previous block's chunk.
 
     sdS has two stages: a warpgroup writes block j+1's dS while the other may still read block
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
@@ -110,6 +121,7 @@ class FlashBwdSm90:
         has_softcap: bool = False,
         num_stages: int = 2,
         dq_split_rows: bool = False,
+        deterministic: bool = False,
     ):
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows)
         if reason is not None:
@@ -123,10 +135,16 @@ class FlashBwdSm90:
         self.is_gqa = is_gqa
         self.has_softcap = has_softcap
         self.num_stages = num_stages
+        # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
+        # (the turn bookkeeping costs registers the main loop does not have to spare).
+        self.deterministic = deterministic
         # The dQ GEMM (tile_m x head_dim) is split between the two MMA warpgroups by columns
         # (head_dim halves) or, with tile_m = 128, by rows (64 queries each).
         self.dq_split_rows = dq_split_rows
+        self.dq_rows = 64 if dq_split_rows else tile_m  # one warpgroup's chunk of the dQ tile
+        self.dq_cols = head_dim if dq_split_rows else head_dim // (tile_n // 64)
         self.num_mma_wg = tile_n // 64
+        self.dq_sync_threads = tile_n // 64 * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
         elem = dtype.width // 8
@@ -160,7 +178,7 @@ class FlashBwdSm90:
     def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) -> int:
         elem = dtype.width // 8
         operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
-        return operands + 2 * num_stages * tile_m * 4 + 1024 + 256
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * tile_m * 4 + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -173,6 +191,8 @@ class FlashBwdSm90:
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, d),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, 2),
+            # fp32 dQ staging, one (dq_rows, dq_cols) chunk per MMA warpgroup, for the TMA reduce-add.
+            "sdQ": make_smem_layout_sm90(Float32, self.dq_rows, self.dq_cols, self.num_mma_wg),
         }
 
     def _shared_storage(self, layouts):
@@ -193,6 +213,7 @@ class FlashBwdSm90:
             sQ: buffer(layouts["sQ"])
             sdO: buffer(layouts["sdO"])
             sdSt: buffer(layouts["sdSt"])
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layouts["sdQ"])], _SMEM_ALIGN]
 
         return SharedStorage
 
@@ -240,7 +261,7 @@ class FlashBwdSm90:
         window_left: Int32,  # is_local only; unbounded: a huge value
         window_right: Int32,
         softcap: Float32,  # has_softcap only
-        deterministic: Int32,  # 0 or 1
+        deterministic: Int32,  # must equal the compiled flag (the launcher's runtime argument)
         tail_blocks: Int32,  # unused (the sm80 launcher's split tail): 0
         tail_segments: Int32,  # unused: 1
         mCuSeqlensQ: cute.Tensor | None,
@@ -283,6 +304,19 @@ class FlashBwdSm90:
         stat_layout = cute.make_layout(self.tile_m)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_load, mLSE_t, stat_layout, (self.tile_m,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_load, mdPsum_t, stat_layout, (self.tile_m,))
+        # dQaccum (b, h, s_pad * d) viewed as row-major (s_pad, d, h, b): each warpgroup's chunk goes
+        # out as one TMA reduce-add (the postprocess reads it row-major).
+        mdQ_rows = cute.make_tensor(
+            mdQaccum.iterator,
+            cute.make_layout(
+                (mdQaccum.shape[2] // d, d, mdQaccum.shape[1], mdQaccum.shape[0]),
+                stride=(d, 1, mdQaccum.stride[1], mdQaccum.stride[0]),
+            ),
+        )
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_rows, cute.select(layouts["sdQ"], mode=[0, 1]),
+            (self.dq_rows, self.dq_cols),
+        )
         SharedStorage = self._shared_storage(layouts)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         if const_expr(self.has_softcap):
@@ -298,7 +332,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
-            mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
+            tma_atom_dQ, tma_dQ, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
             mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
         ).launch(
@@ -326,7 +360,8 @@ class FlashBwdSm90:
         tma_atom_dO: cute.CopyAtom,
         tma_atom_LSE: cute.CopyAtom,
         tma_atom_dPsum: cute.CopyAtom,
-        mdQaccum: cute.Tensor,
+        tma_atom_dQ: cute.CopyAtom,
+        mdQaccum: cute.Tensor,  # TMA coordinates of (seqlen_q_padded, head_dim, nheads, batch | 1)
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQ_sem: cute.Tensor,
@@ -351,7 +386,7 @@ class FlashBwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum)
         if warp_idx == 0:
-            for atom in atoms:
+            for atom in (*atoms, tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -377,6 +412,7 @@ class FlashBwdSm90:
         sQ, sdO = smem(storage.sQ, "sQ"), smem(storage.sdO, "sdO")
         sK, sV = smem(storage.sK, "sK"), smem(storage.sV, "sV")
         sdSt = smem(storage.sdSt, "sdSt")
+        sdQ = smem(storage.sdQ, "sdQ")
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
@@ -394,7 +430,7 @@ class FlashBwdSm90:
             )
             num_n_blocks = (seqlen.seqlen_k + (self.tile_n - 1)) // self.tile_n
             if const_expr(self.is_causal or self.is_local):
-                if deterministic != 0:
+                if const_expr(self.deterministic):
                     # Shortest-first: the last key block (fewest query blocks) takes the lowest
                     # block index and the first turn on every m_block (sm80/bwd.py, same rule).
                     n_block = num_n_blocks - 1 - n_block
@@ -414,14 +450,18 @@ class FlashBwdSm90:
                         pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
                         row_offset_q, n_block, m_block_min, m_block_max,
                     )
+                if warp_idx == 1:
+                    self.store_dq(
+                        sdQ, mdQaccum[None, None, head_idx, scratch_b], tma_atom_dQ,
+                        mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
+                        row_offset_q // self.tile_m, window_left, window_right,
+                    )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 acc_dK, acc_dV, tiled_mma_dkv = self.mma(
-                    sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, pipe_kv, pipe_q, pipe_do,
-                    mdQaccum[scratch_b, head_idx, None], mdQ_sem[scratch_b, head_idx, None],
-                    seqlen, n_block, m_block_min, m_block_max, row_offset_q, scale_log2,
+                    sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
+                    seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
-                    deterministic,
                 )
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
@@ -515,22 +555,18 @@ class FlashBwdSm90:
     @cute.jit
     def mma(
         self,
-        sQ, sK, sV, sdO, sdSt, sLSE, sdPsum,
+        sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ,
         pipe_kv: pipeline.PipelineTmaAsync,
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_do: pipeline.PipelineTmaAsync,
-        mdQaccum: cute.Tensor,  # (seqlen_q_padded * head_dim,) of this (batch, head)
-        mdQ_sem: cute.Tensor,  # (num_m_blocks_padded,)
         seqlen: SeqlenInfo,
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
-        row_offset_q: Int32,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
         window_left: Int32,
         window_right: Int32,
-        deterministic: Int32,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv)."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
@@ -540,7 +576,6 @@ class FlashBwdSm90:
         wg_dkv = tiled_mma_dkv.get_slice(wg_idx * _WG_THREADS)
         wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
         d = self.head_dim
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
@@ -568,9 +603,17 @@ class FlashBwdSm90:
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
-        gdQ_all = mdQaccum
-        block_offset = row_offset_q // self.tile_m
+        # This warpgroup's dQ chunk: registers -> sdQ[wg] (64-bit stores through the swizzle); the
+        # dQ writer warp reduce-adds it (store_dq). A one-warpgroup tiled MMA of the chunk's shape has
+        # exactly this warpgroup's C layout.
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
+        )
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq_chunk,
+        ).get_slice(tidx % _WG_THREADS)
+        tdQsdQ = r2s_dQ.partition_D(sdQ[None, None, wg_idx])
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -588,39 +631,36 @@ class FlashBwdSm90:
             acc_S_mn = acc_rows_cols(acc_S)
             num_rows = cute.size(acc_S_mn.shape[0])
             num_cols = cute.size(acc_S_mn.shape[1])
-            lse = cute.make_rmem_tensor((num_cols,), Float32)
-            for c in cutlass.range_constexpr(num_cols):
-                lse[c] = sLSE[tScS_mn[0, c][1], stage]
             warpgroup.wait_group(1)  # S^T has landed
+            # LSE and dPsum of a column (query) are read from smem where they are used, not held in
+            # registers across the block (16 + 16 values per thread at tile_m 64).
+            acc_dP_mn = acc_rows_cols(acc_dP)
             if const_expr(softcap_scale is not None):
-                apply_softcap(acc_S, softcap_scale)  # S = tanh(x * scale / softcap)
+                # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
+                # before the mask (a masked score's P is 0, so its factor does not matter). One
+                # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
+                apply_softcap(acc_S, softcap_scale)
+                warpgroup.wait_group(0)  # dP^T has landed
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                    for r in cutlass.range_constexpr(num_rows):
+                        t = acc_S_mn[r, c]
+                        acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
             if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
                 mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-            dpsum = cute.make_rmem_tensor((num_cols,), Float32)
-            acc_dP_mn = acc_rows_cols(acc_dP)
+            for c in cutlass.range_constexpr(num_cols):
+                lse = sLSE[tScS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(num_rows):
+                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
             if const_expr(softcap_scale is None):
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(num_cols):
-                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse[c], fastmath=True)
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum[c] = sdPsum[tScS_mn[0, c][1], stage]
                 warpgroup.wait_group(0)  # dP^T has landed
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(num_cols):
-                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum[c])
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                    for r in cutlass.range_constexpr(num_rows):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
             else:
-                # P and dS in one pass, so tanh (S) is still at hand for its derivative
-                # 1 - tanh^2 (a masked score is -inf: clamped to -1 the factor is 0, not NaN).
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum[c] = sdPsum[tScS_mn[0, c][1], stage]
-                warpgroup.wait_group(0)  # dP^T has landed
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(num_cols):
-                        t = acc_S_mn[r, c]
-                        p = cute.math.exp2(t * scale_log2 - lse[c], fastmath=True)
-                        t = cute.arch.fmax(t, Float32(-1.0))
-                        acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum[c]) * (Float32(1.0) - t * t)
-                        acc_S_mn[r, c] = p
+                for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                    acc_dP[i] = acc_dP[i] * acc_S[i]
             # dV += P^T dO with P^T straight from registers.
             tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
             wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
@@ -636,27 +676,66 @@ class FlashBwdSm90:
             pipe_q.consumer_release(state)
             pipe_do.consumer_release(state)
             state.advance()
-            self._add_dq(
-                acc_dQ, thr_dq, gdQ_all, mdQ_sem, block_offset + m_block, m_block, n_block, block_info,
-                seqlen, deterministic, tidx,
-            )
+            # dQ -> sdQ once the writer's last reduce-adds have read it (none before the first block).
+            if m_block > m_block_min:
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
+            cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
         return acc_dK, acc_dV, tiled_mma_dkv
 
     @cute.jit
-    def _add_dq(self, acc_dQ, thr_dq, mdQaccum, mdQ_sem, q_block: Int32, m_block: Int32, n_block: Int32,
-                block_info: BlockInfo, seqlen: SeqlenInfo, deterministic: Int32, tidx: Int32):
-        """Reduce-add this block's dQ into the row-major fp32 accumulator (in the deterministic
-        mode in this key block's turn: ascending n_block, descending for causal/local)."""
-        gdQ = thr_dq.partition_C(accum_tile(mdQaccum, self.tile_m, self.head_dim, q_block))
-        if deterministic != 0:
-            turn = n_block
-            if const_expr(self.is_causal or self.is_local):
-                _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-                turn = n_block_max - 1 - n_block
-            semaphore_wait(mdQ_sem, q_block, turn, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
-        red_add_tile(acc_dQ, gdQ, 2)
-        if deterministic != 0:
-            semaphore_signal(mdQ_sem, q_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+    def store_dq(self, sdQ, mdQaccum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQ_sem: cute.Tensor,
+                 seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32, m_block_max: Int32, block_offset: Int32,
+                 window_left: Int32, window_right: Int32):
+        """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ chunks in sdQ, reduce-add each
+        into the row-major fp32 accumulator by TMA (an elected lane), and hand sdQ back once the TMA
+        unit has read it. Deterministic: the adds of a query block go in key-block turns (ascending n_block,
+        descending for causal/local), each turn's adds complete in L2 before the next may start; only
+        this warp waits, the MMA warpgroups run on into the next block.
+
+        ``mdQaccum``: TMA coordinates of (seqlen_q_padded, head_dim) of this (batch, head);
+        ``mdQ_sem``: (num_m_blocks_padded,) of this (batch, head)."""
+        lane = cute.arch.lane_idx()
+        gdQ = cute.local_tile(mdQaccum, (self.dq_rows, self.dq_cols), (None, None))
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            q_block = block_offset + m_block
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
+            if const_expr(self.deterministic):
+                turn = n_block
+                if const_expr(self.is_causal or self.is_local):
+                    _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+                    turn = n_block_max - 1 - n_block
+                semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
+            # The whole warp calls the TMA copy: the DSL elects the issuing lane itself (an
+            # elect.sync inside `if lane == 0` would wait for lanes that never come). The bulk
+            # async-groups are per thread: the elected lane's commit and wait are the ones that count.
+            for wg in cutlass.range_constexpr(self.num_mma_wg):
+                if const_expr(self.dq_split_rows):
+                    row, col = q_block * (self.tile_m // 64) + wg, 0
+                else:
+                    row, col = q_block, wg
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                    tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, wg], 0, 2),
+                    cute.group_modes(gdQ, 0, 2),
+                )
+                cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, row, col])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in L2
+                cute.arch.fence_proxy("async.global")
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
+            cute.arch.sync_warp()
+            if const_expr(self.deterministic):
+                semaphore_signal(
+                    mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
+                )
+            if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
 
     # ------------------------------------------------------------------ epilogues
 
@@ -693,9 +772,9 @@ class FlashBwdSm90:
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
         gdK = thr_dkv.partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
         gdV = thr_dkv.partition_C(accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block))
-        if deterministic != 0:
+        if const_expr(self.deterministic):
             semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
         red_add_tile(acc_dV, gdV, 2)
         red_add_tile(acc_dK, gdK, 2)
-        if deterministic != 0:
+        if const_expr(self.deterministic):
             semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
