@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, ops, validate
+from . import chunk, dispatch, ops, validate
 from .backends.common import FwdPlan, VarlenArgs
 from .env import settings
 from .validate import AttnProblem
@@ -154,6 +154,7 @@ def flash_attn_func(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (-1, -1),
     softcap: float = 0.0,
+    attention_chunk: int = 0,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -167,6 +168,9 @@ def flash_attn_func(
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse`` (alias ``return_attn_probs``) is set.
     ``window_size``: ``(left, right)``, -1/None unbounded; a list, a 1-D integer tensor (any device, read
     once on the host) or a numpy pair works too.
+    ``attention_chunk``: 0, or chunked local attention (Llama 4): query ``i`` sees only the keys ``j``
+    with ``j // c == (i + seqlen_k - seqlen_q) // c``, with causal and the window on top (run as varlen
+    attention over the chunks, ``chunk.py``).
     ``backend``: None (by compute capability), ``"sm90"`` or ``"sm80"``. Other flash-attn keywords
     (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
     Options are keyword-only (``positional_options`` exists only to say so).
@@ -175,6 +179,7 @@ def flash_attn_func(
     # equal as dictionary keys, and the general path must see the others to reject them).
     signature = None
     if (not positional_options and not flash_attn_extras and (causal is False or causal is True)
+            and type(attention_chunk) is int and attention_chunk == 0
             and (deterministic is False or deterministic is True) and type(softcap) is float
             and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
             and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
@@ -196,6 +201,11 @@ def flash_attn_func(
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
+    chunk_len = validate.check_attention_chunk(attention_chunk)
+    if chunk_len > 0:
+        out, lse = _chunked_dense(q, k, v, chunk_len, softmax_scale, causal, window_size, softcap, deterministic,
+                                  backend)
+        return (out, lse) if (return_lse or return_attn_probs) else out
     if torch.compiler.is_compiling():  # one opaque graph node (ops.py); constant-folded by Dynamo
         out, lse = ops.attention(q, k, v, None, softmax_scale, causal, window_size, softcap, deterministic, backend)
         return (out, lse) if (return_lse or return_attn_probs) else out
@@ -224,6 +234,7 @@ def flash_attn_varlen_func(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (-1, -1),
     softcap: float = 0.0,
+    attention_chunk: int = 0,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -236,6 +247,8 @@ def flash_attn_varlen_func(
     ``(batch,)`` lengths actually used inside each sequence's slot; ``max_seqlen_*``: int or 0-d tensor,
     never read on the host (no sync, no recompile). Returns ``out`` ``(total_q, nheads, headdim_v)`` or
     ``(out, lse)`` with ``lse`` ``(nheads, total_q)``. Options after ``max_seqlen_k`` are keyword-only.
+    ``attention_chunk``: as in ``flash_attn_func``, per sequence (of its used lengths with ``seqused``);
+    an int ``max_seqlen_k`` bounds the chunks per sequence, otherwise the packed key count does.
     """
     if positional_options:
         raise validate.too_many_positional(
@@ -247,6 +260,15 @@ def flash_attn_varlen_func(
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
+    chunk_len = validate.check_attention_chunk(attention_chunk)
+    if chunk_len > 0:
+        if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
+            raise TypeError("cu_seqlens_q and cu_seqlens_k must be int32 tensors")
+        bound = max_seqlen_k if type(max_seqlen_k) is int else int(k.shape[0])
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = chunk.segments(
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk_len, bound
+        )
+        max_seqlen_q = max_seqlen_k = chunk_len
     if torch.compiler.is_compiling():  # one opaque graph node (ops.py); max_seqlen is not read
         out, lse = ops.attention(
             q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), softmax_scale, causal, window_size,
@@ -260,3 +282,25 @@ def flash_attn_varlen_func(
     varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     out, lse = _attention(q, k, v, p, backend, deterministic, varlen)
     return (out, lse) if (return_lse or return_attn_probs) else out
+
+
+def _chunked_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int, softmax_scale: float | None, causal: bool,
+    window_size: Any, softcap: float, deterministic: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense call with ``attention_chunk``: its (batch, chunk) segments as one varlen call on the
+    packed view of q, k, v (no copy for contiguous inputs); out and lse back in the dense layouts."""
+    if not torch.compiler.is_compiling():
+        validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap)  # the dense errors
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    cu_q, cu_k = chunk.dense_segments(batch, seqlen_q, seqlen_k, chunk_len, q.device)
+    out, lse = flash_attn_varlen_func(
+        q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(batch * seqlen_k, *k.shape[2:]),
+        v.reshape(batch * seqlen_k, *v.shape[2:]), cu_q, cu_k, chunk_len, chunk_len, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic, return_lse=True,
+        backend=backend,
+    )
+    out = out.view(batch, seqlen_q, nheads, out.shape[-1])
+    lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+    return out, lse

@@ -16,13 +16,15 @@ import torch
 
 
 def _key_mask(
-    seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int], device: torch.device
+    seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int], device: torch.device, chunk: int = 0,
 ) -> torch.Tensor | None:
-    """Bool (seqlen_q, seqlen_k), True where the key is visible; bottom-right aligned like flash-attn."""
+    """Bool (seqlen_q, seqlen_k), True where the key is visible; bottom-right aligned like flash-attn.
+    ``chunk`` > 0: also only keys of the query's chunk, ``j // chunk == (i + seqlen_k - seqlen_q) // chunk``
+    (flash-attn 3's ``attention_chunk``), built explicitly from that rule."""
     left, right = window
     if causal:
         right = 0
-    if left < 0 and right < 0:
+    if left < 0 and right < 0 and chunk <= 0:
         return None
     rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     cols = torch.arange(seqlen_k, device=device)[None, :]
@@ -31,6 +33,8 @@ def _key_mask(
         visible &= cols <= rows + right
     if left >= 0:
         visible &= cols >= rows - left
+    if chunk > 0:
+        visible &= torch.div(cols, chunk, rounding_mode="floor") == torch.div(rows, chunk, rounding_mode="floor")
     return visible
 
 
@@ -42,6 +46,7 @@ def _dense_ref(
     causal: bool,
     window: tuple[int, int],
     softcap: float,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (b, s_q, h, d), k/v (b, s_k, h_k, d); computed in q's dtype."""
     nheads, nheads_k = q.shape[2], k.shape[2]
@@ -51,7 +56,7 @@ def _dense_ref(
     scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    visible = _key_mask(q.shape[1], k.shape[1], causal, window, q.device)
+    visible = _key_mask(q.shape[1], k.shape[1], causal, window, q.device, chunk)
     if visible is None:
         lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, s_q)
         probs = torch.softmax(scores, dim=-1)
@@ -75,6 +80,7 @@ def attention_ref(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (-1, -1),
     softcap: float = 0.0,
+    attention_chunk: int = 0,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     seqused_q: torch.Tensor | None = None,
@@ -84,7 +90,8 @@ def attention_ref(
     """Reference (out, lse) in the API's layouts; varlen when ``cu_seqlens_q`` is given.
 
     Varlen runs each sequence on its own (a padding mask in effect), honouring ``seqused``; rows past
-    ``seqused_q`` come back as out = 0, lse = -inf. out is returned in the input dtype.
+    ``seqused_q`` come back as out = 0, lse = -inf. ``attention_chunk``: the chunk mask, built from its
+    definition (per sequence). out is returned in the input dtype.
     """
     dtype = q.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -92,7 +99,7 @@ def attention_ref(
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     if cu_seqlens_q is None:
-        out, lse = _dense_ref(q, k, v, scale, causal, window, softcap)  # type: ignore[arg-type]
+        out, lse = _dense_ref(q, k, v, scale, causal, window, softcap, attention_chunk)  # type: ignore[arg-type]
         return out.to(dtype), lse
     assert cu_seqlens_k is not None, "attention_ref: varlen needs cu_seqlens_k too"
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -109,7 +116,7 @@ def attention_ref(
         k_i, v_i = (t[cu_k[i] : cu_k[i] + len_k][None] for t in (k, v))
         if len_k == 0:
             continue  # no keys: out stays 0, lse stays -inf
-        o_i, lse_i = _dense_ref(q_i, k_i, v_i, scale, causal, window, softcap)  # type: ignore[arg-type]
+        o_i, lse_i = _dense_ref(q_i, k_i, v_i, scale, causal, window, softcap, attention_chunk)  # type: ignore[arg-type]
         out[cu_q[i] : cu_q[i] + len_q] = o_i[0]
         lse[:, cu_q[i] : cu_q[i] + len_q] = lse_i[0]
     return out.to(dtype), lse

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,19 @@ def _check_heads(q_heads: int, k: torch.Tensor, v: torch.Tensor, head_axis: int)
     return nheads_k
 
 
+def check_attention_chunk(attention_chunk: object) -> int:
+    """``attention_chunk``: 0 (off) or the chunk length in tokens, a Python or numpy integer."""
+    if isinstance(attention_chunk, bool) or isinstance(attention_chunk, torch.Tensor):
+        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}")
+    try:
+        chunk = operator.index(attention_chunk)
+    except TypeError:
+        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}") from None
+    if chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0: no chunking), got {chunk}")
+    return chunk
+
+
 def check_common_options(
     softmax_scale: object,
     causal: object,
@@ -337,7 +351,6 @@ _UNSUPPORTED_NEUTRAL = {
     "q_descale": None,
     "k_descale": None,
     "v_descale": None,
-    "attention_chunk": 0,
     "learnable_sink": None,
     "score_mod": None,
     "mask_mod": None,

@@ -66,6 +66,28 @@ def test_compile_traces_varlen_call_as_one_op():
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_compile_traces_chunked_call_as_one_op(varlen):
+    """attention_chunk: the chunk segments are built with tensor ops inside the graph (no host sync,
+    no graph break) around the one varlen op."""
+    q, k, v = _dense(s_q=33)
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 10, 33, 66], dtype=torch.int32)
+
+        def block(q, k, v, cu):
+            return flash_attn_varlen_func(q, k, v, cu, cu, 33, 33, causal=True, attention_chunk=16).float().sum()
+
+        targets = _traced_ops(block, q, k, v, cu)
+    else:
+        def block(q, k, v):
+            out, lse = flash_attn_func(q, k, v, causal=True, attention_chunk=16, return_lse=True)
+            return out.float().sum() + lse.sum()
+
+        targets = _traced_ops(block, q, k, v)
+    assert targets.count("flashattn_hopper.fwd") == 1, targets
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fake_shapes_follow_v_and_the_lse_layout(varlen):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
