@@ -1,14 +1,16 @@
 """Backward benchmark on Hopper: our sm90 backward against cuDNN SDPA and FA4 (not a test).
 
     python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
-                             [--repeat N] [--deterministic] [--sm80]
+                             [--repeat N] [--deterministic] [--sm80] [--tiles 64:128x128:1:rows ...]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
 main kernel, postprocess and their scratch allocations; ``--sm80``: also the Ampere backward), SDPA
 pinned to CUDNN_ATTENTION on BHSD copies, and FA4 (``flash_attn.cute.flash_attn_func``, its sm90
 backward) when it imports (a benchmark-only peer carried to the GPU machine as wheels; never imported
-by the package). Before timing, every column's gradients are checked against cuDNN's on the same inputs
+by the package). ``--tiles HDIM:MxN[:STAGES][:rows]``: one more column per spec, the sm90 backward
+launcher with that tile at that head dim (``BwdSm90Tile``: tile_m x tile_n, Q/dO stages, dQ split by
+rows), called directly on our forward's out/lse (A/B of tiles in one interleaved run). Before timing, every column's gradients are checked against cuDNN's on the same inputs
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
 * h * s^2 * d (x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / the faster peer.
@@ -36,6 +38,27 @@ def fa4_func():
     return flash_attn_func
 
 
+def parse_tile(spec: str):
+    """``HDIM:MxN[:STAGES][:rows]`` -> (hdim, an sm90 backward family whose table has that tile)."""
+    from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
+
+    parts = spec.split(":")
+    hdim, (tile_m, tile_n) = int(parts[0]), (int(x) for x in parts[1].split("x"))
+    stages = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
+    family = BwdSm90()
+    family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts)}
+    return hdim, family
+
+
+def tile_column(family, q, k, v, dout, causal: bool, deterministic: bool):
+    """The backward launcher of ``family`` (a tile candidate) on our sm90 forward's out and lse."""
+    from flashattn_hopper import flash_attn_func, validate
+
+    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
+    return lambda: family.backward(dout, q, k, v, out, lse, p, None, deterministic)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
@@ -44,7 +67,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--deterministic", action="store_true", help="ours with deterministic=True")
     ap.add_argument("--sm80", action="store_true", help="also time our Ampere backward")
+    ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
     args = ap.parse_args(argv)
+    tile_cols = {spec: parse_tile(spec) for spec in args.tiles}
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -56,7 +81,7 @@ def main(argv: list[str]) -> int:
     print(f"# bwd, bf16, 16k tokens, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"deterministic={args.deterministic}, repeat={args.repeat}\n")
     ours_cols = ["sm90", *(["sm80"] if args.sm80 else [])]
-    cols = [*ours_cols, "cudnn", "fa4"]
+    cols = [*ours_cols, *tile_cols, "cudnn", "fa4"]
     print("| hdim | seqlen | causal | " + " | ".join(cols) + " | sm90/cudnn | sm90/fa4 | sm90/best |")
     print("|" + "---|" * (len(cols) + 6))
     for hdim in args.hdims:
@@ -73,6 +98,10 @@ def main(argv: list[str]) -> int:
                     out = flash_attn_func(*leaves, causal=causal, deterministic=args.deterministic, backend=col)
                     fns[col] = lambda o=out, x=leaves: torch.autograd.grad(o, x, dout, retain_graph=True)
                     layouts[col] = "bshd"
+                for spec, (tile_hdim, family) in tile_cols.items():
+                    if tile_hdim == hdim:
+                        fns[spec] = tile_column(family, q, k, v, dout, causal, args.deterministic)
+                        layouts[spec] = "bshd"
                 bhsd = tuple(t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 dout_bhsd = dout.transpose(1, 2).contiguous()
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
