@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import chunk, dispatch, ops, validate
+from . import chunk, dispatch, ops, sinks, validate
 from .backends.common import FwdPlan, VarlenArgs
 from .env import settings
 from .validate import AttnProblem
@@ -155,6 +155,7 @@ def flash_attn_func(
     window_size: tuple[int | None, int | None] = (-1, -1),
     softcap: float = 0.0,
     attention_chunk: int = 0,
+    learnable_sink: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -171,6 +172,8 @@ def flash_attn_func(
     ``attention_chunk``: 0, or chunked local attention (Llama 4): query ``i`` sees only the keys ``j``
     with ``j // c == (i + seqlen_k - seqlen_q) // c``, with causal and the window on top (run as varlen
     attention over the chunks, ``chunk.py``).
+    ``learnable_sink``: ``(nheads,)`` logits (GPT-OSS sinks): each joins its head's softmax denominator
+    with no value; differentiable (``sinks.py``). The returned LSE then includes the sink.
     ``backend``: None (by compute capability), ``"sm90"`` or ``"sm80"``. Other flash-attn keywords
     (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
     Options are keyword-only (``positional_options`` exists only to say so).
@@ -179,7 +182,7 @@ def flash_attn_func(
     # equal as dictionary keys, and the general path must see the others to reject them).
     signature = None
     if (not positional_options and not flash_attn_extras and (causal is False or causal is True)
-            and type(attention_chunk) is int and attention_chunk == 0
+            and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
             and (deterministic is False or deterministic is True) and type(softcap) is float
             and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
             and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
@@ -202,9 +205,14 @@ def flash_attn_func(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
     chunk_len = validate.check_attention_chunk(attention_chunk)
+    validate.check_learnable_sink(learnable_sink, q, 2)
     if chunk_len > 0:
         out, lse = _chunked_dense(q, k, v, chunk_len, softmax_scale, causal, window_size, softcap, deterministic,
-                                  backend)
+                                  backend, learnable_sink)
+        return (out, lse) if (return_lse or return_attn_probs) else out
+    if learnable_sink is not None:
+        out, lse = sinks.attention(q, k, v, learnable_sink, None, softmax_scale, causal,
+                                   validate.check_window(window_size, causal), softcap, deterministic, backend)
         return (out, lse) if (return_lse or return_attn_probs) else out
     if torch.compiler.is_compiling():  # one opaque graph node (ops.py); constant-folded by Dynamo
         out, lse = ops.attention(q, k, v, None, softmax_scale, causal, window_size, softcap, deterministic, backend)
@@ -235,6 +243,7 @@ def flash_attn_varlen_func(
     window_size: tuple[int | None, int | None] = (-1, -1),
     softcap: float = 0.0,
     attention_chunk: int = 0,
+    learnable_sink: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -249,6 +258,7 @@ def flash_attn_varlen_func(
     ``(out, lse)`` with ``lse`` ``(nheads, total_q)``. Options after ``max_seqlen_k`` are keyword-only.
     ``attention_chunk``: as in ``flash_attn_func``, per sequence (of its used lengths with ``seqused``);
     an int ``max_seqlen_k`` bounds the chunks per sequence, otherwise the packed key count does.
+    ``learnable_sink``: as in ``flash_attn_func``.
     """
     if positional_options:
         raise validate.too_many_positional(
@@ -269,6 +279,12 @@ def flash_attn_varlen_func(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk_len, bound
         )
         max_seqlen_q = max_seqlen_k = chunk_len
+    validate.check_learnable_sink(learnable_sink, q, 1)
+    if learnable_sink is not None:
+        out, lse = sinks.attention(q, k, v, learnable_sink, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                                   softmax_scale, causal, validate.check_window(window_size, causal), softcap,
+                                   deterministic, backend)
+        return (out, lse) if (return_lse or return_attn_probs) else out
     if torch.compiler.is_compiling():  # one opaque graph node (ops.py); max_seqlen is not read
         out, lse = ops.attention(
             q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), softmax_scale, causal, window_size,
@@ -287,6 +303,7 @@ def flash_attn_varlen_func(
 def _chunked_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int, softmax_scale: float | None, causal: bool,
     window_size: Any, softcap: float, deterministic: bool, backend: str | None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense call with ``attention_chunk``: its (batch, chunk) segments as one varlen call on the
     packed view of q, k, v (no copy for contiguous inputs); out and lse back in the dense layouts."""
@@ -298,8 +315,8 @@ def _chunked_dense(
     out, lse = flash_attn_varlen_func(
         q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(batch * seqlen_k, *k.shape[2:]),
         v.reshape(batch * seqlen_k, *v.shape[2:]), cu_q, cu_k, chunk_len, chunk_len, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic, return_lse=True,
-        backend=backend,
+        causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+        deterministic=deterministic, return_lse=True, backend=backend,
     )
     out = out.view(batch, seqlen_q, nheads, out.shape[-1])
     lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()

@@ -212,6 +212,21 @@ def check_attention_chunk(attention_chunk: object) -> int:
     return chunk
 
 
+def check_learnable_sink(learnable_sink: object, q: torch.Tensor, head_axis: int) -> None:
+    """``learnable_sink``: None, or one logit per query head, a floating ``(nheads,)`` tensor on q's device."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a tensor of shape (nheads,) or None, got {type(learnable_sink).__name__}")
+    nheads = q.shape[head_axis] if isinstance(q, torch.Tensor) and q.dim() > head_axis else None
+    if learnable_sink.dim() != 1 or (nheads is not None and learnable_sink.shape[0] != nheads):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(learnable_sink.shape)}")
+    if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"learnable_sink must be float32 (or bf16/fp16), got {_dtype_name(learnable_sink.dtype)}")
+    if isinstance(q, torch.Tensor) and learnable_sink.device != q.device:
+        raise ValueError(f"learnable_sink must be on q's device ({q.device}), got {learnable_sink.device}")
+
+
 def check_common_options(
     softmax_scale: object,
     causal: object,
@@ -351,7 +366,6 @@ _UNSUPPORTED_NEUTRAL = {
     "q_descale": None,
     "k_descale": None,
     "v_descale": None,
-    "learnable_sink": None,
     "score_mod": None,
     "mask_mod": None,
     "block_table": None,

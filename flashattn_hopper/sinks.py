@@ -1,0 +1,99 @@
+"""Learnable attention sinks (``learnable_sink``, as FA4 names it; GPT-OSS): one logit per query head
+that joins every row's softmax denominator with no value,
+``p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h))``, computed around the unchanged kernels.
+
+Forward: the kernels give ``O`` and ``lse`` of the keys alone; with ``lse' = logaddexp(lse, sink)``
+the sink's share is ``exp(sink - lse')`` and every key's probability shrinks by
+``w = exp(lse - lse') = sigmoid(lse - sink)``, so ``out = O * w`` (fp32, then the input dtype) and
+the returned LSE is ``lse'``. A row that sees no key gets ``out = 0`` and ``lse' = sink``.
+
+Backward: softmax over the keys plus a sink column whose value is 0. The kernels' backward, given
+``out`` and ``lse'``, recomputes ``P' = exp(S - lse')`` (the sinked probabilities), takes
+``dPsum = rowsum(dout * out)`` (the sink column adds ``p_sink * 0``) and forms
+``dS = P' * (dP - dPsum)``: exactly this softmax's gradient, so dq, dk, dv come from the unchanged
+backward. The sink's own gradient is ``d sink_h = -sum_rows exp(sink_h - lse'_i) * dPsum_i``.
+
+Both directions call the custom ops (``ops.py``), so the same code runs eagerly and under
+``torch.compile``. Rows past ``seqused_q`` (varlen) take no part: their out is 0 here and they add
+nothing to the sink's gradient. The returned LSE is not differentiable, as elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op (a seam: the CPU tests put the fp32 reference here)."""
+    return torch.ops.flashattn_hopper.fwd(*args)
+
+
+def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward op (a seam: the CPU tests put an emulation of the kernels' formula here)."""
+    return torch.ops.flashattn_hopper.bwd(*args)
+
+
+def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:
+    """Bool ``(total_q,)``: packed rows below their sequence's ``seqused_q``."""
+    rows = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64).contiguous(), rows, right=True)
+    return rows - cu_seqlens_q.to(torch.int64)[seq] < seqused_q.to(torch.int64)[seq]
+
+
+def _per_row(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """An LSE-layout tensor (dense ``(b, h, s_q)``, varlen ``(h, total_q)``) in out's row layout
+    (``(b, s_q, h, 1)`` / ``(total_q, h, 1)``)."""
+    return (x.t() if varlen else x.transpose(1, 2))[..., None]
+
+
+class SinkAttnFunc(torch.autograd.Function):
+    """``(out, lse')`` of attention with one sink logit per query head; gradients for q, k, v, sink."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
+                cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
+                used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _fwd_op(q, k, v, cu_q, cu_k, used_q, used_k, *options)
+        varlen = cu_q is not None
+        sink_rows = sink.float()[:, None] if varlen else sink.float()[None, :, None]  # lse's layout
+        lse_sink = torch.logaddexp(lse, sink_rows)
+        out = out.float() * _per_row(torch.exp(lse - lse_sink), varlen)
+        if used_q is not None:
+            out = torch.where(_row_mask(q, cu_q, used_q)[:, None, None], out, 0.0)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, sink, out, lse_sink, cu_q, cu_k, used_q, used_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse_sink)
+        ctx.set_materialize_grads(False)
+        return out, lse_sink
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q, k, v, sink, out, lse_sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+        if dout is None:
+            return (None,) * 9
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
+        varlen = cu_q is not None
+        dpsum = (dout.float() * out.float()).sum(-1)  # (b, s_q, h) / (total_q, h)
+        sink_rows = sink.float()[None, :] if varlen else sink.float()[None, None, :]
+        p_sink = torch.exp(sink_rows - _per_row(lse_sink, varlen)[..., 0])
+        contrib = p_sink * dpsum
+        if used_q is not None:
+            contrib = torch.where(_row_mask(q, cu_q, used_q)[:, None], contrib, 0.0)
+        dsink = -contrib.reshape(-1, contrib.shape[-1]).sum(0)
+        return dq, dk, dv, dsink.to(sink.dtype), None, None, None, None, None
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, varlen: tuple[Any, ...] | None,
+    softmax_scale: float | None, causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse')`` with sinks; ``window``: the checked ``(left, right)`` ints; ``varlen``: the four
+    varlen tensors or None."""
+    cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None, None, None, None)
+    options = (None if softmax_scale is None else float(softmax_scale), bool(causal), window[0], window[1],
+               float(softcap), bool(deterministic), backend)
+    return SinkAttnFunc.apply(q, k, v, sink, cu_q, cu_k, used_q, used_k, options)

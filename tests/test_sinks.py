@@ -1,0 +1,218 @@
+"""``learnable_sink`` (one logit per query head in every row's softmax denominator, GPT-OSS).
+
+CPU tier: ``sinks.SinkAttnFunc`` with its two op seams filled by the fp32 reference (forward) and by
+an emulation of what the kernels' backward computes from ``(dout, q, k, v, out, lse)`` (P recomputed
+from the LSE it is given, dPsum = rowsum(dout * out), dS = P (dP - dPsum)), against autograd through
+an explicit softmax over the keys plus a sink column with a zero value: out, LSE and the gradients
+of q, k, v and the sink, dense and varlen (seqused, zero-length sequences, rows that see no key),
+causal and windows, GQA. This checks the identity the sink rests on and every layout around it.
+Also the argument's errors and a fullgraph trace.
+
+GPU tier: the public API on both backends against the explicit reference with the parity rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, sinks, testing
+
+
+def _ref_fwd(q, k, v, cu_q, cu_k, used_q, used_k, scale, causal, left, right, softcap, deterministic, backend):
+    """The fp32 reference, with rows past seqused_q NaN in out and lse (the kernels do not write them)."""
+    out, lse = testing.attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+                                     softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                     seqused_k=used_k)
+    if used_q is not None:
+        for i in range(len(used_q)):
+            rows = slice(int(cu_q[i]) + int(used_q[i]), int(cu_q[i + 1]))
+            out[rows], lse[:, rows] = float("nan"), float("nan")
+    return out, lse
+
+
+def _kernel_bwd_dense(dout, q, k, v, out, lse, scale, causal, window):
+    """What the kernels compute for one dense problem: P from the given LSE, dS = P (dP - dPsum)."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q, kr) * scale
+    visible = testing._key_mask(q.shape[1], k.shape[1], causal, window, q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    dp = torch.einsum("bthd,bshd->bhts", dout, vr)
+    dpsum = (dout * out).sum(-1).transpose(1, 2)[..., None]
+    ds = p * (dp - dpsum)
+    dq = torch.einsum("bhts,bshd->bthd", ds, kr) * scale
+    dk = torch.einsum("bhts,bthd->bshd", ds, q) * scale
+    dv = torch.einsum("bhts,bthd->bshd", p, dout)
+    b, s_k, h_k = k.shape[0], k.shape[1], k.shape[2]
+    return dq, dk.view(b, s_k, h_k, group, -1).sum(3), dv.view(b, s_k, h_k, group, -1).sum(3)
+
+
+def _kernel_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, scale, causal, left, right, softcap,
+                deterministic, backend):
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if cu_q is None:
+        return _kernel_bwd_dense(dout, q, k, v, out, lse, scale, causal, (left, right))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(len(cu_q) - 1):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        n_q = int(used_q[i]) if used_q is not None else int(cu_q[i + 1]) - q0
+        n_k = int(used_k[i]) if used_k is not None else int(cu_k[i + 1]) - k0
+        if n_q == 0 or n_k == 0:
+            continue
+        sl_q, sl_k = slice(q0, q0 + n_q), slice(k0, k0 + n_k)
+        g = _kernel_bwd_dense(dout[sl_q][None], q[sl_q][None], k[sl_k][None], v[sl_k][None], out[sl_q][None],
+                              lse[:, sl_q][None], scale, causal, (left, right))
+        dq[sl_q], dk[sl_k], dv[sl_k] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _sink_ref_dense(q, k, v, sink, causal, window):
+    """Explicit: softmax over [keys, sink] with the sink's value 0; (out, lse incl. the sink)."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q, kr) / math.sqrt(q.shape[-1])
+    visible = testing._key_mask(q.shape[1], k.shape[1], causal, window, q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    s = torch.cat([s, sink[None, :, None, None].expand(*s.shape[:3], 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :-1]
+    return torch.einsum("bhts,bshd->bthd", p, vr), lse
+
+
+def _sink_ref(q, k, v, sink, causal, window, cu_q=None, cu_k=None, used_q=None, used_k=None):
+    if cu_q is None:
+        return _sink_ref_dense(q, k, v, sink, causal, window)
+    outs, lses, rows = [], [], []
+    for i in range(len(cu_q) - 1):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        n_q = int(used_q[i]) if used_q is not None else int(cu_q[i + 1]) - q0
+        n_k = int(used_k[i]) if used_k is not None else int(cu_k[i + 1]) - k0
+        o, lse = _sink_ref_dense(q[q0:q0 + n_q][None], k[k0:k0 + n_k][None], v[k0:k0 + n_k][None], sink, causal, window)
+        outs.append(o[0]), lses.append(lse[0]), rows.append(torch.arange(q0, q0 + n_q))
+    return torch.cat(outs), torch.cat(lses, dim=1), torch.cat(rows)
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    monkeypatch.setattr(sinks, "_fwd_op", _ref_fwd)
+    monkeypatch.setattr(sinks, "_bwd_op", _kernel_bwd)
+
+
+def _leaves(*shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+
+
+# The sink arithmetic runs in fp32 (the kernels' precision) on float64 inputs: fp32 rounding, no more.
+TOL = dict(atol=1e-5, rtol=1e-4, check_dtype=False)
+CASES = [dict(causal=False, window=(-1, -1)), dict(causal=True, window=(-1, -1)), dict(causal=False, window=(6, 2)),
+         dict(causal=True, window=(4, -1))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["full", "causal", "window", "causal_window"])
+@pytest.mark.parametrize("s_q,s_k", [(17, 17), (9, 23), (23, 9)])
+def test_sink_dense_matches_the_explicit_softmax(reference_ops, case, s_q, s_k):
+    q, k, v, dout = _leaves((2, s_q, 4, 8), (2, s_k, 2, 8), (2, s_k, 2, 8), (2, s_q, 4, 8))
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    window = case["window"] if not case["causal"] else (case["window"][0], 0)
+    out, lse = sinks.attention(q, k, v, sink, None, None, case["causal"], window, 0.0, False, None)
+    ref_out, ref_lse = _sink_ref(q, k, v, sink, case["causal"], window)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    got = torch.autograd.grad(out, (q, k, v, sink), dout.detach())
+    want = torch.autograd.grad(ref_out, (q, k, v, sink), dout.detach())
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sink_varlen_seqused_matches_the_explicit_softmax(reference_ops, causal):
+    """Zero-length sequences, unused slot rows (out 0, no share of the sink's gradient), rows that see
+    no key (out 0, lse = sink)."""
+    slots_q, slots_k = [7, 0, 12, 5], [9, 4, 3, 6]
+    used_q, used_k = torch.tensor([5, 0, 12, 5], dtype=torch.int32), torch.tensor([9, 4, 3, 0], dtype=torch.int32)
+    cu_q = torch.tensor([0, *itertools.accumulate(slots_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(slots_k)], dtype=torch.int32)
+    q, k, v, dout = _leaves((sum(slots_q), 4, 8), (sum(slots_k), 1, 8), (sum(slots_k), 1, 8), (sum(slots_q), 4, 8),
+                            seed=1)
+    sink = torch.tensor([0.3, 1.5, -0.7, -3.0], dtype=torch.float64, requires_grad=True)
+    out, lse = sinks.attention(q, k, v, sink, (cu_q, cu_k, used_q, used_k), None, causal, (-1, 0 if causal else -1),
+                               0.0, False, None)
+    ref_out, ref_lse, rows = _sink_ref(q, k, v, sink, causal, (-1, 0 if causal else -1), cu_q, cu_k, used_q, used_k)
+    torch.testing.assert_close(out[rows], ref_out, **TOL)
+    torch.testing.assert_close(lse[:, rows], ref_lse, **TOL)
+    unused = torch.ones(out.shape[0], dtype=torch.bool)
+    unused[rows] = False
+    assert bool((out[unused] == 0).all())
+    got = torch.autograd.grad(out, (q, k, v, sink), dout.detach())
+    want = torch.autograd.grad(ref_out, (q, k, v, sink), dout.detach()[rows])
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("value,error,match", [
+    ([0.0, 0.0], TypeError, "learnable_sink must be a tensor of shape \\(nheads,\\)"),
+    (torch.zeros(3), ValueError, "learnable_sink must have shape \\(nheads,\\) = \\(2,\\), got \\(3,\\)"),
+    (torch.zeros(2, 1), ValueError, "learnable_sink must have shape"),
+    (torch.zeros(2, dtype=torch.int32), TypeError, "learnable_sink must be float32"),
+])
+def test_bad_learnable_sink_is_named(value, error, match):
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match=match):
+        flash_attn_func(q, q, q, learnable_sink=value)
+    with pytest.raises(error, match=match):
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, learnable_sink=value)
+
+
+def test_compile_traces_a_sink_call_in_one_graph():
+    from .test_compile import _dense, _traced_ops
+
+    q, k, v = _dense()
+    sink = torch.zeros(q.shape[2])
+
+    def block(q, k, v, sink):
+        return flash_attn_func(q, k, v, causal=True, learnable_sink=sink).float().sum()
+
+    targets = _traced_ops(block, q, k, v, sink)
+    assert targets.count("flashattn_hopper.fwd") == 1, targets
+
+
+# ---------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sink_api_parity(backend, dtype, causal, seqlens):
+    """out, lse and dq/dk/dv/dsink against the explicit fp32 reference (2x PyTorch's error in the dtype)."""
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    s_q, s_k = seqlens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(2, s, h, 128, dtype=dtype, device="cuda", generator=gen)
+                     for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
+    sink = torch.randn(8, device="cuda", generator=gen)
+    window = (-1, 0) if causal else (-1, -1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, lse = flash_attn_func(*leaves[:3], causal=causal, learnable_sink=leaves[3], return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.double() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls.append(sink.double().detach().clone().requires_grad_() if upcast else sink.detach().clone().requires_grad_())
+        o, l = _sink_ref(*ls[:3], ls[3].to(ls[0].dtype), causal, window)
+        refs[upcast] = (o, l, torch.autograd.grad(o, ls, dout.to(o.dtype)))
+    assert_close_to_ref("out", out, refs[True][0].to(dtype), refs[False][0])
+    assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-4)
+    for name, g, r, pt in zip(("dq", "dk", "dv", "dsink"), grads, refs[True][2], refs[False][2]):
+        assert_close_to_ref(name, g, r.to(g.dtype), pt.to(g.dtype), atol=rounding_atol(r, dtype))
