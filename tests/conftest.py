@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+
 import pytest
 import torch
 
@@ -48,3 +51,22 @@ def fresh_call_plans():
     api.clear_plans()
     yield
     api.clear_plans()
+
+
+# A GPU test that hangs (a kernel waiting on a barrier that never completes) would hold the whole run,
+# and on the lent GPU machine the rest of the call's time with it. A watchdog thread ends the process
+# after this many seconds in one GPU test, printing every thread's stack (the test's name is in it).
+# 0 turns it off. Compiles count: the rarest kernel variants take about a minute on 2 cores.
+GPU_TEST_TIMEOUT_S = float(os.environ.get("FLASHATTN_HOPPER_TEST_TIMEOUT", "600"))
+
+
+@pytest.fixture(autouse=True)
+def gpu_test_watchdog(request):
+    if GPU_TEST_TIMEOUT_S <= 0 or "gpu" not in request.keywords or not HAS_GPU:
+        yield
+        return
+    faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
