@@ -1,0 +1,132 @@
+"""FP8 (e4m3) quantization of q, k, v for an FP8 attention forward: per-tensor or per-block scales,
+optionally after a random-sign Hadamard transform of q and k (FlashAttention-3 paper section 3.3,
+"incoherent processing"; ``../shared/design/fp8.md`` sections 3-4).
+
+- **Scales.** ``x8 = satfinite_e4m3(x / scale)`` with ``scale = amax / 448`` and the descale
+  ``scale`` returned for the kernel to multiply back. Per tensor: one amax per (batch, kv head), the
+  shape of FA3's ``q_descale``/``k_descale``/``v_descale`` ``(batch, nheads_k)`` (q's over the query
+  heads of each kv head). Per block: one per (batch, head, tile of rows), ``(batch, nheads,
+  ceil(seqlen_q / tile_m))`` for q and ``(batch, nheads_k, ceil(seqlen_k / tile_n))`` for k and v, the
+  tiles being the kernel's, so a block scale is one scalar per tile there.
+- **Incoherent processing.** ``M = diag(signs) * H / sqrt(d)`` (H the Sylvester Walsh-Hadamard
+  matrix, signs a seeded random +-1 vector) is orthogonal, so ``(q M)(k M)^T = q k^T``: the scores are
+  unchanged up to rounding while an outlier channel spreads over all d coordinates, lowering amax
+  toward the RMS. The same M goes on q and k, never on v. After rotary embedding, if any.
+
+Computed with torch ops (fp32 intermediates) on the inputs' device, dense ``(batch, seqlen, nheads,
+head_dim)`` inputs, head dims a power of two for the Hadamard transform. The FP8 forward kernel that
+consumes these is issue 25's remaining work: today float8 inputs to the attention functions raise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+E4M3_MAX = 448.0
+# amax floor: an all-zero block gets a finite scale (its values quantize to 0 either way).
+_AMAX_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Qkv:
+    """Quantized q, k, v (``torch.float8_e4m3fn``, the inputs' shapes) and their fp32 descales."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    signs: torch.Tensor | None  # the Hadamard transform's random signs (None: no transform)
+
+
+def hadamard(head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The normalized Sylvester Walsh-Hadamard matrix ``H / sqrt(d)`` (fp32, orthogonal, symmetric)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two head dim, got {head_dim}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(head_dim)
+
+
+def random_signs(head_dim: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """A reproducible random +-1 vector (fp32) of length ``head_dim``."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (head_dim,), generator=gen) * 2 - 1).to(device=device, dtype=torch.float32)
+
+
+def incoherent(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``x M`` over the last dim with ``M = diag(signs) H / sqrt(d)`` (fp32 result)."""
+    return (x.float() * signs) @ hadamard(x.shape[-1], x.device)
+
+
+def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``satfinite(x / scale)`` in e4m3 (the cast itself does not saturate: clamp first)."""
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _per_head_group(x: torch.Tensor, nheads_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, kv head): ``(x8, descale (b, h_k))``; x ``(b, s, h, d)`` fp32, h a multiple of h_k."""
+    b, s, h, d = x.shape
+    groups = x.view(b, s, nheads_k, h // nheads_k, d)
+    amax = groups.abs().amax(dim=(1, 3, 4)).clamp_min(_AMAX_FLOOR)  # (b, h_k)
+    scale = amax / E4M3_MAX
+    x8 = _to_e4m3(groups, scale[:, None, :, None, None]).view(b, s, h, d)
+    return x8, scale
+
+
+def _per_block(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head, block of ``rows`` rows): ``(x8, descale (b, h, ceil(s / rows)))``."""
+    b, s, h, d = x.shape
+    blocks = -(-s // rows)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, blocks * rows - s)).view(b, blocks, rows, h, d)
+    amax = padded.abs().amax(dim=(2, 4)).clamp_min(_AMAX_FLOOR)  # (b, blocks, h)
+    scale = amax / E4M3_MAX
+    x8 = _to_e4m3(padded, scale[:, :, None, :, None]).view(b, blocks * rows, h, d)[:, :s]
+    return x8, scale.transpose(1, 2).contiguous()
+
+
+def quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block: bool = True, hadamard_qk: bool = True,
+    seed: int = 0, tile_m: int = 128, tile_n: int = 128,
+) -> Fp8Qkv:
+    """Quantize dense floating ``(batch, seqlen, nheads, head_dim)`` q, k, v to e4m3.
+
+    ``block``: per-block scales (tiles of ``tile_m`` query rows / ``tile_n`` key rows, the FP8
+    kernel's tile), else per (batch, kv head). ``hadamard_qk``: rotate q and k by the same random-sign
+    Hadamard matrix first (``seed`` picks the signs; head dim a power of two). v is never rotated.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a (batch, seqlen, nheads, headdim) tensor")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64) to quantize, got {t.dtype}")
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % nheads_k != 0 or v.shape[2] != nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of k's and v's nheads ({nheads_k}, {v.shape[2]})")
+    if tile_m < 1 or tile_n < 1:
+        raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
+    signs = random_signs(q.shape[-1], seed, q.device) if hadamard_qk else None
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    if signs is not None:
+        qf, kf = incoherent(qf, signs), incoherent(kf, signs)
+    if block:
+        (q8, qd), (k8, kd), (v8, vd) = _per_block(qf, tile_m), _per_block(kf, tile_n), _per_block(vf, tile_n)
+    else:
+        (q8, qd), (k8, kd), (v8, vd) = (_per_head_group(t, nheads_k) for t in (qf, kf, vf))
+    return Fp8Qkv(q8, k8, v8, qd, kd, vd, signs)
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """fp32 values of a quantized ``(b, s, h, d)`` tensor: ``descale`` ``(b, h_k)`` per (batch, kv
+    head), or ``(b, h, blocks)`` per block of ``rows`` rows."""
+    b, s, h, d = x8.shape
+    x = x8.float()
+    if rows is None:
+        return (x.view(b, s, descale.shape[1], -1, d) * descale[:, None, :, None, None]).view(b, s, h, d)
+    per_row = descale.repeat_interleave(rows, dim=2)[:, :, :s]  # (b, h, s)
+    return x * per_row.transpose(1, 2)[..., None]
