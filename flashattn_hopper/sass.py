@@ -16,6 +16,7 @@ from pathlib import Path
 OPCODES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
 # Opcodes with a modifier counted apart as well (also counted under their opcode).
 MODIFIED_OPCODES = ("UTMALDG.MULTICAST",)
+HGMMA_GROUP_ENDS = "HGMMA.gsb0"
 
 
 def find_nvdisasm() -> str | None:
@@ -45,4 +46,8 @@ def opcode_counts(sass: str) -> dict[str, int]:
             base, modifier = name.split(".")
             if opcode == base and modifier in modifiers:
                 counts[name] += 1
+    # WGMMAs that close a scoreboard group (``gsb0``): one per GEMM when ptxas keeps a GEMM's k-steps in
+    # flight together, one per HGMMA when it serializes them (each then waits for the previous one).
+    counts[HGMMA_GROUP_ENDS] = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HGMMA\.[^;]*\bgsb0\b", sass,
+                                              re.MULTILINE))
     return counts
