@@ -220,9 +220,9 @@ class BwdSm80:
         su_k = is_varlen and varlen.seqused_k is not None
         main = self._main_key(
             arch, dtype, hdim, hdim_v, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
-            varlen=is_varlen, seqused_q=su_q, seqused_k=su_k,
+            varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
         )
-        if sms is not None and not (deterministic or is_varlen or causal or local):
+        if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
             if plan[0] > 0:
                 main = dataclasses.replace(main, tail_split=True)
@@ -232,6 +232,13 @@ class BwdSm80:
                       varlen=is_varlen, seqused=su_q),
             main, post_dq, post_kv,
         )
+
+    # The split tail (a segments kernel for the last wave of dense unmasked calls): this family's.
+    splits_tail = True
+
+    def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
+        """Main-key fields of the call's mode; here none (``deterministic`` is a runtime argument)."""
+        return {}
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdKey:

@@ -16,9 +16,9 @@ from typing import Any
 from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
-from .common import DTYPE_NAMES, VarlenArgs, cutlass_dtype, fake_bshd, ffi_compile, mask_flags
+from .common import cutlass_dtype, fake_bshd, ffi_compile
 from .sm80_bwd import (
-    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
+    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
 
 
@@ -72,23 +72,11 @@ class BwdSm90(BwdSm80):
             )
         return super().can_implement(p, deterministic)
 
-    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
-             sms: int | None = None) -> tuple[BwdPreKey, BwdSm90Key, BwdPostKey, BwdPostKey]:
-        hdim = configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v)
-        assert hdim is not None, "can_implement() must accept the problem first"
-        dtype = DTYPE_NAMES[p.dtype]
-        causal, local = mask_flags(p)
-        is_varlen = varlen is not None
-        su_q = is_varlen and varlen.seqused_q is not None
-        su_k = is_varlen and varlen.seqused_k is not None
-        main = self._main_key(
-            arch, dtype, hdim, hdim, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
-            varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, deterministic=deterministic,
-        )
-        post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim, is_varlen, su_q, su_k)
-        pre = BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim,
-                        varlen=is_varlen, seqused=su_q)
-        return pre, main, post_dq, post_kv
+    splits_tail = False  # (its key's tail_split stays False: the launcher shared with sm80 reads it)
+
+    def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
+        """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
+        return {"deterministic": deterministic}
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
