@@ -31,7 +31,10 @@ def _tile(tile_n: int, pingpong: bool = False, intra: bool = True) -> FwdTileSm9
 # Own sO (v above q): smem = 2 * (128 * d + 2 * n * d + 2 * n * dv + 128 * dv) B <= 227 KB. 64/256 at
 # 128x112 fits (225 KB, 212 regs) but spills 94 LDL + 112 STL causal (sm_90a, DSL 4.8.1): not a candidate.
 CANDIDATES: dict[tuple[int, int], dict[str, FwdTileSm90]] = {
-    (64, 256): {"128x80": _tile(80), "128x96": _tile(96), "128x96-serial": _tile(96, intra=False)},
+    # 128x80 (the shipped pick) compiles with its WGMMAs serialized (18 of 27 HGMMAs end a gsb0 group);
+    # 128x64 and 128x80 without intra-warpgroup overlap do not (6 each): sm_90a SASS, 2026-11-25.
+    (64, 256): {"128x80": _tile(80), "128x64": _tile(64), "128x80-serial": _tile(80, intra=False),
+                "128x96": _tile(96), "128x96-serial": _tile(96, intra=False)},
     (128, 256): {"128x64": _tile(64), "128x80": _tile(80)},
     (96, 192): {"128x96": _tile(96), "128x112": _tile(112), "128x128": _tile(128)},
     (64, 128): {"128x128-pp": _tile(128, pingpong=True), "128x128": _tile(128), "128x176-pp": _tile(176, pingpong=True)},
