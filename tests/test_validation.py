@@ -217,10 +217,16 @@ def test_varlen_positional_option_after_max_seqlen_k():
     assert "after max_seqlen_k are keyword-only" in message and "dropout_p" in message and "seqused_q" in message
 
 
-@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)), ("learnable_sink", torch.ones(4))])
+@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)), ("q_descale", torch.ones(1, 4))])
 def test_unimplemented_flash_attn_features(name, value):
     q, k, v = qkv()
     raises(NotImplementedError, name, flash_attn_func, q, k, v, **{name: value})
+
+
+def test_implemented_flash_attn_extras_pass_to_the_device_check():
+    """attention_chunk and learnable_sink are ours now (tests/test_chunk.py, tests/test_sinks.py)."""
+    q, k, v = qkv()
+    raises(ValueError, "CUDA device", flash_attn_func, q, k, v, attention_chunk=4, learnable_sink=torch.ones(q.shape[2]))
 
 
 def test_flash_attn_neutral_values_accepted_until_device_check():
