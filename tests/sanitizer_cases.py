@@ -120,6 +120,14 @@ CASES: dict[str, Callable[[], None]] = {
     "sm80_fwd_bwd_dense_local": _dense("sm80", backward=True, **WINDOW),
     "sm80_fwd_bwd_varlen_causal": _varlen("sm80", backward=True, causal=True),
     "sm80_fwd_bwd_softcap": _dense("sm80", backward=True, causal=True, softcap=30.0),
+    # The Hopper backward (its dQ writer warp's barriers and TMA reduce-adds, the deterministic turns,
+    # GQA's dK/dV sums): GQA 2:1 in every case.
+    "sm90_fwd_bwd_dense": _dense("sm90", backward=True),
+    "sm90_fwd_bwd_dense_causal": _dense("sm90", backward=True, causal=True),
+    "sm90_fwd_bwd_dense_local": _dense("sm90", backward=True, **WINDOW),
+    "sm90_fwd_bwd_varlen_causal": _varlen("sm90", backward=True, causal=True),
+    "sm90_fwd_bwd_softcap": _dense("sm90", backward=True, causal=True, softcap=30.0),
+    "sm90_fwd_bwd_deterministic": _dense("sm90", backward=True, causal=True, deterministic=True),
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }

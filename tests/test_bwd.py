@@ -104,8 +104,8 @@ def default_path(clean_settings, monkeypatch):
     """For tests of the default path (no backend): records the backend of every kernel family the API
     dispatches to and the deterministic flag the backward was asked for; ``check(p, deterministic)``
     asserts the calls went where training calls go (no ``FLASHATTN_HOPPER_BACKEND``): on Hopper the
-    sm90 forward, and the sm90 backward once it takes the problem, else the sm80 one; elsewhere sm80
-    for both."""
+    sm90 forward, and the sm90 backward where it takes the problem and is the default
+    (``dispatch.SM90_BWD_BY_DEFAULT``), else the sm80 one; elsewhere sm80 for both."""
     seen = {"fwd": set(), "bwd": set(), "deterministic": set()}
     fwd_for, bwd_for = dispatch.fwd_kernel_for, dispatch.bwd_kernel_for
 
@@ -125,7 +125,8 @@ def default_path(clean_settings, monkeypatch):
 
     def check(p, deterministic=False):
         hopper = torch.cuda.get_device_capability() == (9, 0)
-        bwd = "sm90" if hopper and dispatch.BWD_KERNELS["sm90"].can_implement(p, deterministic) is None else "sm80"
+        by_default = hopper and dispatch.SM90_BWD_BY_DEFAULT
+        bwd = "sm90" if by_default and dispatch.BWD_KERNELS["sm90"].can_implement(p, deterministic) is None else "sm80"
         expected = {"fwd": {"sm90" if hopper else "sm80"}, "bwd": {bwd}, "deterministic": {deterministic}}
         assert seen == expected, seen
 

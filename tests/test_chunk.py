@@ -178,6 +178,5 @@ def test_chunk_varlen_seqused(backend, causal):
     again = flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(257), torch.tensor(250), backend=backend, **args)
     assert torch.equal(again[rows], out[rows])
     dout = torch.randn_like(q)
-    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
-    check_grads_api(q, k, v, dout, varlen=varlen, backend=backend, seqused_q=used_q, seqused_k=used_k,
-                    causal=causal, attention_chunk=64)
+    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
+    check_grads_api(q, k, v, dout, varlen=varlen, backend=backend, causal=causal, attention_chunk=64)
