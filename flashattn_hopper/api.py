@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import chunk, dispatch, ops, sinks, validate
+from . import chunk, dispatch, gate, ops, sinks, validate
 from .backends.common import FwdPlan, VarlenArgs
 from .env import settings
 from .validate import AttnProblem
@@ -156,6 +156,7 @@ def flash_attn_func(
     softcap: float = 0.0,
     attention_chunk: int = 0,
     learnable_sink: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -174,6 +175,8 @@ def flash_attn_func(
     attention over the chunks, ``chunk.py``).
     ``learnable_sink``: ``(nheads,)`` logits (GPT-OSS sinks): each joins its head's softmax denominator
     with no value; differentiable (``sinks.py``). The returned LSE then includes the sink.
+    ``log_decay``: log forget gates ``g`` ``(batch, seqlen_k, nheads)`` (<= 0; Forgetting Transformer):
+    the score gains ``G_i - G_j`` with ``G = cumsum(g)`` per sequence; differentiable (``gate.py``).
     ``backend``: None (by compute capability), ``"sm90"`` or ``"sm80"``. Other flash-attn keywords
     (``dropout_p``, ``alibi_slopes``, ...) are accepted at their "off" value, else NotImplementedError.
     Options are keyword-only (``positional_options`` exists only to say so).
@@ -183,6 +186,7 @@ def flash_attn_func(
     signature = None
     if (not positional_options and not flash_attn_extras and (causal is False or causal is True)
             and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
+            and log_decay is None
             and (deterministic is False or deterministic is True) and type(softcap) is float
             and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
             and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
@@ -206,9 +210,14 @@ def flash_attn_func(
     )
     chunk_len = validate.check_attention_chunk(attention_chunk)
     validate.check_learnable_sink(learnable_sink, q, 2)
+    validate.check_log_decay(log_decay, q, k, False, softcap)
     if chunk_len > 0:
         out, lse = _chunked_dense(q, k, v, chunk_len, softmax_scale, causal, window_size, softcap, deterministic,
-                                  backend, learnable_sink)
+                                  backend, learnable_sink, log_decay)
+        return (out, lse) if (return_lse or return_attn_probs) else out
+    if log_decay is not None:
+        out, lse = _gated(q, k, v, log_decay, None, softmax_scale, causal, window_size, deterministic, backend,
+                          learnable_sink)
         return (out, lse) if (return_lse or return_attn_probs) else out
     if learnable_sink is not None:
         out, lse = sinks.attention(q, k, v, learnable_sink, None, softmax_scale, causal,
@@ -244,6 +253,7 @@ def flash_attn_varlen_func(
     softcap: float = 0.0,
     attention_chunk: int = 0,
     learnable_sink: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
@@ -280,6 +290,12 @@ def flash_attn_varlen_func(
         )
         max_seqlen_q = max_seqlen_k = chunk_len
     validate.check_learnable_sink(learnable_sink, q, 1)
+    validate.check_log_decay(log_decay, q, k, True, softcap)
+    if log_decay is not None:
+        varlen_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+        out, lse = _gated(q, k, v, log_decay, varlen_args, softmax_scale, causal, window_size, deterministic,
+                          backend, learnable_sink)
+        return (out, lse) if (return_lse or return_attn_probs) else out
     if learnable_sink is not None:
         out, lse = sinks.attention(q, k, v, learnable_sink, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                                    softmax_scale, causal, validate.check_window(window_size, causal), softcap,
@@ -303,7 +319,7 @@ def flash_attn_varlen_func(
 def _chunked_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int, softmax_scale: float | None, causal: bool,
     window_size: Any, softcap: float, deterministic: bool, backend: str | None,
-    learnable_sink: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense call with ``attention_chunk``: its (batch, chunk) segments as one varlen call on the
     packed view of q, k, v (no copy for contiguous inputs); out and lse back in the dense layouts."""
@@ -316,8 +332,32 @@ def _chunked_dense(
         q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(batch * seqlen_k, *k.shape[2:]),
         v.reshape(batch * seqlen_k, *v.shape[2:]), cu_q, cu_k, chunk_len, chunk_len, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+        log_decay=None if log_decay is None else log_decay.reshape(batch * seqlen_k, log_decay.shape[-1]),
         deterministic=deterministic, return_lse=True, backend=backend,
     )
     out = out.view(batch, seqlen_q, nheads, out.shape[-1])
     lse = lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
     return out, lse
+
+
+def _gated(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, varlen: tuple[Any, ...] | None,
+    softmax_scale: float | None, causal: bool, window_size: Any, deterministic: bool, backend: str | None,
+    learnable_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call with ``log_decay``: the decay as three more q/k columns (``gate.py``), the plain kernels
+    at ``softmax_scale = 1``, then ``G_i`` added to the LSE."""
+    if learnable_sink is not None:
+        raise NotImplementedError("log_decay with learnable_sink is not implemented yet (the sink would need G_i per row)")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    cu_q, cu_k, used_q, used_k, max_q, max_k = varlen if varlen is not None else (None,) * 6
+    G = gate.cumulative(log_decay, cu_k)
+    q_aug, k_aug, v_aug = gate.augment(q, k, v, G, float(scale), 1 if varlen is not None else 2)
+    options = dict(softmax_scale=1.0, causal=causal, window_size=window_size, deterministic=deterministic,
+                   return_lse=True, backend=backend)
+    if varlen is None:
+        out, lse = flash_attn_func(q_aug, k_aug, v_aug, **options)
+        return out, lse + gate.at_queries(G, q.shape[1]).transpose(1, 2)
+    out, lse = flash_attn_varlen_func(q_aug, k_aug, v_aug, cu_q, cu_k, max_q, max_k, seqused_q=used_q,
+                                      seqused_k=used_k, **options)
+    return out, lse + gate.at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k).t()

@@ -227,6 +227,33 @@ def check_learnable_sink(learnable_sink: object, q: torch.Tensor, head_axis: int
         raise ValueError(f"learnable_sink must be on q's device ({q.device}), got {learnable_sink.device}")
 
 
+def check_log_decay(log_decay: object, q: torch.Tensor, k: torch.Tensor, varlen: bool, softcap: object) -> None:
+    """``log_decay``: None, or the log forget gates, ``(batch, seqlen_k, nheads)`` (varlen ``(total_k,
+    nheads)``), floating, on q's device; bf16 q/k/v with head dims up to 253, no softcap."""
+    if log_decay is None:
+        return
+    if not isinstance(log_decay, torch.Tensor):
+        raise TypeError(f"log_decay must be a tensor of log forget gates or None, got {type(log_decay).__name__}")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return  # the tensor checks that follow name q or k
+    shape = (k.shape[0], q.shape[1]) if varlen else (k.shape[0], k.shape[1], q.shape[2])
+    what = "(total_k, nheads)" if varlen else "(batch, seqlen_k, nheads)"
+    if tuple(log_decay.shape) != shape:
+        raise ValueError(f"log_decay must have shape {what} = {shape}, got {tuple(log_decay.shape)}")
+    if log_decay.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"log_decay must be float32 (or bf16/fp16), got {_dtype_name(log_decay.dtype)}")
+    if log_decay.device != q.device:
+        raise ValueError(f"log_decay must be on q's device ({q.device}), got {log_decay.device}")
+    if q.dtype != torch.bfloat16:
+        raise NotImplementedError(
+            f"log_decay needs bfloat16 q, k, v (got {_dtype_name(q.dtype)}): fp16 cannot hold the cumulative gates of long sequences"
+        )
+    if q.shape[-1] > MAX_HEAD_DIM - 3:
+        raise NotImplementedError(f"log_decay supports head dims up to {MAX_HEAD_DIM - 3}, got {q.shape[-1]}")
+    if isinstance(softcap, (int, float)) and softcap > 0:
+        raise NotImplementedError("log_decay with softcap is not implemented (the decay must not pass through tanh)")
+
+
 def check_common_options(
     softmax_scale: object,
     causal: object,

@@ -1,0 +1,106 @@
+"""Gated log-decay attention (``log_decay``; Forgetting Transformer, flash-linear-attention's
+``parallel_attn(q, k, v, g)``) on the unchanged kernels.
+
+With ``g`` the log forget gates (<= 0) of every key position and query head and ``G = cumsum(g)``
+along each sequence, the score of query ``i`` and key ``j`` is ``q_i . k_j * scale + G_i - G_j``
+(``G_i`` read at the query's position in the key sequence, ``i + seqlen_k - seqlen_q``; 0 before
+the first key). ``G_i`` is the same for a whole row, so the softmax, and the output, see only
+``-G_j``: a bias per key. This module puts it into the QK^T product itself: q gets three more
+columns of ones and k three more columns holding ``-G_j`` split into three bf16 parts (hi, mid, lo:
+24 significant bits together, fp32's precision, where one bf16 value would be off by units at
+``|G| ~ 1000``), with q pre-scaled and ``softmax_scale = 1``. The kernels then compute exactly
+``q . k * scale - G_j`` in their fp32 accumulators; the returned LSE gets ``G_i`` added back. No
+N x N bias is built.
+
+Gradients come from autograd through that construction: the three columns' dK are each the column
+sum of dS (the kernels' dK GEMM with q's columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums
+``sum_j dS_ij`` are zero for a softmax, which is why ``G_i`` carries no gradient), and
+``dg = reverse cumsum(dG)`` per sequence via ``torch.cumsum``'s own backward.
+
+Cost: q/k head dims grow by 3 (64 -> 67 runs on the 96-wide rows with v at 64; 128 -> 131 on 192 with
+v at 128): about 25 % more work than plain attention; k and v are expanded to one head per query
+head (a gate per query head). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
+q/k head dims up to 253, no softcap (the bias must not pass through tanh), no sink yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
+
+
+def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    """``G = cumsum(g)`` in fp32 along the sequence axis, restarting at each sequence (varlen:
+    ``log_decay`` ``(total_k, nheads)``; dense ``(batch, seqlen_k, nheads)``)."""
+    g = log_decay.float()
+    if cu_seqlens_k is None:
+        return torch.cumsum(g, dim=1)
+    total = torch.cumsum(g, dim=0)
+    starts = cu_seqlens_k[:-1].to(torch.int64)
+    rows = torch.arange(g.shape[0], device=g.device)
+    seq = torch.searchsorted(cu_seqlens_k[1:].to(torch.int64).contiguous(), rows, right=True)
+    before = torch.where((starts > 0)[:, None], total[(starts - 1).clamp_min(0)], torch.zeros_like(total[:1]))  # (b, h)
+    return total - before[seq]
+
+
+class _SplitBf16(torch.autograd.Function):
+    """fp32 ``x`` as ``_PARTS`` bf16 values summing to it to ~24 bits (a new last axis). Backward:
+    the gradient of their sum, taken from the first part's gradient in fp32 (the parts enter the
+    scores with equal weights, so their gradients are equal; letting autograd differentiate the
+    rounding residuals would add bf16-rounded noise instead of zero)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts, rest = [], x.float()
+        for _ in range(_PARTS):
+            part = rest.to(torch.bfloat16)
+            parts.append(part)
+            rest = rest - part.float()
+        ctx.x_dtype = x.dtype
+        return torch.stack(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad[..., 0].to(ctx.x_dtype)
+
+
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``_PARTS`` bf16 parts summing to it to fp32's precision; differentiable (``_SplitBf16``)."""
+    return _SplitBf16.apply(x)
+
+
+def at_queries(G: torch.Tensor, seqlen_q: int) -> torch.Tensor:
+    """Dense ``G`` ``(b, s_k, h)`` at each query's key position ``i + s_k - s_q`` (0 before the first
+    key): ``(b, s_q, h)``."""
+    seqlen_k = G.shape[1]
+    pos = torch.arange(seqlen_q, device=G.device) + (seqlen_k - seqlen_q)
+    picked = G[:, pos.clamp(min=0, max=max(seqlen_k - 1, 0))]
+    return torch.where((pos >= 0)[None, :, None], picked, torch.zeros_like(picked))
+
+
+def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None) -> torch.Tensor:
+    """Varlen ``G`` ``(total_k, h)`` at each packed query's key position (per sequence, of its used
+    lengths; 0 before the first key and past ``seqused``): ``(total_q, h)``."""
+    cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+    rows = torch.arange(total_q, device=G.device)
+    seq = torch.searchsorted(cu_q[1:].contiguous(), rows, right=True)
+    len_q = (seqused_q.to(torch.int64) if seqused_q is not None else cu_q[1:] - cu_q[:-1])[seq]
+    len_k = (seqused_k.to(torch.int64) if seqused_k is not None else cu_k[1:] - cu_k[:-1])[seq]
+    pos = rows - cu_q[seq] + len_k - len_q
+    valid = (pos >= 0) & (pos < len_k)
+    picked = G[(cu_k[seq] + pos).clamp(min=0, max=max(G.shape[0] - 1, 0))]
+    return torch.where(valid[:, None], picked, torch.zeros_like(picked))
+
+
+def augment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
+    """``(q', k', v')``: q pre-scaled with ``_PARTS`` columns of ones, k with ``-G``'s parts, k and v
+    expanded to q's heads (``G`` has one value per query head)."""
+    group = q.shape[head_axis] // k.shape[head_axis]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=head_axis), v.repeat_interleave(group, dim=head_axis)
+    ones = torch.ones(*q.shape[:-1], _PARTS, dtype=q.dtype, device=q.device)
+    q_aug = torch.cat([(q.float() * scale).to(q.dtype), ones], dim=-1)
+    k_aug = torch.cat([k, -split_bf16(G).to(k.dtype)], dim=-1)
+    return q_aug, k_aug, v

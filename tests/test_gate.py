@@ -1,0 +1,226 @@
+"""``log_decay`` (gated log-decay attention, Forgetting Transformer): score ``q_i . k_j * scale +
+G_i - G_j`` with ``G = cumsum(g)`` per sequence.
+
+CPU tier: ``gate.py``'s construction (three more q/k columns holding ``-G_j`` in bf16 parts, q
+pre-scaled, scale 1, ``G_i`` added to the LSE) run through the fp32/fp64 reference equals the gated
+attention written out from its definition (an explicit N x N bias): out, LSE and the gradients of
+q, k, v and g (``dg`` through the cumsum), dense (``seqlen_q`` above and below ``seqlen_k``, causal,
+windows, GQA with a gate per query head) and varlen (seqused, zero-length sequences); the cumsum
+restarting per sequence; the split's precision; the argument's errors.
+
+GPU tier: the public API on both backends against the fp32 definition with the parity rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, gate, testing
+
+
+def _gated_ref_dense(q, k, v, g, causal, window, scale):
+    """The definition: scores + G_i - G_j, masked, softmax; (out, lse) in the API's layouts."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    G = torch.cumsum(g.to(q.dtype), dim=1)  # (b, s_k, h)
+    s_q, s_k = q.shape[1], k.shape[1]
+    pos = torch.arange(s_q) + s_k - s_q
+    Gq = torch.where((pos >= 0)[None, :, None], G[:, pos.clamp(0, max(s_k - 1, 0))], torch.zeros(()).to(q.dtype))
+    s = torch.einsum("bthd,bshd->bhts", q, kr) * scale
+    s = s + Gq.permute(0, 2, 1)[..., None] - G.permute(0, 2, 1)[:, :, None, :]
+    visible = testing._key_mask(s_q, s_k, causal, window, q.device)
+    if visible is None:
+        visible = torch.ones(s_q, s_k, dtype=torch.bool)
+    has_key = visible.any(-1, keepdim=True)
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(~has_key[..., 0], float("-inf"))
+    out = torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1) * has_key, vr)
+    return out, lse
+
+
+def _via_gate(q, k, v, g, causal, window, scale, varlen=None):
+    """gate.py's construction with attention_ref standing in for the kernels."""
+    cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
+    G = gate.cumulative(g, cu_k)
+    q2, k2, v2 = gate.augment(q, k, v, G, scale, 1 if varlen is not None else 2)
+    out, lse = testing.attention_ref(q2, k2, v2, softmax_scale=1.0, causal=causal, window_size=window,
+                                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    if varlen is None:
+        return out, lse + gate.at_queries(G, q.shape[1]).transpose(1, 2)
+    return out, lse + gate.at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k).t()
+
+
+def _leaves(*shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+
+
+def _gates(shape, seed=1):
+    """Log forget gates: log(sigmoid(x)) <= 0, with some strong decays."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.logsigmoid(torch.randn(*shape, generator=gen, dtype=torch.float64) * 2 + 1).requires_grad_()
+
+
+# fp32 inside the construction (q pre-scaled in fp32, G in fp32) on fp64 inputs
+TOL = dict(atol=2e-5, rtol=2e-4, check_dtype=False)
+
+
+@pytest.fixture(autouse=True)
+def exact_parts(request, monkeypatch):
+    """The algebra tests take -G's parts unrounded (G, 0, 0): bf16 parts round the gradient that
+    flows back through them to bf16 as well, which the kernels' bf16 dk does anyway; the split's own
+    precision and gradient are tested apart."""
+    if "split" in request.node.name or "gpu" in request.keywords:
+        return
+    monkeypatch.setattr(gate, "split_bf16", lambda x: torch.stack([x, torch.zeros_like(x), torch.zeros_like(x)], -1))
+CASES = [(False, (-1, -1)), (True, (-1, 0)), (False, (5, 3)), (True, (6, 0))]
+
+
+@pytest.mark.parametrize("causal,window", CASES, ids=["full", "causal", "window", "causal_window"])
+@pytest.mark.parametrize("s_q,s_k", [(21, 21), (9, 23), (23, 9)])
+def test_gate_dense_matches_the_definition(causal, window, s_q, s_k):
+    q, k, v, dout = _leaves((2, s_q, 4, 16), (2, s_k, 2, 16), (2, s_k, 2, 16), (2, s_q, 4, 16))
+    g = _gates((2, s_k, 4))
+    scale = 0.3
+    out, lse = _via_gate(q, k, v, g, causal, window, scale)
+    ref_out, ref_lse = _gated_ref_dense(q, k, v, g, causal, window, scale)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    got = torch.autograd.grad(out, (q, k, v, g), dout.detach())
+    want = torch.autograd.grad(ref_out, (q, k, v, g), dout.detach())
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gate_varlen_matches_the_definition_per_sequence():
+    slots_q, slots_k = [7, 0, 12, 5], [9, 4, 3, 6]
+    used_q, used_k = torch.tensor([5, 0, 12, 5], dtype=torch.int32), torch.tensor([9, 4, 3, 0], dtype=torch.int32)
+    cu_q = torch.tensor([0, *itertools.accumulate(slots_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(slots_k)], dtype=torch.int32)
+    q, k, v, dout = _leaves((sum(slots_q), 2, 16), (sum(slots_k), 1, 16), (sum(slots_k), 1, 16), (sum(slots_q), 2, 16))
+    g = _gates((sum(slots_k), 2))
+    out, lse = _via_gate(q, k, v, g, True, (-1, 0), 0.25, (cu_q, cu_k, used_q, used_k))
+    loss = (out * dout.detach()).sum()
+    grads = torch.autograd.grad(loss, (q, k, v, g))
+    want_loss = 0
+    for i in range(4):
+        sq = slice(int(cu_q[i]), int(cu_q[i]) + int(used_q[i]))
+        sk = slice(int(cu_k[i]), int(cu_k[i]) + int(used_k[i]))
+        if int(used_q[i]) == 0:
+            continue
+        if int(used_k[i]) == 0:  # no keys: out 0, lse -inf
+            assert bool((out[sq] == 0).all()) and bool((lse[:, sq] == float("-inf")).all())
+            continue
+        o, l = _gated_ref_dense(q[sq][None], k[sk][None], v[sk][None], g[sk][None], True, (-1, 0), 0.25)
+        torch.testing.assert_close(out[sq], o[0], **TOL)
+        torch.testing.assert_close(lse[:, sq], l[0], **TOL)
+        want_loss = want_loss + (o[0] * dout.detach()[sq]).sum()
+    want = torch.autograd.grad(want_loss, (q, k, v, g), allow_unused=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), grads, want):
+        b = torch.zeros_like(a) if b is None else b
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_cumulative_restarts_per_sequence():
+    g = torch.randn(10, 3, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
+    G = gate.cumulative(g, cu)
+    torch.testing.assert_close(G[:4], torch.cumsum(g[:4].float(), 0), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(G[4:], torch.cumsum(g[4:].float(), 0), atol=1e-6, rtol=1e-6)
+
+
+def test_split_gradient_is_that_of_the_sum():
+    """The parts carry the gradient of their sum: with equal weights (q's columns of ones give the
+    three parts equal gradients in the kernels), d(sum of parts * w)/dx = w (as the bf16 gradient the
+    parts receive, which is what the kernels' bf16 dk gives them)."""
+    x = (torch.randn(50) * 100).requires_grad_()
+    w = torch.randn(50, 1).expand(50, 3)
+    (gx,) = torch.autograd.grad((gate.split_bf16(x).float() * w).sum(), x)
+    torch.testing.assert_close(gx, w[:, 0].bfloat16().float(), atol=0, rtol=0)
+
+
+def test_split_bf16_parts_hold_fp32_precision():
+    x = torch.cat([torch.linspace(-5000, 0, 1001), torch.randn(1000) * 3]).float()
+    parts = gate.split_bf16(x)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (*x.shape, 3)
+    err = (parts.double().sum(-1) - x.double()).abs()
+    assert bool((err <= x.double().abs() * 2.0 ** -22 + 1e-30).all()), float(err.max())
+    # one bf16 value alone would be off by units at this range
+    assert float((x.bfloat16().double() - x.double()).abs().max()) > 1.0
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(log_decay=[0.0]), TypeError, "log_decay must be a tensor"),
+    (dict(log_decay=torch.zeros(1, 8, 3)), ValueError, r"log_decay must have shape \(batch, seqlen_k, nheads\) = \(1, 8, 2\)"),
+    (dict(log_decay=torch.zeros(1, 8, 2, dtype=torch.int32)), TypeError, "log_decay must be float32"),
+    (dict(log_decay=torch.zeros(1, 8, 2), softcap=5.0), NotImplementedError, "log_decay with softcap"),
+    (dict(log_decay=torch.zeros(1, 8, 2), learnable_sink=torch.zeros(2)), NotImplementedError, "learnable_sink"),
+])
+def test_bad_log_decay_is_named(kwargs, error, match):
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match=match):
+        flash_attn_func(q, q, q, **kwargs)
+
+
+def test_log_decay_needs_bf16():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="log_decay needs bfloat16"):
+        flash_attn_func(q, q, q, log_decay=torch.zeros(1, 8, 2))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="log_decay needs bfloat16"):
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, log_decay=torch.zeros(8, 2))
+
+
+def test_valid_log_decay_reaches_the_device_check():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        flash_attn_func(q, q, q, causal=True, log_decay=torch.zeros(1, 8, 2))
+
+
+# ---------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gate_api_parity(backend, head_dim, causal, seqlens):
+    """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16)."""
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    s_q, s_k = seqlens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(2, s, h, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+                     for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 8, device="cuda", generator=gen) * 2 + 3)
+    window = (-1, 0) if causal else (-1, -1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    out, lse = flash_attn_func(*leaves[:3], causal=causal, log_decay=leaves[3], return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls.append(g.detach().clone().requires_grad_())
+        o, l = _gated_ref_dense(*ls, causal, window, head_dim ** -0.5)
+        refs[upcast] = (o, l, torch.autograd.grad(o, ls, dout.to(o.dtype)))
+    assert_close_to_ref("out", out, refs[True][0].to(torch.bfloat16), refs[False][0])
+    assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-3)
+    for name, gr, r, pt in zip(("dq", "dk", "dv", "dg"), grads, refs[True][2], refs[False][2]):
+        assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
+
+
+def test_compile_traces_a_gated_call_in_one_graph():
+    from .test_compile import _dense, _traced_ops
+
+    q, k, v = _dense()
+    g = torch.zeros(k.shape[0], k.shape[1], q.shape[2])
+
+    def block(q, k, v, g):
+        return flash_attn_func(q, k, v, causal=True, log_decay=g).float().sum()
+
+    targets = _traced_ops(block, q, k, v, g)
+    assert targets.count("flashattn_hopper.fwd") == 1, targets
