@@ -25,15 +25,18 @@ def _gated_ref_dense(q, k, v, g, causal, window, scale):
     """The definition: scores + G_i - G_j, masked, softmax; (out, lse) in the API's layouts."""
     group = q.shape[2] // k.shape[2]
     kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    G = torch.cumsum(g.to(q.dtype), dim=1)  # (b, s_k, h)
+    # G and the bias G_i - G_j at (at least) fp32, the bias then in q's dtype (as careful PyTorch code
+    # would add it: a near key's small bias stays exact, whatever |G| has grown to).
+    wide = torch.promote_types(q.dtype, torch.float32)
+    G = torch.cumsum(g.to(wide), dim=1)  # (b, s_k, h)
     s_q, s_k = q.shape[1], k.shape[1]
-    pos = torch.arange(s_q) + s_k - s_q
-    Gq = torch.where((pos >= 0)[None, :, None], G[:, pos.clamp(0, max(s_k - 1, 0))], torch.zeros(()).to(q.dtype))
-    s = torch.einsum("bthd,bshd->bhts", q, kr) * scale
-    s = s + Gq.permute(0, 2, 1)[..., None] - G.permute(0, 2, 1)[:, :, None, :]
+    pos = (torch.arange(s_q) + s_k - s_q).to(G.device)
+    Gq = torch.where((pos >= 0)[None, :, None], G[:, pos.clamp(0, max(s_k - 1, 0))], torch.zeros((), dtype=wide, device=G.device))
+    bias = (Gq.permute(0, 2, 1)[..., None] - G.permute(0, 2, 1)[:, :, None, :]).to(q.dtype)
+    s = torch.einsum("bthd,bshd->bhts", q, kr) * scale + bias
     visible = testing._key_mask(s_q, s_k, causal, window, q.device)
     if visible is None:
-        visible = torch.ones(s_q, s_k, dtype=torch.bool)
+        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
     has_key = visible.any(-1, keepdim=True)
     s = s.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
     lse = torch.logsumexp(s, -1).masked_fill(~has_key[..., 0], float("-inf"))
