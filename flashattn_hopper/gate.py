@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .packed import sequence_of_rows
+
 _PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
 
 
@@ -38,8 +40,7 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
         return torch.cumsum(g, dim=1)
     total = torch.cumsum(g, dim=0)
     starts = cu_seqlens_k[:-1].to(torch.int64)
-    rows = torch.arange(g.shape[0], device=g.device)
-    seq = torch.searchsorted(cu_seqlens_k[1:].to(torch.int64).contiguous(), rows, right=True)
+    seq = sequence_of_rows(cu_seqlens_k, g.shape[0])
     before = torch.where((starts > 0)[:, None], total[(starts - 1).clamp_min(0)], torch.zeros_like(total[:1]))  # (b, h)
     return total - before[seq]
 
@@ -85,7 +86,7 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
     lengths; 0 before the first key and past ``seqused``): ``(total_q, h)``."""
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
     rows = torch.arange(total_q, device=G.device)
-    seq = torch.searchsorted(cu_q[1:].contiguous(), rows, right=True)
+    seq = sequence_of_rows(cu_seqlens_q, total_q)
     len_q = (seqused_q.to(torch.int64) if seqused_q is not None else cu_q[1:] - cu_q[:-1])[seq]
     len_k = (seqused_k.to(torch.int64) if seqused_k is not None else cu_k[1:] - cu_k[:-1])[seq]
     pos = rows - cu_q[seq] + len_k - len_q

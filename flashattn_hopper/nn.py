@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .api import flash_attn_func, flash_attn_varlen_func
+from .packed import sequence_of_rows
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +35,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Each packed token's position inside its own sequence (no host read of ``cu_seqlens``)."""
     tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
-    sequence = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
-    return tokens - cu_seqlens[sequence]
+    return tokens - cu_seqlens[sequence_of_rows(cu_seqlens, total)]
 
 
 class MultiheadAttention(nn.Module):

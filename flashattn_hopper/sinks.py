@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .packed import sequence_of_rows
+
 
 def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward op (a seam: the CPU tests put the fp32 reference here)."""
@@ -37,8 +39,8 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:
     """Bool ``(total_q,)``: packed rows below their sequence's ``seqused_q``."""
+    seq = sequence_of_rows(cu_seqlens_q, q.shape[0])
     rows = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
-    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64).contiguous(), rows, right=True)
     return rows - cu_seqlens_q.to(torch.int64)[seq] < seqused_q.to(torch.int64)[seq]
 
 
