@@ -66,10 +66,10 @@ def select_backend(device: torch.device, requested: str | None) -> tuple[str, bo
     return requested, True
 
 
-# The Hopper backward serves only backend="sm90" until its dQ writer warp (kernels/sm90/bwd.py,
-# 2026-11-25 session 16) has passed the GPU tier: without a backend, Hopper's backward runs on the
-# Ampere kernels. The version before that change passed tests/test_bwd_sm90.py on an H100.
-SM90_BWD_BY_DEFAULT = False
+# Without a backend, Hopper's backward runs on the Hopper kernels (kernels/sm90/bwd.py) where they
+# implement the problem, else on the Ampere kernels. The switch stays for bisecting: the writer-warp
+# build passed tests/test_bwd_sm90.py (212/212) and racecheck on an H100 on 2026-11-25 (session 17).
+SM90_BWD_BY_DEFAULT = True
 
 FWD_KERNELS: dict[str, FwdFamily] = {"sm90": FwdSm90(), "sm80": FwdSm80()}
 BWD_KERNELS: dict[str, BwdFamily] = {"sm90": BwdSm90(), "sm80": BwdSm80()}
