@@ -350,14 +350,7 @@ def _gated(
     if learnable_sink is not None:
         raise NotImplementedError("log_decay with learnable_sink is not implemented yet (the sink would need G_i per row)")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    cu_q, cu_k, used_q, used_k, max_q, max_k = varlen if varlen is not None else (None,) * 6
-    G = gate.cumulative(log_decay, cu_k)
-    q_aug, k_aug, v_aug = gate.augment(q, k, v, G, float(scale), 1 if varlen is not None else 2)
-    options = dict(softmax_scale=1.0, causal=causal, window_size=window_size, deterministic=deterministic,
-                   return_lse=True, backend=backend)
-    if varlen is None:
-        out, lse = flash_attn_func(q_aug, k_aug, v_aug, **options)
-        return out, lse + gate.at_queries(G, q.shape[1]).transpose(1, 2)
-    out, lse = flash_attn_varlen_func(q_aug, k_aug, v_aug, cu_q, cu_k, max_q, max_k, seqused_q=used_q,
-                                      seqused_k=used_k, **options)
-    return out, lse + gate.at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k).t()
+    gated_varlen = tuple(varlen[:4]) if varlen is not None else None  # max_seqlen: no kernel reads it
+    return gate.attention(q, k, v, log_decay, gated_varlen, float(scale), causal,
+                          validate.check_window(window_size, causal), deterministic, backend)
+

@@ -12,10 +12,13 @@ columns of ones and k three more columns holding ``-G_j`` split into three bf16 
 ``q . k * scale - G_j`` in their fp32 accumulators; the returned LSE gets ``G_i`` added back. No
 N x N bias is built.
 
-Gradients come from autograd through that construction: the three columns' dK are each the column
-sum of dS (the kernels' dK GEMM with q's columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums
-``sum_j dS_ij`` are zero for a softmax, which is why ``G_i`` carries no gradient), and
-``dg = reverse cumsum(dG)`` per sequence via ``torch.cumsum``'s own backward.
+Gradients: the three columns' dK are each the column sum of dS (the kernels' dK GEMM with q's
+columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
+which is why ``G_i`` carries no gradient), and ``dg = reverse cumsum(dG)`` per sequence via
+``torch.cumsum``'s own backward. That column must not be rounded to bf16: one rounding of each
+column sum (8 bits), accumulated by the reverse cumsum, gave dg 1.2-4x PyTorch's bf16 error on an
+H100. ``GatedAttnFunc`` therefore asks the backward for dK in fp32 (``dk_fp32``: the kernels' GQA
+route, fp32 sums in scratch) and hands autograd the column in fp32.
 
 Cost: q/k head dims grow by 3 (64 -> 67 runs on the 96-wide rows with v at 64; 128 -> 131 on 192 with
 v at 128): about 25 % more work than plain attention; k and v are expanded to one head per query
@@ -24,6 +27,8 @@ q/k head dims up to 253, no softcap (the bias must not pass through tanh), no si
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -45,6 +50,16 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     return total - before[seq]
 
 
+def _parts(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` as ``_PARTS`` bf16 values (a new last axis): each the rest of the ones before, rounded."""
+    parts, rest = [], x.float()
+    for _ in range(_PARTS):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+    return torch.stack(parts, dim=-1)
+
+
 class _SplitBf16(torch.autograd.Function):
     """fp32 ``x`` as ``_PARTS`` bf16 values summing to it to ~24 bits (a new last axis). Backward:
     the gradient of their sum, taken from the first part's gradient in fp32 (the parts enter the
@@ -53,13 +68,8 @@ class _SplitBf16(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        parts, rest = [], x.float()
-        for _ in range(_PARTS):
-            part = rest.to(torch.bfloat16)
-            parts.append(part)
-            rest = rest - part.float()
         ctx.x_dtype = x.dtype
-        return torch.stack(parts, dim=-1)
+        return _parts(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -95,13 +105,71 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
     return torch.where(valid[:, None], picked, torch.zeros_like(picked))
 
 
-def augment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
-    """``(q', k', v')``: q pre-scaled with ``_PARTS`` columns of ones, k with ``-G``'s parts, k and v
-    expanded to q's heads (``G`` has one value per query head)."""
+def expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
+    """``(q', k, v, -G)``: q pre-scaled with ``_PARTS`` columns of ones; k and v expanded to q's heads
+    (``G`` has one value per query head)."""
     group = q.shape[head_axis] // k.shape[head_axis]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=head_axis), v.repeat_interleave(group, dim=head_axis)
     ones = torch.ones(*q.shape[:-1], _PARTS, dtype=q.dtype, device=q.device)
     q_aug = torch.cat([(q.float() * scale).to(q.dtype), ones], dim=-1)
-    k_aug = torch.cat([k, -split_bf16(G).to(k.dtype)], dim=-1)
-    return q_aug, k_aug, v
+    return q_aug, k, v, -G
+
+
+def augment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
+    """``(q', k', v')``: ``expand``'s tensors with ``-G``'s parts as k's last columns; differentiable
+    by autograd throughout (the reference construction: the CPU tests run the definition through it)."""
+    q_aug, k, v, neg_G = expand(q, k, v, G, scale, head_axis)
+    return q_aug, torch.cat([k, split_bf16(neg_G).to(k.dtype)], dim=-1), v
+
+
+def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op (a seam: the CPU tests put the fp32 reference here)."""
+    return torch.ops.flashattn_hopper.fwd(*args)
+
+
+def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward op, called with ``dk_fp32`` (a seam: the CPU tests emulate the kernels here)."""
+    return torch.ops.flashattn_hopper.bwd(*args)
+
+
+class GatedAttnFunc(torch.autograd.Function):
+    """``(out, lse)`` of the augmented problem from q', k, v and ``-G`` (``expand``); the parts of
+    ``-G`` join k inside. Backward: dq', dk, dv from the kernels, ``d(-G)`` their fp32 dK column."""
+
+    @staticmethod
+    def forward(ctx: Any, q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+                cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
+                used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        k_aug = torch.cat([k, _parts(neg_G).to(k.dtype)], dim=-1)
+        out, lse = _fwd_op(q_aug, k_aug, v, cu_q, cu_k, used_q, used_k, *options)
+        ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+        if dout is None:
+            return (None,) * 9
+        dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
+        d = k_aug.shape[-1] - _PARTS
+        # Each part's column holds the same column sum of dS: one of them is d(-G).
+        return dq, dk32[..., :d].to(k_aug.dtype), dv, dk32[..., d], None, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+              varlen: tuple[Any, ...] | None, scale: float, causal: bool, window: tuple[int, int],
+              deterministic: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None); the
+    ops run eagerly and under ``torch.compile`` alike."""
+    cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
+    G = cumulative(log_decay, cu_k)
+    q_aug, k_exp, v_exp, neg_G = expand(q, k, v, G, float(scale), 1 if varlen is not None else 2)
+    options = (1.0, bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
+    out, lse = GatedAttnFunc.apply(q_aug, k_exp, v_exp, neg_G, cu_q, cu_k, used_q, used_k, options)
+    if varlen is None:
+        return out, lse + at_queries(G, q.shape[1]).transpose(1, 2)
+    return out, lse + at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k).t()

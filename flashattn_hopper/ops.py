@@ -78,15 +78,16 @@ def bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
-    window_right: int, softcap: float, deterministic: bool, backend: str | None,
+    window_right: int, softcap: float, deterministic: bool, backend: str | None, dk_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` shaped like q, k, v (contiguous)."""
+    """``(dq, dk, dv)`` shaped like q, k, v (contiguous); ``dk_fp32``: dk in fp32 (``gate.py``)."""
     p, varlen = _problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, window_left,
         window_right, softcap,
     )
     family = dispatch.bwd_kernel_for(q.device, backend, p, deterministic)
-    dq, dk, dv = family.backward(dout.contiguous(), q, k, v, out, lse, p, varlen, deterministic)
+    extra = {"dk_fp32": True} if dk_fp32 else {}
+    dq, dk, dv = family.backward(dout.contiguous(), q, k, v, out, lse, p, varlen, deterministic, **extra)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -95,9 +96,10 @@ def _bwd_fake(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
-    window_right: int, softcap: float, deterministic: bool, backend: str | None,
+    window_right: int, softcap: float, deterministic: bool, backend: str | None, dk_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+    dk_dtype = torch.float32 if dk_fp32 else k.dtype
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=dk_dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 

@@ -127,6 +127,37 @@ def test_gate_varlen_matches_the_definition_per_sequence():
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.fixture
+def emulated_ops(monkeypatch):
+    """gate.py's op seams: the fp32 reference forward and the kernels' backward formula
+    (``test_sinks``), which must be asked for dk in fp32 and returns it so."""
+    from .test_sinks import _kernel_bwd, _ref_fwd
+
+    def bwd(*args):
+        *plain, dk_fp32 = args
+        assert dk_fp32 is True, "the gated backward must take dK's columns unrounded"
+        dq, dk, dv = _kernel_bwd(*plain)
+        return dq, dk.float(), dv
+
+    monkeypatch.setattr(gate, "_fwd_op", _ref_fwd)
+    monkeypatch.setattr(gate, "_bwd_op", bwd)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, 0)), (False, (5, 3))], ids=["causal", "window"])
+def test_gated_function_matches_the_definition(emulated_ops, causal, window):
+    """``gate.attention`` (``GatedAttnFunc`` on the op seams, as the API runs it): out, LSE, dq/dk/dv/dg."""
+    q, k, v, dout = _leaves((2, 19, 4, 16), (2, 23, 2, 16), (2, 23, 2, 16), (2, 19, 4, 16))
+    g = _gates((2, 23, 4))
+    out, lse = gate.attention(q, k, v, g, None, 0.3, causal, window, False, None)
+    ref_out, ref_lse = _gated_ref_dense(q, k, v, g, causal, window, 0.3)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    got = torch.autograd.grad(out, (q, k, v, g), dout.detach())
+    want = torch.autograd.grad(ref_out, (q, k, v, g), dout.detach())
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_cumulative_restarts_per_sequence():
     g = torch.randn(10, 3, dtype=torch.float64)
     cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)

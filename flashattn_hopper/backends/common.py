@@ -62,9 +62,11 @@ class BwdFamily(Protocol):
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
         dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+        dk_fp32: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv shaped like q, k, v; written into ``dq``/``dk``/``dv`` where given (internal:
-        tests pass NaN-poisoned buffers, contiguous, with the kernel's padded head dim)."""
+        tests pass NaN-poisoned buffers, contiguous, with the kernel's padded head dim). ``dk_fp32``
+        (internal): dk in fp32, unrounded."""
         ...
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import configs
 from ..jit import KernelKey, compile_cache, target_arch
+from ..packed import sequence_of_rows
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, cutlass_dtype, device_index, fake_bshd, ffi_compile,
@@ -207,9 +208,10 @@ class BwdSm80:
     # ------------------------------------------------------------------ keys
 
     def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
-             sms: int | None = None) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
+             sms: int | None = None, dk_fp32: bool = False) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
         """(pre, main, post for dQ, post for the GQA dK/dV sums). ``sms``: the GPU's SM count, for the
-        split tail of dense unmasked non-deterministic calls (None: no split)."""
+        split tail of dense unmasked non-deterministic calls (None: no split). ``dk_fp32``: the main
+        kernel sums dK in fp32 scratch as for GQA, whatever the head counts (``BwdPlan``)."""
         dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
@@ -219,7 +221,7 @@ class BwdSm80:
         su_q = is_varlen and varlen.seqused_q is not None
         su_k = is_varlen and varlen.seqused_k is not None
         main = self._main_key(
-            arch, dtype, hdim, hdim_v, causal, p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
+            arch, dtype, hdim, hdim_v, causal, dk_fp32 or p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
         )
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
@@ -376,22 +378,27 @@ class BwdSm80:
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool,
         dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+        dk_fp32: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv shaped like q, k, v. ``dq``/``dk``/``dv`` given (internal: tests pass NaN-poisoned
         buffers, all three or none): contiguous, q's dtype, the kernel's padded head dim; the results
-        are these buffers (views of them where the head dim is padded)."""
+        are these buffers (views of them where the head dim is padded). ``dk_fp32`` (internal, for
+        ``gate.py``, whose dG is a column of dK): dk in fp32, not rounded to q's dtype."""
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             # No keys or no queries: every gradient is 0.
             if dq is not None:
                 return dq.zero_(), dk.zero_(), dv.zero_()
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self.plan(p, varlen, deterministic, q.device)(dout, q, k, v, out, lse, varlen, dq, dk, dv)
+            dk_zero = torch.zeros_like(k, dtype=torch.float32 if dk_fp32 else k.dtype)
+            return torch.zeros_like(q), dk_zero, torch.zeros_like(v)
+        plan = self.plan(p, varlen, deterministic, q.device, dk_fp32)
+        return plan(dout, q, k, v, out, lse, varlen, dq, dk, dv)
 
-    def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device) -> BwdPlan:
+    def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
+             dk_fp32: bool = False) -> BwdPlan:
         """The compiled kernels and every static argument of a backward call of problem ``p`` (a
         non-empty one) on ``device``; ``varlen``: only which of its tensors are given matters."""
         sms = num_sms(device_index(device))
-        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms)
+        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms, dk_fp32)
         pre = compile_cache.get(pre_key, self.compile)
         # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
         main, segments = compile_cache.get(main_key, self.compile), None
@@ -408,7 +415,7 @@ class BwdSm80:
             tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
-                       tail_segments)
+                       tail_segments, dk_fp32)
 
 
 class BwdPlan:
@@ -417,8 +424,8 @@ class BwdPlan:
     split tail) on the inputs' device and current stream."""
 
     def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
-                 tail_blocks: int, tail_segments: int) -> None:
-        self.p, self.main_key, self.deterministic = p, main_key, deterministic
+                 tail_blocks: int, tail_segments: int, dk_fp32: bool = False) -> None:
+        self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
         d = self.d = main_key.head_dim
@@ -497,10 +504,34 @@ class BwdPlan:
             self.segments(*main_args, tail_sums)
         self.post_dq(dq_accum, dq, self.scale, cu_q, su_q)
         if self.post_kv is not None:
-            self.post_kv(dk_main, dk, self.scale, cu_k, su_k)
+            if self.dk_fp32:
+                dk = self._dk_from_scratch(dk_main, cu_k, su_k)
+            else:
+                self.post_kv(dk_main, dk, self.scale, cu_k, su_k)
             self.post_v(dv_main, dv, 1.0, cu_k, su_k)
         if d != p.head_dim:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d_v != p.head_dim_v:
             dv = dv[..., : p.head_dim_v]
         return dq, dk, dv
+
+    def _dk_from_scratch(self, dk_main: torch.Tensor, cu_k: torch.Tensor | None,
+                         su_k: torch.Tensor | None) -> torch.Tensor:
+        """dK in fp32, scaled, from the main kernel's sums (rows of ``(b_scr, h_k, s_k_pad, d)``; varlen:
+        sequence i from its padded start, ``kernels/common/bwd_utils.scratch_offset``); rows past
+        ``seqused_k`` read 0, as the 16-bit path's."""
+        p, d = self.p, self.d
+        rows = dk_main.view(self.b_scr, p.nheads_k, self.s_k_pad, d)
+        if cu_k is None:
+            dk = rows[:, :, : p.seqlen_k].transpose(1, 2) * self.scale
+            return dk.contiguous()
+        total_k = p.seqlen_k  # varlen: the packed key rows
+        seq = sequence_of_rows(cu_k, total_k)
+        starts = cu_k.to(torch.int64)
+        pad_starts = (starts[:-1] + torch.arange(p.batch, device=cu_k.device) * SEQ_PAD) // SEQ_PAD * SEQ_PAD
+        packed = torch.arange(total_k, device=cu_k.device)
+        offset = packed - starts[seq]
+        dk = rows[0][:, pad_starts[seq] + offset].transpose(0, 1) * self.scale
+        if su_k is not None:
+            dk = torch.where((offset < su_k.to(torch.int64)[seq])[:, None, None], dk, torch.zeros_like(dk))
+        return dk.contiguous()
