@@ -15,15 +15,21 @@ N x N bias is built.
 Gradients: the three columns' dK are each the column sum of dS (the kernels' dK GEMM with q's
 columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
 which is why ``G_i`` carries no gradient), and ``dg = reverse cumsum(dG)`` per sequence via
-``torch.cumsum``'s own backward. That column must not be rounded to bf16: one rounding of each
-column sum (8 bits), accumulated by the reverse cumsum, gave dg 1.2-4x PyTorch's bf16 error on an
-H100. ``GatedAttnFunc`` therefore asks the backward for dK in fp32 (``dk_fp32``: the kernels' GQA
-route, fp32 sums in scratch) and hands autograd the column in fp32.
+``torch.cumsum``'s own backward. Two things keep dg accurate through that reverse cumsum (measured
+on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
+- The column sums are not rounded to bf16: ``GatedAttnFunc`` asks the backward for dK in fp32
+  (``dk_fp32``: the kernels' GQA route, fp32 sums in scratch).
+- The row sums are taken, not assumed zero: the kernels' ``dPsum = rowsum(dO * O)`` reads the
+  bf16-rounded O, so their dS rows sum to ``-delta_i`` (that rounding), not 0, and the column sums
+  carry the same errors; dropped, they pile up in the cumsum. A fourth column pair (0 in q, 1 in k:
+  no change to any score) makes dQ's last column the row sums ``sum_j dS_ij`` (small: bf16 holds
+  them well), the gradient of ``G_i``, so ``dG = rowsum - colsum`` sums to zero as PyTorch's and
+  FLA's do (issue 24's formula).
 
-Cost: q/k head dims grow by 3 (64 -> 67 runs on the 96-wide rows with v at 64; 128 -> 131 on 192 with
+Cost: q/k head dims grow by 4 (64 -> 68 runs on the 96-wide rows with v at 64; 128 -> 132 on 192 with
 v at 128): about 25 % more work than plain attention; k and v are expanded to one head per query
 head (a gate per query head). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
-q/k head dims up to 253, no softcap (the bias must not pass through tanh), no sink yet.
+q/k head dims up to 252, no softcap (the bias must not pass through tanh), no sink yet.
 """
 
 from __future__ import annotations
@@ -106,21 +112,29 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
 
 
 def expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
-    """``(q', k, v, -G)``: q pre-scaled with ``_PARTS`` columns of ones; k and v expanded to q's heads
-    (``G`` has one value per query head)."""
+    """``(q', k, v, -G)``: q pre-scaled with ``_PARTS`` columns of ones and one of zeros (the row-sum
+    column); k and v expanded to q's heads (``G`` has one value per query head)."""
     group = q.shape[head_axis] // k.shape[head_axis]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=head_axis), v.repeat_interleave(group, dim=head_axis)
-    ones = torch.ones(*q.shape[:-1], _PARTS, dtype=q.dtype, device=q.device)
-    q_aug = torch.cat([(q.float() * scale).to(q.dtype), ones], dim=-1)
+    extra = torch.ones(*q.shape[:-1], _PARTS + 1, dtype=q.dtype, device=q.device)
+    extra[..., _PARTS] = 0
+    q_aug = torch.cat([(q.float() * scale).to(q.dtype), extra], dim=-1)
     return q_aug, k, v, -G
+
+
+def _k_columns(k: torch.Tensor, neg_G: torch.Tensor) -> torch.Tensor:
+    """k with ``-G``'s bf16 parts and a column of ones (the row-sum column) appended."""
+    ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
+    return torch.cat([k, _parts(neg_G).to(k.dtype), ones], dim=-1)
 
 
 def augment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
     """``(q', k', v')``: ``expand``'s tensors with ``-G``'s parts as k's last columns; differentiable
     by autograd throughout (the reference construction: the CPU tests run the definition through it)."""
     q_aug, k, v, neg_G = expand(q, k, v, G, scale, head_axis)
-    return q_aug, torch.cat([k, split_bf16(neg_G).to(k.dtype)], dim=-1), v
+    ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
+    return q_aug, torch.cat([k, split_bf16(neg_G).to(k.dtype), ones], dim=-1), v
 
 
 def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,17 +148,21 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class GatedAttnFunc(torch.autograd.Function):
-    """``(out, lse)`` of the augmented problem from q', k, v and ``-G`` (``expand``); the parts of
-    ``-G`` join k inside. Backward: dq', dk, dv from the kernels, ``d(-G)`` their fp32 dK column."""
+    """``(out, lse)`` of the augmented problem from q', k, v, ``-G`` at the keys and ``G`` at the
+    queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads it). The
+    parts of ``-G`` and the row-sum column join k inside. Backward: dq', dk, dv from the kernels;
+    ``d(-G)`` their fp32 dK column, ``dG_q`` dQ's row-sum column (the rows' sums of dS)."""
 
     @staticmethod
     def forward(ctx: Any, q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
-                cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
-                used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        k_aug = torch.cat([k, _parts(neg_G).to(k.dtype)], dim=-1)
+                G_q: torch.Tensor, cu_q: torch.Tensor | None, cu_k: torch.Tensor | None,
+                used_q: torch.Tensor | None, used_k: torch.Tensor | None,
+                options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        k_aug = _k_columns(k, neg_G)
         out, lse = _fwd_op(q_aug, k_aug, v, cu_q, cu_k, used_q, used_k, *options)
         ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k)
         ctx.options = options
+        lse = lse + (G_q.t() if cu_q is not None else G_q.transpose(1, 2))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -153,11 +171,12 @@ class GatedAttnFunc(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
         if dout is None:
-            return (None,) * 9
+            return (None,) * 10
         dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
-        d = k_aug.shape[-1] - _PARTS
+        d = k_aug.shape[-1] - _PARTS - 1
         # Each part's column holds the same column sum of dS: one of them is d(-G).
-        return dq, dk32[..., :d].to(k_aug.dtype), dv, dk32[..., d], None, None, None, None, None
+        d_neg_G, d_G_q = dk32[..., d], dq[..., d + _PARTS].float()
+        return dq, dk32[..., :d].to(k_aug.dtype), dv, d_neg_G, d_G_q, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -169,7 +188,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     G = cumulative(log_decay, cu_k)
     q_aug, k_exp, v_exp, neg_G = expand(q, k, v, G, float(scale), 1 if varlen is not None else 2)
     options = (1.0, bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
-    out, lse = GatedAttnFunc.apply(q_aug, k_exp, v_exp, neg_G, cu_q, cu_k, used_q, used_k, options)
     if varlen is None:
-        return out, lse + at_queries(G, q.shape[1]).transpose(1, 2)
-    return out, lse + at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k).t()
+        G_q = at_queries(G, q.shape[1])
+    else:
+        G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
+    return GatedAttnFunc.apply(q_aug, k_exp, v_exp, neg_G, G_q, cu_q, cu_k, used_q, used_k, options)

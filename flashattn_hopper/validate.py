@@ -229,7 +229,7 @@ def check_learnable_sink(learnable_sink: object, q: torch.Tensor, head_axis: int
 
 def check_log_decay(log_decay: object, q: torch.Tensor, k: torch.Tensor, varlen: bool, softcap: object) -> None:
     """``log_decay``: None, or the log forget gates, ``(batch, seqlen_k, nheads)`` (varlen ``(total_k,
-    nheads)``), floating, on q's device; bf16 q/k/v with head dims up to 253, no softcap."""
+    nheads)``), floating, on q's device; bf16 q/k/v with head dims up to 252, no softcap."""
     if log_decay is None:
         return
     if not isinstance(log_decay, torch.Tensor):
@@ -248,8 +248,8 @@ def check_log_decay(log_decay: object, q: torch.Tensor, k: torch.Tensor, varlen:
         raise NotImplementedError(
             f"log_decay needs bfloat16 q, k, v (got {_dtype_name(q.dtype)}): fp16 cannot hold the cumulative gates of long sequences"
         )
-    if q.shape[-1] > MAX_HEAD_DIM - 3:
-        raise NotImplementedError(f"log_decay supports head dims up to {MAX_HEAD_DIM - 3}, got {q.shape[-1]}")
+    if q.shape[-1] > MAX_HEAD_DIM - 4:  # gate.py: 4 more q/k columns
+        raise NotImplementedError(f"log_decay supports head dims up to {MAX_HEAD_DIM - 4}, got {q.shape[-1]}")
     if isinstance(softcap, (int, float)) and softcap > 0:
         raise NotImplementedError("log_decay with softcap is not implemented (the decay must not pass through tanh)")
 

@@ -10,7 +10,7 @@ projection) and a 4x GELU MLP, bf16 weights, fused AdamW, loss = mean square of 
 (no embedding or LM head: the step is the blocks). Only the attention core differs:
 
 - ``ours``: ``flash_attn_func`` with no backend (what a user gets: on Hopper the sm90 forward and,
-  until the Hopper backward is the default, the sm80 backward);
+  the sm90 backward where it takes the problem, else the sm80 one);
 - ``ours_sm90``: ``backend="sm90"`` (forward and backward on the Hopper kernels);
 - ``cudnn``: ``scaled_dot_product_attention`` pinned to CUDNN_ATTENTION on (b, h, s, d) views, GQA by
   ``enable_gqa`` (or k/v repeated where the backend refuses it: said in the output);

@@ -158,6 +158,27 @@ def test_gated_function_matches_the_definition(emulated_ops, causal, window):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_gated_gradient_sums_to_zero_with_an_inexact_dpsum(monkeypatch):
+    """The kernels' ``dPsum = rowsum(dO * O)`` reads a rounded O, so their dS rows do not sum to 0.
+    dG must take those row sums (dQ's row-sum column) beside the column sums: then it sums to zero
+    over a sequence (dg at the first key, the total, is ~0) however large the rounding. Dropping the
+    row sums leaves the rounding's sum there (it grew with the sequence on an H100)."""
+    from .test_sinks import _kernel_bwd, _ref_fwd
+
+    def bwd(dout, q, k, v, out, lse, *rest):
+        *plain, _ = rest
+        return tuple(t.float() for t in _kernel_bwd(dout, q, k, v, out * 1.01, lse, *plain))  # O off by 1 %
+
+    monkeypatch.setattr(gate, "_fwd_op", _ref_fwd)
+    monkeypatch.setattr(gate, "_bwd_op", bwd)
+    q, k, v, dout = _leaves((2, 23, 4, 16), (2, 23, 2, 16), (2, 23, 2, 16), (2, 23, 4, 16))
+    g = _gates((2, 23, 4))
+    out, _ = gate.attention(q, k, v, g, None, 0.3, True, (-1, 0), False, None)
+    (dg,) = torch.autograd.grad(out, (g,), dout.detach())
+    assert dg[:, 0].abs().max() < 1e-5, dg[:, 0]
+    assert dg.abs().max() > 1e-2  # (not all zero)
+
+
 def test_cumulative_restarts_per_sequence():
     g = torch.randn(10, 3, dtype=torch.float64)
     cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)

@@ -1,0 +1,95 @@
+"""Gated log-decay attention and attention sinks against flash-linear-attention (not a test).
+
+    python perf/bench_gate.py [--hdims 64 128] [--seqlens 1024 4096 16384] [--repeat 3]
+
+Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
+``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
+package), beside our plain causal call at the same shape. bf16, causal, 16k tokens, nheads * hdim =
+2048 (batch = 16384 / seqlen). TFLOP/s count the causal half of 4 * b * h * s^2 * d per forward and
+2.5x that per backward, whatever a system computes extra (our gate runs q/k 3 columns wider).
+Forward: the call; backward: ``torch.autograd.grad`` of a retained graph (q, k, v and the gate or
+sink), timed alone. do_bench medians, rounds interleaved (``bench_fwd_sm90.time_interleaved``).
+A system that fails prints ERR(...); without ``fla`` its columns read '-'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    from flashattn_hopper import flash_attn_func
+
+    try:
+        from fla.ops.attn.parallel import parallel_attn
+    except ImportError:
+        parallel_attn = None
+    timer = make_timer()
+    print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"repeat={args.repeat}\n")
+    systems = ["ours", "ours_gate", "fla_gate", "ours_sink", "fla_sink"]
+    cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in systems]
+    print("| hdim | seqlen | " + " | ".join(cols) + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA |")
+    print("|---|---|" + "---|" * len(cols) + "---|---|")
+    for hdim in args.hdims:
+        nheads = 2048 // hdim
+        for seqlen in args.seqlens:
+            batch = max(16384 // seqlen, 1)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, dout = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
+                                         generator=gen) for _ in range(4))
+            g = torch.nn.functional.logsigmoid(
+                torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
+            sink = torch.randn(nheads, device="cuda", generator=gen)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            g_leaf, sink_leaf = g.requires_grad_(), sink.requires_grad_()
+            calls = {
+                "ours": (lambda: flash_attn_func(*leaves, causal=True), leaves),
+                "ours_gate": (lambda: flash_attn_func(*leaves, causal=True, log_decay=g_leaf), [*leaves, g_leaf]),
+                "ours_sink": (lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf),
+                              [*leaves, sink_leaf]),
+            }
+            if parallel_attn is not None:
+                calls["fla_gate"] = (lambda: parallel_attn(*leaves, g=g_leaf), [*leaves, g_leaf])
+                calls["fla_sink"] = (lambda: parallel_attn(*leaves, sink_bias=sink_leaf), [*leaves, sink_leaf])
+            fns: dict[str, object] = {}
+            notes: dict[str, str] = {}
+            for name, (fwd, inputs) in calls.items():
+                try:
+                    out = fwd()
+                    torch.autograd.grad(out, inputs, dout, retain_graph=True)
+                except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
+                    notes[f"fwd:{name}"] = notes[f"bwd:{name}"] = f"ERR({type(exc).__name__})"
+                    continue
+                fns[f"fwd:{name}"] = fwd
+                fns[f"bwd:{name}"] = (lambda o=out, i=inputs: torch.autograd.grad(o, i, dout, retain_graph=True))
+            fwd_flops = 4 * batch * nheads * seqlen ** 2 * hdim / 2
+            tflops: dict[str, object] = dict(notes)
+            for part, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
+                names = [c for c in fns if c.startswith(part)]
+                tflops.update(time_interleaved(timer, fns, names, args.repeat, flops))
+
+            def ratio(a: str, b: str) -> str:
+                x, y = tflops.get(a), tflops.get(b)
+                return f"{x / y:.2f}" if isinstance(x, float) and isinstance(y, float) else "-"
+
+            gate_r = f"{ratio('fwd:ours_gate', 'fwd:fla_gate')} / {ratio('bwd:ours_gate', 'bwd:fla_gate')}"
+            sink_r = f"{ratio('fwd:ours_sink', 'fwd:fla_sink')} / {ratio('bwd:ours_sink', 'bwd:fla_sink')}"
+            print(f"| {hdim} | {seqlen} | " + " | ".join(format_cells(tflops, cols)) + f" | {gate_r} | {sink_r} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
