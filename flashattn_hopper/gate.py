@@ -46,14 +46,17 @@ _PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
 def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
     """``G = cumsum(g)`` in fp32 along the sequence axis, restarting at each sequence (varlen:
     ``log_decay`` ``(total_k, nheads)``; dense ``(batch, seqlen_k, nheads)``)."""
-    g = log_decay.float()
+    # The scans run along the last axis (PyTorch's scan over an outer axis of (b, s, h) took 0.29 ms
+    # at 16k tokens x 32 heads on an H100, about the forward kernel's time).
     if cu_seqlens_k is None:
-        return torch.cumsum(g, dim=1)
-    total = torch.cumsum(g, dim=0)
+        return torch.cumsum(log_decay.float().transpose(1, 2), dim=-1).transpose(1, 2)
+    # Varlen: one scan over all packed rows, each sequence's start subtracted; in fp64, so that a long
+    # pack's running total (|G| summed over sequences) costs no fp32 digits of a sequence's own G.
+    total = torch.cumsum(log_decay.double().t(), dim=-1).t()
     starts = cu_seqlens_k[:-1].to(torch.int64)
-    seq = sequence_of_rows(cu_seqlens_k, g.shape[0])
+    seq = sequence_of_rows(cu_seqlens_k, total.shape[0])
     before = torch.where((starts > 0)[:, None], total[(starts - 1).clamp_min(0)], torch.zeros_like(total[:1]))  # (b, h)
-    return total - before[seq]
+    return (total - before[seq]).float()
 
 
 def _parts(x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +122,7 @@ def expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, s
         k, v = k.repeat_interleave(group, dim=head_axis), v.repeat_interleave(group, dim=head_axis)
     extra = torch.ones(*q.shape[:-1], _PARTS + 1, dtype=q.dtype, device=q.device)
     extra[..., _PARTS] = 0
-    q_aug = torch.cat([(q.float() * scale).to(q.dtype), extra], dim=-1)
+    q_aug = torch.cat([q * scale, extra], dim=-1)  # (computed in fp32, rounded once)
     return q_aug, k, v, -G
 
 
