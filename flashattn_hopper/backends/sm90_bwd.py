@@ -81,6 +81,8 @@ class BwdSm90(BwdSm80):
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.tiles[hdim]
+        if flags.get("softcap") and t.tile_m == 128:  # (the kernel frees S^T early there; tanh' needs it)
+            t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows, **flags,

@@ -123,7 +123,8 @@ class FlashBwdSm90:
         dq_split_rows: bool = False,
         deterministic: bool = False,
     ):
-        reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows)
+        reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
+                                    has_softcap)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -141,6 +142,11 @@ class FlashBwdSm90:
         # The dQ GEMM (tile_m x head_dim) is split between the two MMA warpgroups by columns
         # (head_dim halves) or, with tile_m = 128, by rows (64 queries each).
         self.dq_split_rows = dq_split_rows
+        # tile_m 128: S^T and dP^T are 64 registers each per thread; with both in flight beside dK + dV
+        # ptxas serialized every WGMMA (C7512) and spilled. There dP^T is issued only once P^T is
+        # formed (16-bit, the dV GEMM's A operand), S^T's registers are free, and dS^T is formed
+        # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next).
+        self.dp_after_p = tile_m == 128
         self.dq_rows = 64 if dq_split_rows else tile_m  # one warpgroup's chunk of the dQ tile
         self.dq_cols = head_dim if dq_split_rows else head_dim // (tile_n // 64)
         self.num_mma_wg = tile_n // 64
@@ -153,7 +159,7 @@ class FlashBwdSm90:
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
-                      dq_split_rows=False) -> str | None:
+                      dq_split_rows=False, has_softcap=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -164,6 +170,8 @@ class FlashBwdSm90:
             return f"tile_m must be 64 or 128, got {tile_m}"
         if dq_split_rows != (tile_m == 128):
             return "the dQ GEMM splits rows exactly when tile_m is 128"
+        if tile_m == 128 and has_softcap:
+            return "tile_m 128 issues dP^T after P^T is formed and frees S^T: the softcap derivative needs it"
         if not dq_split_rows and (head_dim // 2) % 32 != 0:
             return f"head_dim {head_dim} does not split into two dQ column halves of whole 64-byte swizzle atoms"
         if is_causal and is_local:
@@ -625,45 +633,69 @@ class FlashBwdSm90:
             pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
             wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-            acc_S_mn = acc_rows_cols(acc_S)
-            num_rows = cute.size(acc_S_mn.shape[0])
-            num_cols = cute.size(acc_S_mn.shape[1])
-            warpgroup.wait_group(1)  # S^T has landed
-            # LSE and dPsum of a column (query) are read from smem where they are used, not held in
-            # registers across the block (16 + 16 values per thread at tile_m 64).
-            acc_dP_mn = acc_rows_cols(acc_dP)
-            if const_expr(softcap_scale is not None):
-                # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
-                # before the mask (a masked score's P is 0, so its factor does not matter). One
-                # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
-                apply_softcap(acc_S, softcap_scale)
-                warpgroup.wait_group(0)  # dP^T has landed
-                for c in cutlass.range_constexpr(num_cols):
+            if const_expr(self.dp_after_p):
+                # S^T -> P^T (16-bit) first; only then dP^T, so the two fp32 tiles are never live together.
+                warpgroup.wait_group(0)  # S^T has landed
+                if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+                    mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+                acc_S_mn = acc_rows_cols(acc_S)
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                    lse = sLSE[tScS_mn[0, c][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
+                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+                rP = convert_to_16bit(acc_S, self.dtype)
+                tdVrP.store(acc_to_frag_a_sm90(rP).load())
+                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+                acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+                # dV += P^T dO, issued behind dP^T: it runs while dS^T is formed.
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+                warpgroup.wait_group(1)  # dP^T has landed
+                acc_dP_mn, rP_mn = acc_rows_cols(acc_dP), acc_rows_cols(rP)
+                for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
                     dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(num_rows):
-                        t = acc_S_mn[r, c]
-                        acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
-            if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
-                mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-            for c in cutlass.range_constexpr(num_cols):
-                lse = sLSE[tScS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(num_rows):
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
-            if const_expr(softcap_scale is None):
-                warpgroup.wait_group(0)  # dP^T has landed
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(num_rows):
-                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                        acc_dP_mn[r, c] = rP_mn[r, c].to(Float32) * (acc_dP_mn[r, c] - dpsum)
             else:
-                for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                    acc_dP[i] = acc_dP[i] * acc_S[i]
-            # dV += P^T dO with P^T straight from registers.
-            tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+                acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+                acc_S_mn = acc_rows_cols(acc_S)
+                num_rows = cute.size(acc_S_mn.shape[0])
+                num_cols = cute.size(acc_S_mn.shape[1])
+                warpgroup.wait_group(1)  # S^T has landed
+                # LSE and dPsum of a column (query) are read from smem where they are used, not held in
+                # registers across the block (16 + 16 values per thread at tile_m 64).
+                acc_dP_mn = acc_rows_cols(acc_dP)
+                if const_expr(softcap_scale is not None):
+                    # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
+                    # before the mask (a masked score's P is 0, so its factor does not matter). One
+                    # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
+                    apply_softcap(acc_S, softcap_scale)
+                    warpgroup.wait_group(0)  # dP^T has landed
+                    for c in cutlass.range_constexpr(num_cols):
+                        dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                        for r in cutlass.range_constexpr(num_rows):
+                            t = acc_S_mn[r, c]
+                            acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
+                if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+                    mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+                for c in cutlass.range_constexpr(num_cols):
+                    lse = sLSE[tScS_mn[0, c][1], stage]
+                    for r in cutlass.range_constexpr(num_rows):
+                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+                if const_expr(softcap_scale is None):
+                    warpgroup.wait_group(0)  # dP^T has landed
+                    for c in cutlass.range_constexpr(num_cols):
+                        dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                        for r in cutlass.range_constexpr(num_rows):
+                            acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                        acc_dP[i] = acc_dP[i] * acc_S[i]
+                # dV += P^T dO with P^T straight from registers.
+                tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
