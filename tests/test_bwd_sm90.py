@@ -3,9 +3,9 @@ Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``te
 helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
 
 Matrix: both dtypes, head dims 64 and 128 (the sm90 rows), causal or not, odd and unequal seqlens,
-MHA/GQA/MQA; windows; softcap; varlen with zero-length sequences and seqused; deterministic mode
-bitwise stable over repeats and batch-invariant (a sequence alone gives the same bits as inside a
-varlen batch).
+MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and
+seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
+sequence alone gives the same bits as inside a varlen batch); the 128 x 128 hdim-64 tile candidate.
 """
 
 from __future__ import annotations
@@ -71,6 +71,28 @@ def test_bwd_sm90_softcap(dtype, causal, seqlens):
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_bwd_sm90_varlen(dtype, causal, case, heads):
     _varlen_case(dtype, 128 if dtype == torch.bfloat16 else 64, causal, case, heads, backend="sm90")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("scale", [0.05, 0.3], ids=["below", "above"])
+def test_bwd_sm90_softmax_scale(head_dim, scale):
+    """A softmax_scale other than 1/sqrt(head_dim) (it enters P's recomputation and dK's scale): dense
+    causal GQA, and with a window and softcap (scores over the softcap's range: factor 3)."""
+    q, k, v, dout = make_inputs(2, 333, 300, 8, 2, head_dim, seed=5)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=True, softmax_scale=scale)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=False, window_size=(40, 10), softmax_scale=scale)
+    check_poisoned_grads(q * 10, k, v, dout, "sm90", factor=3.0, causal=True, softcap=SOFTCAP, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_bwd_sm90_deterministic_fp16(head_dim):
+    """deterministic=True in fp16 (the bitwise tests above run bf16): parity, then 5 repeats bit for bit."""
+    q, k, v, dout = make_inputs(2, 500, 700, 8, 2, head_dim, dtype=torch.float16, seed=6)
+    first = check_poisoned_grads(q, k, v, dout, "sm90", deterministic=True, causal=True)
+    for _ in range(5):
+        again = poisoned_bwd(q, k, v, dout, "sm90", "sm90", deterministic=True, causal=True)
+        for name, a, b in zip(("dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
 
 @pytest.fixture
