@@ -268,6 +268,51 @@ def test_gate_api_parity(backend, head_dim, causal, seqlens):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+def test_gate_varlen_api_parity(backend):
+    """Varlen (seqused, an empty sequence, a window): out, lse and dq/dk/dv/dg against the fp32
+    definition run per sequence (2x PyTorch's error in bf16); rows past seqused_q give out 0."""
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    lens_q, lens_k, used = [300, 0, 517, 64], [333, 5, 517, 200], [250, 0, 517, 64]
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device="cuda")
+    used_q = torch.tensor(used, dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h, h_k, d = 4, 2, 64
+    q, dout = (torch.randn(sum(lens_q), h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), h_k, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(sum(lens_k), h, device="cuda", generator=gen) * 2 + 3)
+    window = (100, 0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    out, lse = flash_attn_varlen_func(leaves[0], leaves[1], leaves[2], cu_q, cu_k, max(lens_q), max(lens_k),
+                                      seqused_q=used_q, causal=True, window_size=window, log_decay=leaves[3],
+                                      return_lse=True, backend=backend)
+    rows = torch.cat([torch.arange(int(cu_q[i]), int(cu_q[i]) + used[i]) for i in range(4)]).cuda()
+    assert bool((out[torch.cat([torch.arange(int(cu_q[i]) + used[i], int(cu_q[i + 1])) for i in range(4)])] == 0).all())
+    grads = torch.autograd.grad(out[rows], leaves, dout[rows])
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls.append(g.detach().clone().requires_grad_())
+        outs, lses, loss = [], [], 0
+        for i in range(4):
+            sq = slice(int(cu_q[i]), int(cu_q[i]) + used[i])
+            sk = slice(int(cu_k[i]), int(cu_k[i + 1]))
+            if used[i] == 0:
+                continue
+            o, l = _gated_ref_dense(ls[0][sq][None], ls[1][sk][None], ls[2][sk][None], ls[3][sk][None], True,
+                                    window, d ** -0.5)
+            outs.append(o[0]), lses.append(l[0])
+            loss = loss + (o[0] * dout[sq].to(o.dtype)).sum()
+        refs[upcast] = (torch.cat(outs), torch.cat(lses, dim=1), torch.autograd.grad(loss, ls))
+    assert_close_to_ref("out", out[rows], refs[True][0].to(torch.bfloat16), refs[False][0])
+    assert_close_to_ref("lse", lse[:, rows], refs[True][1].float(), refs[False][1].float(), atol=1e-3)
+    for name, gr, r, pt in zip(("dq", "dk", "dv", "dg"), grads, refs[True][2], refs[False][2]):
+        assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
+
+
 def test_compile_traces_a_gated_call_in_one_graph():
     from .test_compile import _dense, _traced_ops
 
@@ -279,3 +324,35 @@ def test_compile_traces_a_gated_call_in_one_graph():
 
     targets = _traced_ops(block, q, k, v, g)
     assert targets.count("flashattn_hopper.fwd") == 1, targets
+
+
+@pytest.mark.parametrize("seqused", [False, True], ids=["full", "seqused"])
+def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
+    """``BwdPlan._dk_from_scratch`` (the gate's fp32 dK): varlen sequence i's rows start at its padded
+    scratch row (``kernels/common/bwd_utils.scratch_offset``: ``(cu_k[i] + i * 128) // 128 * 128``),
+    scaled, rows past ``seqused_k`` zero; dense rows are ``(b, h_k, s, d)`` transposed."""
+    from flashattn_hopper.backends.sm80_bwd import SEQ_PAD, BwdPlan
+    from flashattn_hopper.validate import AttnProblem
+
+    lens, h_k, d, scale = [130, 0, 7, 300], 2, 16, 0.5
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    total = int(cu[-1])
+    used = torch.tensor([100, 0, 7, 1], dtype=torch.int32) if seqused else None
+    plan = object.__new__(BwdPlan)
+    plan.p = AttnProblem(len(lens), total, total, h_k, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, True)
+    plan.d, plan.b_scr, plan.scale = d, 1, scale
+    plan.s_k_pad = -(-(total + len(lens) * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
+    scratch = torch.randn(1, h_k, plan.s_k_pad * d)
+    got = plan._dk_from_scratch(scratch, cu, used)
+    rows = scratch.view(h_k, plan.s_k_pad, d)
+    for i, n in enumerate(lens):
+        start = (int(cu[i]) + i * SEQ_PAD) // SEQ_PAD * SEQ_PAD
+        for r in range(n):
+            want = rows[:, start + r] * scale if used is None or r < int(used[i]) else torch.zeros(h_k, d)
+            torch.testing.assert_close(got[int(cu[i]) + r], want, rtol=0, atol=0)
+    dense = object.__new__(BwdPlan)
+    dense.p = AttnProblem(2, 50, 70, 3, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, False)
+    dense.d, dense.b_scr, dense.scale, dense.s_k_pad = d, 2, scale, 128
+    scratch = torch.randn(2, h_k, 128 * d)
+    want = scratch.view(2, h_k, 128, d)[:, :, :70].transpose(1, 2) * scale
+    torch.testing.assert_close(dense._dk_from_scratch(scratch, None, None), want, rtol=0, atol=0)
