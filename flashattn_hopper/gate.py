@@ -94,6 +94,8 @@ def at_queries(G: torch.Tensor, seqlen_q: int) -> torch.Tensor:
     """Dense ``G`` ``(b, s_k, h)`` at each query's key position ``i + s_k - s_q`` (0 before the first
     key): ``(b, s_q, h)``."""
     seqlen_k = G.shape[1]
+    if seqlen_k == 0:
+        return G.new_zeros(G.shape[0], seqlen_q, G.shape[2])
     pos = torch.arange(seqlen_q, device=G.device) + (seqlen_k - seqlen_q)
     picked = G[:, pos.clamp(min=0, max=max(seqlen_k - 1, 0))]
     return torch.where((pos >= 0)[None, :, None], picked, torch.zeros_like(picked))
@@ -114,16 +116,25 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
     return torch.where(valid[:, None], picked, torch.zeros_like(picked))
 
 
-def expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
-    """``(q', k, v, -G)``: q pre-scaled with ``_PARTS`` columns of ones and one of zeros (the row-sum
-    column); k and v expanded to q's heads (``G`` has one value per query head)."""
-    group = q.shape[head_axis] // k.shape[head_axis]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=head_axis), v.repeat_interleave(group, dim=head_axis)
+def scaled_q(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q pre-scaled, with ``_PARTS`` columns of ones and one of zeros (the row-sum column)."""
     extra = torch.ones(*q.shape[:-1], _PARTS + 1, dtype=q.dtype, device=q.device)
     extra[..., _PARTS] = 0
-    q_aug = torch.cat([q * scale, extra], dim=-1)  # (computed in fp32, rounded once)
-    return q_aug, k, v, -G
+    return torch.cat([q * scale, extra], dim=-1)  # (q * scale computed in fp32, rounded once)
+
+
+def _per_query_head(t: torch.Tensor, group: int, head_axis: int) -> torch.Tensor:
+    """k or v expanded to one head per query head (``G`` has one value per query head)."""
+    return t.repeat_interleave(group, dim=head_axis) if group > 1 else t
+
+
+def _group_sum(grad: torch.Tensor, group: int, head_axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """The expanded heads' gradients summed per kv head in fp32, then in ``dtype``."""
+    if group == 1:
+        return grad.to(dtype)
+    shape = grad.shape
+    grouped = grad.float().reshape(*shape[:head_axis], shape[head_axis] // group, group, *shape[head_axis + 1:])
+    return grouped.sum(head_axis + 1).to(dtype)
 
 
 def _k_columns(k: torch.Tensor, neg_G: torch.Tensor) -> torch.Tensor:
@@ -135,9 +146,10 @@ def _k_columns(k: torch.Tensor, neg_G: torch.Tensor) -> torch.Tensor:
 def augment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float, head_axis: int):
     """``(q', k', v')``: ``expand``'s tensors with ``-G``'s parts as k's last columns; differentiable
     by autograd throughout (the reference construction: the CPU tests run the definition through it)."""
-    q_aug, k, v, neg_G = expand(q, k, v, G, scale, head_axis)
+    group = q.shape[head_axis] // k.shape[head_axis]
+    k, v = _per_query_head(k, group, head_axis), _per_query_head(v, group, head_axis)
     ones = torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)
-    return q_aug, torch.cat([k, split_bf16(neg_G).to(k.dtype), ones], dim=-1), v
+    return scaled_q(q, scale), torch.cat([k, split_bf16(-G).to(k.dtype), ones], dim=-1), v
 
 
 def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,20 +163,24 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class GatedAttnFunc(torch.autograd.Function):
-    """``(out, lse)`` of the augmented problem from q', k, v, ``-G`` at the keys and ``G`` at the
-    queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads it). The
-    parts of ``-G`` and the row-sum column join k inside. Backward: dq', dk, dv from the kernels;
-    ``d(-G)`` their fp32 dK column, ``dG_q`` dQ's row-sum column (the rows' sums of dS)."""
+    """``(out, lse)`` of the augmented problem from q' (``scaled_q``), k, v, ``-G`` at the keys and
+    ``G`` at the queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads
+    it). Inside: k and v expanded to q's heads, ``-G``'s parts and the row-sum column appended to k.
+    Backward: dq', dk, dv from the kernels (dk in fp32), the expanded heads summed per kv head in
+    fp32; ``d(-G)`` dK's gate column, ``dG_q`` dQ's row-sum column (the rows' sums of dS)."""
 
     @staticmethod
     def forward(ctx: Any, q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
                 G_q: torch.Tensor, cu_q: torch.Tensor | None, cu_k: torch.Tensor | None,
                 used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        k_aug = _k_columns(k, neg_G)
+        head_axis = 1 if cu_q is not None else 2
+        group = q_aug.shape[head_axis] // k.shape[head_axis]
+        k_aug = _k_columns(_per_query_head(k, group, head_axis), neg_G)
+        v = _per_query_head(v, group, head_axis)
         out, lse = _fwd_op(q_aug, k_aug, v, cu_q, cu_k, used_q, used_k, *options)
         ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k)
-        ctx.options = options
+        ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
         lse = lse + (G_q.t() if cu_q is not None else G_q.transpose(1, 2))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -179,7 +195,9 @@ class GatedAttnFunc(torch.autograd.Function):
         d = k_aug.shape[-1] - _PARTS - 1
         # Each part's column holds the same column sum of dS: one of them is d(-G).
         d_neg_G, d_G_q = dk32[..., d], dq[..., d + _PARTS].float()
-        return dq, dk32[..., :d].to(k_aug.dtype), dv, d_neg_G, d_G_q, None, None, None, None, None
+        dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
+        dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
+        return dq, dk, dv, d_neg_G, d_G_q, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -189,10 +207,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     ops run eagerly and under ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     G = cumulative(log_decay, cu_k)
-    q_aug, k_exp, v_exp, neg_G = expand(q, k, v, G, float(scale), 1 if varlen is not None else 2)
+    q_aug = scaled_q(q, float(scale))
     options = (1.0, bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
-    return GatedAttnFunc.apply(q_aug, k_exp, v_exp, neg_G, G_q, cu_q, cu_k, used_q, used_k, options)
+    return GatedAttnFunc.apply(q_aug, k, v, -G, G_q, cu_q, cu_k, used_q, used_k, options)

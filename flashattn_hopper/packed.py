@@ -8,6 +8,9 @@ import torch
 
 def sequence_of_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``(total,)``: the index of the sequence each packed row lies in (``cu_seqlens`` int32
-    ``(batch + 1,)``; an empty sequence owns no row)."""
+    ``(batch + 1,)``; an empty sequence owns no row). Rows past ``cu_seqlens[-1]`` (a caller's
+    padding, which varlen calls allow) count as the last sequence's, beyond its length, so that
+    per-sequence lookups stay in range."""
     rows = torch.arange(total, device=cu_seqlens.device, dtype=torch.int64)
-    return torch.searchsorted(cu_seqlens[1:].to(torch.int64).contiguous(), rows, right=True)
+    seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64).contiguous(), rows, right=True)
+    return seq.clamp_(max=max(cu_seqlens.shape[0] - 2, 0))

@@ -330,13 +330,14 @@ def test_compile_traces_a_gated_call_in_one_graph():
 def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
     """``BwdPlan._dk_from_scratch`` (the gate's fp32 dK): varlen sequence i's rows start at its padded
     scratch row (``kernels/common/bwd_utils.scratch_offset``: ``(cu_k[i] + i * 128) // 128 * 128``),
-    scaled, rows past ``seqused_k`` zero; dense rows are ``(b, h_k, s, d)`` transposed."""
+    scaled, rows past ``seqused_k`` or past ``cu_seqlens_k[-1]`` zero; dense rows are ``(b, h_k, s, d)``
+    transposed."""
     from flashattn_hopper.backends.sm80_bwd import SEQ_PAD, BwdPlan
     from flashattn_hopper.validate import AttnProblem
 
     lens, h_k, d, scale = [130, 0, 7, 300], 2, 16, 0.5
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-    total = int(cu[-1])
+    total = int(cu[-1]) + 3  # 3 padding rows past cu_seqlens_k[-1] (allowed): they read 0
     used = torch.tensor([100, 0, 7, 1], dtype=torch.int32) if seqused else None
     plan = object.__new__(BwdPlan)
     plan.p = AttnProblem(len(lens), total, total, h_k, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, True)
@@ -350,6 +351,7 @@ def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
         for r in range(n):
             want = rows[:, start + r] * scale if used is None or r < int(used[i]) else torch.zeros(h_k, d)
             torch.testing.assert_close(got[int(cu[i]) + r], want, rtol=0, atol=0)
+    assert bool((got[int(cu[-1]):] == 0).all())
     dense = object.__new__(BwdPlan)
     dense.p = AttnProblem(2, 50, 70, 3, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, False)
     dense.d, dense.b_scr, dense.scale, dense.s_k_pad = d, 2, scale, 128

@@ -474,6 +474,8 @@ class BwdPlan:
             dk = (torch.zeros if key.seqused_k else torch.empty)(self.k_shape, dtype=q.dtype, device=dev)
             dv = (torch.zeros if key.seqused_k else torch.empty)(self.v_shape, dtype=q.dtype, device=dev)
         else:
+            if self.dk_fp32:
+                raise ValueError("dk_fp32 returns a new fp32 dk: pass no dq/dk/dv buffers with it")
             _check_given(dq, self.q_shape, q.dtype, "dq")
             _check_given(dk, self.k_shape, q.dtype, "dk")
             _check_given(dv, self.v_shape, q.dtype, "dv")
@@ -532,6 +534,6 @@ class BwdPlan:
         packed = torch.arange(total_k, device=cu_k.device)
         offset = packed - starts[seq]
         dk = rows[0][:, pad_starts[seq] + offset].transpose(0, 1) * self.scale
-        if su_k is not None:
-            dk = torch.where((offset < su_k.to(torch.int64)[seq])[:, None, None], dk, torch.zeros_like(dk))
-        return dk.contiguous()
+        # Rows past seqused_k, or past cu_seqlens_k[-1] (a caller's padding rows), are never written.
+        length = su_k.to(torch.int64) if su_k is not None else starts[1:] - starts[:-1]
+        return torch.where((offset < length[seq])[:, None, None], dk, torch.zeros_like(dk)).contiguous()

@@ -96,6 +96,10 @@ class FlashBwdSm90:
         issue dQ = dS K (this warpgroup's half of head_dim, or of the rows); wait all;
         release Q, dO; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL
 
+    At tile_m 128 (``dp_after_p``; softcap refused) the first line is instead: wait Q; S^T = K Q^T;
+    wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
+    both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
+
     dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; an elected lane
     issues the TMA reduce-adds (``cp.reduce.async.bulk.tensor``; 32-column boxes of the 128-byte
     swizzle, two per warpgroup chunk at hdim 128) of each sdQ chunk into the fp32 accumulator;
@@ -648,9 +652,10 @@ class FlashBwdSm90:
                 pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
                 acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-                # dV += P^T dO, issued behind dP^T: it runs while dS^T is formed.
+                # dV += P^T dO behind dP^T. Both land before dS^T reads P^T: P^T's registers are the dV
+                # GEMM's A operand, which PTX forbids accessing while that WGMMA is in flight.
                 wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                warpgroup.wait_group(1)  # dP^T has landed
+                warpgroup.wait_group(0)
                 acc_dP_mn, rP_mn = acc_rows_cols(acc_dP), acc_rows_cols(rP)
                 for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
                     dpsum = sdPsum[tScS_mn[0, c][1], stage]
