@@ -103,9 +103,10 @@ class FlashBwdSm90:
     dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; an elected lane
     issues the TMA reduce-adds (``cp.reduce.async.bulk.tensor``; 32-column boxes of the 128-byte
     swizzle, two per warpgroup chunk at hdim 128) of each sdQ chunk into the fp32 accumulator;
-    waits until they have read sdQ [deterministic: until they are done in L2, then passes the
-    turn]; arrive DQ_EMPTY. The MMA warpgroups never wait on global memory for dQ: with one
-    sdQ buffer they wait only for the TMA unit to have read the previous block's chunk.
+    waits until they have read sdQ; arrive DQ_EMPTY [deterministic: then waits until they are
+    done in L2 and passes the turn]. The MMA warpgroups never wait on global memory for dQ, nor
+    on the turns: with one sdQ buffer they wait only for the TMA unit to have read the previous
+    block's chunk (and for the writer to have reached that block's turn).
 
     sdS has two stages: a warpgroup writes block j+1's dS while the other may still read block
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
@@ -761,18 +762,19 @@ class FlashBwdSm90:
                 )
                 cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, row, col])
             cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
+            cute.arch.sync_warp()
+            if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
             if const_expr(self.deterministic):
+                # sdQ is handed back first: the MMA warpgroups store their next dQ while this warp
+                # waits for the adds to land and for the next block's turn.
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in L2
                 cute.arch.fence_proxy("async.global")
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
-            cute.arch.sync_warp()
-            if const_expr(self.deterministic):
+                cute.arch.sync_warp()
                 semaphore_signal(
                     mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
                 )
-            if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
 
     # ------------------------------------------------------------------ epilogues
 
