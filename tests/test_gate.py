@@ -79,6 +79,17 @@ def exact_parts(request, monkeypatch):
     if "split" in request.node.name or "gpu" in request.keywords:
         return
     monkeypatch.setattr(gate, "split_bf16", lambda x: torch.stack([x, torch.zeros_like(x), torch.zeros_like(x)], -1))
+def _assert_matches_definition(out, lse, leaves, dout, causal, window, scale):
+    """out, LSE and the gradients of (q, k, v, g) equal the dense definition's (``TOL``)."""
+    ref_out, ref_lse = _gated_ref_dense(*leaves, causal, window, scale)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    got = torch.autograd.grad(out, leaves, dout.detach())
+    want = torch.autograd.grad(ref_out, leaves, dout.detach())
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 CASES = [(False, (-1, -1)), (True, (-1, 0)), (False, (5, 3)), (True, (6, 0))]
 
 
@@ -89,13 +100,7 @@ def test_gate_dense_matches_the_definition(causal, window, s_q, s_k):
     g = _gates((2, s_k, 4))
     scale = 0.3
     out, lse = _via_gate(q, k, v, g, causal, window, scale)
-    ref_out, ref_lse = _gated_ref_dense(q, k, v, g, causal, window, scale)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(lse, ref_lse, **TOL)
-    got = torch.autograd.grad(out, (q, k, v, g), dout.detach())
-    want = torch.autograd.grad(ref_out, (q, k, v, g), dout.detach())
-    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_matches_definition(out, lse, (q, k, v, g), dout, causal, window, scale)
 
 
 def test_gate_varlen_matches_the_definition_per_sequence():
@@ -149,13 +154,7 @@ def test_gated_function_matches_the_definition(emulated_ops, causal, window):
     q, k, v, dout = _leaves((2, 19, 4, 16), (2, 23, 2, 16), (2, 23, 2, 16), (2, 19, 4, 16))
     g = _gates((2, 23, 4))
     out, lse = gate.attention(q, k, v, g, None, 0.3, causal, window, False, None)
-    ref_out, ref_lse = _gated_ref_dense(q, k, v, g, causal, window, 0.3)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(lse, ref_lse, **TOL)
-    got = torch.autograd.grad(out, (q, k, v, g), dout.detach())
-    want = torch.autograd.grad(ref_out, (q, k, v, g), dout.detach())
-    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_matches_definition(out, lse, (q, k, v, g), dout, causal, window, 0.3)
 
 
 def test_gated_gradient_sums_to_zero_with_an_inexact_dpsum(monkeypatch):
