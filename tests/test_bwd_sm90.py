@@ -5,7 +5,8 @@ helpers and oracles these tests use), on NaN-poisoned gradient buffers where the
 Matrix: both dtypes, head dims 64 and 128 (the sm90 rows), causal or not, odd and unequal seqlens,
 MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and
 seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
-sequence alone gives the same bits as inside a varlen batch); the 128 x 128 hdim-64 tile candidate.
+sequence alone gives the same bits as inside a varlen batch). hdim 64 runs its 128 x 128 tile (dQ
+split by rows), with softcap the 64 x 128 tile (test_bwd_sm90_softmax_scale).
 """
 
 from __future__ import annotations
@@ -95,28 +96,8 @@ def test_bwd_sm90_deterministic_fp16(head_dim):
             assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
 
-@pytest.fixture
-def candidate_tile_d64(monkeypatch):
-    """hdim 64 on the 128 x 128 tile (``dq_split_rows``, dP^T issued after P^T: a measured candidate,
-    not yet the shipped row); softcap keeps the 64 x 128 tile (the kernel refuses it at tile_m 128)."""
-    from flashattn_hopper.backends import sm90_bwd
-
-    family = dispatch.BWD_KERNELS["sm90"]
-    tiles = dict(family.tiles)
-    tiles[64] = sm90_bwd.BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True)
-    monkeypatch.setattr(family, "tiles", tiles)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_bwd_sm90_tile_128x128_d64(candidate_tile_d64, causal, seqlens, heads):
-    (s_q, s_k), (h, h_k) = seqlens, heads
-    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, 64)
-    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
-
-
-def test_bwd_sm90_tile_128x128_d64_varlen_window(candidate_tile_d64):
+def test_bwd_sm90_d64_varlen_window():
+    """hdim 64 runs the 128 x 128 tile (dQ split by rows): varlen with a window, and fp16 varlen."""
     _varlen_case(torch.bfloat16, 64, True, VARLEN_CASES[0], (4, 2), window=(30, -1), backend="sm90")
     _varlen_case(torch.float16, 64, False, VARLEN_CASES[2], (8, 2), backend="sm90")
 

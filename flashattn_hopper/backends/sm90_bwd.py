@@ -30,9 +30,11 @@ class BwdSm90Tile:
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
 
 
-# Tiles by (padded) head dim. 64x128 with two 64-key MMA warpgroups: FA3's sm90 tile for d=128.
+# Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
+# 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18);
+# softcap keeps 64x128 there (``_main_key``).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=64, tile_n=128),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
 }
 
