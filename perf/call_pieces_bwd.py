@@ -7,7 +7,8 @@ host time for ours (forward + backward 970 us, forward alone 110 us; H100, 2026-
 backward then). The kernels take microseconds at this shape (2 x 16 x 2 x 128, bf16), so wall time
 per call is the host path. Rows, each a per-call average after a warm-up:
 
-- ``autograd.grad`` through the API (forward done once, graph retained): what a training step pays;
+- ``autograd.grad`` through the API (forward done once, graph retained), for a planned call (a
+  signature's second call on: what a training step pays) and a signature's first call; forward + grad;
 - ``BwdPlan call``: the plan's own call (allocations + its 3-5 TVM-FFI launches), no autograd;
 - ``plan pieces``: the scratch allocations alone, then each launch with ready arguments;
 - ``autograd.grad`` of an identity ``autograd.Function`` of the same tensors: the engine's own cost;
@@ -57,10 +58,20 @@ def main(argv: list[str]) -> int:
 
     q, k, v, dout = (torch.randn(2, 16, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    # The first call of a signature makes its plan (FlashAttnFunc); later calls run the plan
+    # (PlannedAttnFunc, whose backward keeps its BwdPlan): what a training step pays from step 2 on.
+    first = flash_attn_func(*leaves, backend=args.backend)
     out = flash_attn_func(*leaves, backend=args.backend)
     print(f"# backward host pieces, {torch.cuda.get_device_name()}, backend {args.backend or 'default'}, "
           f"{args.calls} calls each\n")
-    rows = [("autograd.grad through the API", lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))]
+    rows = [
+        ("autograd.grad through the API (planned call)",
+         lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
+        ("autograd.grad through the API (first call of a signature)",
+         lambda: torch.autograd.grad(first, leaves, dout, retain_graph=True)),
+        ("forward + autograd.grad through the API (planned)",
+         lambda: torch.autograd.grad(flash_attn_func(*leaves, backend=args.backend), leaves, dout)),
+    ]
 
     p = validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)
     family = dispatch.bwd_kernel_for(q.device, args.backend, p, False)

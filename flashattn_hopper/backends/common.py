@@ -324,12 +324,16 @@ def launch_forward(
     stream_handle: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pads and aligns the inputs, allocates out/lse (``out``/``lse`` given: tests pass NaN-poisoned
-    contiguous buffers with the kernel's padded head dim) and launches a ``compile_forward`` kernel
+    contiguous buffers of v's head dim; where the kernel runs v padded, out is written through a
+    padded buffer) and launches a ``compile_forward`` kernel
     (``compiled``: its ``jit.callable_of``) on the inputs' device and current stream (TVM-FFI's
     environment stream; ``stream_handle``, that stream's handle, only chose ``extra_args``). ``key``
     carries head_dim(_v) and the feature flags."""
     q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
     v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
+    given_out = None
+    if out is not None and out.shape[-1] != key.head_dim_v:  # v padded (e.g. 96/64): write through a padded buffer
+        given_out, out = out, None
     if key.varlen:
         out_shape, lse_shape = (p.seqlen_q, p.nheads, key.head_dim_v), (p.nheads, p.seqlen_q)
     else:
@@ -352,6 +356,8 @@ def launch_forward(
              *extra_args, *int_args)
     if key.head_dim_v != p.head_dim_v:
         out = out[..., : p.head_dim_v]
+        if given_out is not None:
+            out = given_out.copy_(out)
     return out, lse
 
 
@@ -395,8 +401,8 @@ class FwdLauncher:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
         out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous, with the
-        kernel's padded head dim."""
+        """``out``/``lse`` (internal: tests pass NaN-poisoned buffers) must be contiguous, out with v's
+        head dim."""
         if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return empty_result(q, p)
         key = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
