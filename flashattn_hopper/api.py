@@ -53,12 +53,15 @@ class FlashAttnFunc(torch.autograd.Function):
                 deterministic: bool, varlen: VarlenArgs | None) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = _fwd(q, k, v, p, backend, varlen)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zero-filled dLSE allocated and passed per backward)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem, ctx.backend, ctx.deterministic, ctx.varlen = p, backend, deterministic, varlen
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if dout is None:
+            return None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         family = dispatch.bwd_kernel_for(q.device, ctx.backend, ctx.problem, ctx.deterministic)
         dq, dk, dv = family.backward(dout, q, k, v, out, lse, ctx.problem, ctx.varlen, ctx.deterministic)
@@ -74,12 +77,15 @@ class PlannedAttnFunc(torch.autograd.Function):
                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = plan(q, k, v)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zero-filled dLSE allocated and passed per backward)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.deterministic = plan, deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if dout is None:
+            return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         plan, deterministic = ctx.plan, ctx.deterministic
         bwd = plan.bwd.get(deterministic)

@@ -5,8 +5,9 @@
 
 bf16, batch * seqlen = 16k tokens, 16 heads (GQA off). Forward: each sm90 candidate tile of a pair
 (``CANDIDATES``, put in ``configs.FWD_SM90_DV_TILES`` for the call), causal and not, beside the sm80
-forward, and the same-width problems d/d and dv/dv for scale. ``--bwd``: the sm80 backward (forward +
-backward) at the pair, at d/d and at dv/dv. Timing: ``flashattn_hopper.sweep.timing.make_timer``
+forward, and the same-width problems d/d and dv/dv for scale. ``--bwd``: forward + backward on the default
+backend (the sm90 forward; the sm90 backward where it takes the problem, else sm80's) at the pair,
+at d/d and at dv/dv. Timing: ``flashattn_hopper.sweep.timing.make_timer``
 (do_bench medians, L2 flushed). FLOPs = 2*b*h*s_q*s_k*(d + dv) forward (x1/2 causal), x2.5 with the
 backward. Prints Markdown tables of TFLOP/s.
 """
@@ -78,7 +79,7 @@ def bench_fwd(timer, pair: tuple[int, int], seqlens: list[int]) -> None:
                     w = int(name.split("/")[0])
                     args = inputs(s, w, w)
                 try:
-                    t = timer(lambda: flash_attn_func(*args, causal=causal, backend=backend)).median
+                    t = timer(lambda: flash_attn_func(*args, causal=causal, backend=backend)).median_ms
                     row.append(f"{flops(s, args[0].shape[-1], args[2].shape[-1], causal, False) / t / 1e9:.0f}")
                 except Exception as e:  # a candidate that does not fit reports why
                     row.append(f"err {type(e).__name__}")
@@ -91,7 +92,7 @@ def bench_fwd(timer, pair: tuple[int, int], seqlens: list[int]) -> None:
 def bench_bwd(timer, pair: tuple[int, int], seqlens: list[int]) -> None:
     d, dv = pair
     cols = [f"{d}/{dv}", f"{d}/{d}", f"{dv}/{dv}"]
-    print(f"\n### forward + backward (sm80 backward) {d}/{dv}, TFLOP/s\n")
+    print(f"\n### forward + backward (default backend: the sm90 forward, the backward dispatch picks) {d}/{dv}, TFLOP/s\n")
     print("| seqlen | causal | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for s in seqlens:
@@ -103,9 +104,9 @@ def bench_bwd(timer, pair: tuple[int, int], seqlens: list[int]) -> None:
                 dout = torch.randn(*q.shape[:-1], b, dtype=torch.bfloat16, device="cuda")
 
                 def step():
-                    flash_attn_func(q, k, v, causal=causal, backend="sm80").backward(dout)
+                    flash_attn_func(q, k, v, causal=causal).backward(dout)
 
-                t = timer(step, grad_to_none=(q, k, v)).median
+                t = timer(step, grad_to_none=(q, k, v)).median_ms
                 row.append(f"{flops(s, a, b, causal, True) / t / 1e9:.0f}")
             print(f"| {s} | {int(causal)} | " + " | ".join(row) + " |", flush=True)
 

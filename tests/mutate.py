@@ -33,7 +33,10 @@ SELECTIONS: dict[str, tuple[str, list[str]]] = {
     "fwd_scale": ("the forward's softmax scale is 1 % off", [
         "tests/test_fwd.py::test_fwd_parity", "tests/test_fwd.py::test_softmax_scale_and_default",
         "-k", "default or (h4k4 and causal-64-bf16)"]),
-    "fwd_lse": ("the forward's LSE is 1e-3 off", ["tests/test_fwd.py::test_poisoned_outputs_are_fully_overwritten"]),
+    # (1e-3 passes the LSE check: PyTorch's own bf16 LSE error, the rule's yardstick, is ~5e-3)
+    "fwd_lse": ("the forward's LSE is 0.01 off", [
+        "tests/test_fwd.py::test_poisoned_outputs_are_fully_overwritten", "tests/test_bwd_sm90.py::test_bwd_sm90_parity",
+        "-k", "poisoned or (bf16 and causal and 113x203 and mha)"]),
     "fwd_default_stream": ("the forward launches on the default stream, not the caller's", [
         "tests/test_fwd.py::test_non_default_stream"]),
     "bwd_skip_post": ("the backward's postprocess (dQ, GQA dK/dV sums) is never launched", [
@@ -80,7 +83,7 @@ def _wrap(mutation: str, kernel: str, fn: Callable[..., Any]) -> Callable[..., A
     if mutation == "fwd_lse" and _is_fwd(kernel):
         def lse_off(*args: Any) -> Any:
             fn(*args)
-            args[4].add_(1e-3)
+            args[4].add_(1e-2)
         return lse_off
     if mutation == "fwd_default_stream" and _is_fwd(kernel):
         def on_default(*args: Any) -> Any:

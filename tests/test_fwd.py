@@ -134,6 +134,33 @@ def test_explicit_sm90_does_not_fall_back():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cached_calls_take_their_plan(monkeypatch, backend, causal):
+    """A dense call with plain options runs through its signature's plan (``api._PLANS``), forward and
+    backward, never the general path (patched here to fail): a plan whose call raises (an argument
+    missing: the non-causal sm90 plan did, until session 18) falls back to the general path on every
+    call, silently, at several times the host time. Results against the fp32 reference."""
+    from flashattn_hopper import api
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("the call took the general path, not its plan")
+
+    monkeypatch.setattr(api, "_attention", general_path)
+    q, k, v = make_qkv(1, 77, 77, 2, 2, 128)
+    dout = torch.randn_like(q)
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    for grad in (False, True, True):  # the first call of each signature makes its plan
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal, backend=backend)
+        assert_close_to_ref("out", out, out_ref, out_pt)
+        if grad:
+            assert type(out.grad_fn).__name__ == "PlannedAttnFuncBackward"
+            dq, _, _ = torch.autograd.grad(out, leaves, dout)
+            assert torch.isfinite(dq).all()
+
+
 def test_mixed_devices_named():
     q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="k must be on the same device as q"):

@@ -425,7 +425,9 @@ class FwdLauncher:
         softcap = float(p.softcap) if key.softcap else 1.0
         head = (float(p.softmax_scale), window_left, window_right, softcap)
         if extra:  # (max_ctas, tile counter or None): the counter is per stream, fetched per call
-            return FwdPlan(fn, key, p, self, (*head, extra[0]), index if extra[1] is not None else None)
+            if extra[1] is None:  # (no dynamic schedule: the counter argument stays None)
+                return FwdPlan(fn, key, p, self, (*head, extra[0], None), None)
+            return FwdPlan(fn, key, p, self, (*head, extra[0]), index)
         return FwdPlan(fn, key, p, self, head, None)
 
     def extra_args(self, key: Any, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
