@@ -179,6 +179,9 @@ FWD_SM90_SHORT_TILES: dict[int, tuple[int, int, FwdTileSm90]] = {
 # shrunk until own sO fits).
 FWD_SM90_DV_TILES: dict[tuple[int, int], FwdTileSm90] = {
     (192, 128): FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
+    # 128/256: 128x64 beat the widest fitting tile (128x80, hdim 256's row settings) by 3-14 % in every
+    # cell, 1k-16k causal or not (H100, perf/results/...-s18/bench_head_dim_v.md).
+    (128, 256): FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
 
 
