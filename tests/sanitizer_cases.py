@@ -44,19 +44,19 @@ def _packed(lens: tuple[int, ...], h: int = 2, h_k: int = 1, d: int = 128, grad:
     return rand(h), rand(h_k), rand(h_k), cu, max(lens)
 
 
-def _dense(backend: str | None, backward: bool = False, **kwargs) -> Callable[[], None]:
+def _dense(backend: str | None, backward: bool = False, d: int = 128, **kwargs) -> Callable[[], None]:
     def run() -> None:
         for s_q, s_k in ((113, 203), (256, 256)):
-            q, k, v = _qkv(s_q, s_k, grad=backward)
+            q, k, v = _qkv(s_q, s_k, d=d, grad=backward)
             out = flash_attn_func(q, k, v, backend=backend, **kwargs)
             if backward:
                 out.backward(torch.randn_like(out))
     return run
 
 
-def _varlen(backend: str | None, backward: bool = False, **kwargs) -> Callable[[], None]:
+def _varlen(backend: str | None, backward: bool = False, d: int = 128, **kwargs) -> Callable[[], None]:
     def run() -> None:
-        q, k, v, cu, max_len = _packed(VARLEN_LENS, grad=backward)
+        q, k, v, cu, max_len = _packed(VARLEN_LENS, d=d, grad=backward)
         out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, backend=backend, **kwargs)
         if backward:
             out.backward(torch.randn_like(out))
@@ -128,6 +128,10 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_bwd_varlen_causal": _varlen("sm90", backward=True, causal=True),
     "sm90_fwd_bwd_softcap": _dense("sm90", backward=True, causal=True, softcap=30.0),
     "sm90_fwd_bwd_deterministic": _dense("sm90", backward=True, causal=True, deterministic=True),
+    # hdim 64: the 128 x 128 tile, dQ split by rows between the MMA warpgroups.
+    "sm90_fwd_bwd_d64_dense_causal": _dense("sm90", backward=True, d=64, causal=True),
+    "sm90_fwd_bwd_d64_varlen_local": _varlen("sm90", backward=True, d=64, window_size=(20, 0)),
+    "sm90_fwd_bwd_d64_deterministic": _dense("sm90", backward=True, d=64, deterministic=True),
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }
