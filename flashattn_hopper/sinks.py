@@ -5,7 +5,9 @@ that joins every row's softmax denominator with no value,
 Forward: the kernels give ``O`` and ``lse`` of the keys alone; with ``lse' = logaddexp(lse, sink)``
 the sink's share is ``exp(sink - lse')`` and every key's probability shrinks by
 ``w = exp(lse - lse') = sigmoid(lse - sink)``, so ``out = O * w`` (fp32, then the input dtype) and
-the returned LSE is ``lse'``. A row that sees no key gets ``out = 0`` and ``lse' = sink``.
+the returned LSE is ``lse'``. A row that sees no key gets ``out = 0`` and ``lse' = sink``. On the
+sm90 forward the same math can run in the kernel's finalize instead (``IN_KERNEL_SM90``:
+``FwdSm90.forward_with_sink``, ``OnlineSoftmax.finalize``), with no pass over out.
 
 Backward: softmax over the keys plus a sink column whose value is 0. The kernels' backward, given
 ``out`` and ``lse'``, recomputes ``P' = exp(S - lse')`` (the sinked probabilities), takes
@@ -37,6 +39,29 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.ops.flashattn_hopper.bwd(*args)
 
 
+# The sink inside the Hopper forward's finalize (kernels/common/softmax.py: no pass over out): built
+# and compiled (sm_90a SASS checked), not yet run on a GPU; on once tests/test_sinks.py passes with it.
+IN_KERNEL_SM90 = False
+
+
+def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
+                       cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
+                       used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse')`` from the sm90 forward with the sink in its finalize, or None where that path
+    does not serve the call (switched off, traced by torch.compile, not the sm90 family, empty)."""
+    if not IN_KERNEL_SM90 or torch.compiler.is_compiling():
+        return None
+    from . import dispatch, ops
+
+    p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        return None
+    family = dispatch.fwd_kernel_for(q.device, options[6], p)
+    if not hasattr(family, "forward_with_sink"):
+        return None
+    return family.forward_with_sink(q, k, v, p, varlen, sink)
+
+
 def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:
     """Bool ``(total_q,)``: packed rows below their sequence's ``seqused_q``."""
     seq = sequence_of_rows(cu_seqlens_q, q.shape[0])
@@ -57,17 +82,21 @@ class SinkAttnFunc(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
                 cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                 used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _fwd_op(q, k, v, cu_q, cu_k, used_q, used_k, *options)
-        varlen = cu_q is not None
-        sink_rows = sink.float()[:, None] if varlen else sink.float()[None, :, None]  # lse's layout
-        lse_sink = torch.logaddexp(lse, sink_rows)
-        weight = _per_row(torch.exp(lse - lse_sink), varlen)
-        if used_q is not None:  # (rows past seqused_q were never written: out may hold NaN there)
-            out = torch.where(_row_mask(q, cu_q, used_q)[:, None, None], out.float() * weight, 0.0).to(q.dtype)
+        in_kernel = _in_kernel_forward(q, k, v, sink, cu_q, cu_k, used_q, used_k, options)
+        if in_kernel is not None:
+            out, lse_sink = in_kernel
         else:
-            # One pass over out, in place (the op's own fresh tensor): computed in fp32, rounded once;
-            # out.float() * w then .to() made three passes (~0.2 ms at 16k tokens x 2048 on an H100).
-            out.mul_(weight)
+            out, lse = _fwd_op(q, k, v, cu_q, cu_k, used_q, used_k, *options)
+            varlen = cu_q is not None
+            sink_rows = sink.float()[:, None] if varlen else sink.float()[None, :, None]  # lse's layout
+            lse_sink = torch.logaddexp(lse, sink_rows)
+            weight = _per_row(torch.exp(lse - lse_sink), varlen)
+            if used_q is not None:  # (rows past seqused_q were never written: out may hold NaN there)
+                out = torch.where(_row_mask(q, cu_q, used_q)[:, None, None], out.float() * weight, 0.0).to(q.dtype)
+            else:
+                # One pass over out, in place (the op's own fresh tensor): computed in fp32, rounded
+                # once; out.float() * w then .to() made three passes (~0.2 ms at 16k tokens x 2048).
+                out.mul_(weight)
         ctx.save_for_backward(q, k, v, sink, out, lse_sink, cu_q, cu_k, used_q, used_k)
         ctx.options = options
         ctx.mark_non_differentiable(lse_sink)

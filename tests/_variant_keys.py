@@ -6,7 +6,8 @@ import dataclasses
 def variant_keys(spec, arch: str) -> list:
     """The keys users hit (``all_keys``) plus sm90 variants measured but not shipped that must keep
     compiling: clusters of 2 with K/V multicast on the other head dims' table tiles (hdim 64: 3 MMA
-    warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys)."""
+    warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys) and
+    the in-kernel sink, not yet on by default."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
         clustered = [
@@ -14,4 +15,6 @@ def variant_keys(spec, arch: str) -> list:
             for hdim in (64, 96, 128, 192, 256)
         ]
         keys += [key for key in clustered if key not in keys]
+        # The learnable sink in the finalize (sinks.IN_KERNEL_SM90): one representative.
+        keys.append(dataclasses.replace(spec._key(arch, "bf16", 128, causal=True), sink=True))
     return keys

@@ -195,11 +195,40 @@ def test_compile_traces_a_sink_call_in_one_graph():
 @pytest.mark.parametrize("seqlens", [(113, 203), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_sink_api_parity(backend, dtype, causal, seqlens):
     """out, lse and dq/dk/dv/dsink against the explicit fp32 reference (2x PyTorch's error in the dtype)."""
+    _api_parity(backend, dtype, causal, seqlens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sink_in_kernel_sm90_parity(monkeypatch, head_dim, dtype, causal, seqlens):
+    """The sink in the Hopper forward's finalize (``sinks.IN_KERNEL_SM90``, off by default until this
+    passes on a GPU): the same checks, and the call must have taken that path (239x100 causal: rows
+    with no key, whose LSE is the sink and out 0)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel sink is in the sm90 forward")
+    taken = []
+    in_kernel = sinks._in_kernel_forward
+
+    def spy(*args):
+        result = in_kernel(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(sinks, "IN_KERNEL_SM90", True)
+    monkeypatch.setattr(sinks, "_in_kernel_forward", spy)
+    _api_parity(None, dtype, causal, seqlens, head_dim)
+    assert taken == [True], taken
+
+
+def _api_parity(backend, dtype, causal, seqlens, head_dim=128):
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(2, s, h, 128, dtype=dtype, device="cuda", generator=gen)
+    q, k, v, dout = (torch.randn(2, s, h, head_dim, dtype=dtype, device="cuda", generator=gen)
                      for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
     sink = torch.randn(8, device="cuda", generator=gen)
     window = (-1, 0) if causal else (-1, -1)
@@ -216,3 +245,37 @@ def test_sink_api_parity(backend, dtype, causal, seqlens):
     assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-4)
     for name, g, r, pt in zip(("dq", "dk", "dv", "dsink"), grads, refs[True][2], refs[False][2]):
         assert_close_to_ref(name, g, r.to(g.dtype), pt.to(g.dtype), atol=rounding_atol(r, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sink_in_kernel_sm90_varlen_seqused(monkeypatch, causal):
+    """The in-kernel sink (``sinks.IN_KERNEL_SM90``) on packed sequences with seqused: zero-length
+    sequences, unused slot rows (out 0), rows with no key (out 0, lse = sink); out and lse against the
+    explicit fp32 reference by the parity rule."""
+    from flashattn_hopper.testing import assert_close_to_ref
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel sink is in the sm90 forward")
+    monkeypatch.setattr(sinks, "IN_KERNEL_SM90", True)
+    slots_q, slots_k = [70, 0, 130, 50], [90, 40, 30, 60]
+    used_q = torch.tensor([50, 0, 130, 50], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([90, 40, 30, 0], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, *itertools.accumulate(slots_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(slots_k)], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(slots_q), 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k, v = (torch.randn(sum(slots_k), 2, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    sink = torch.randn(8, device="cuda", generator=gen)
+    window = (-1, 0) if causal else (-1, -1)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 90, causal=causal, learnable_sink=sink,
+                                      seqused_q=used_q, seqused_k=used_k, return_lse=True)
+    ref_out, ref_lse, rows = _sink_ref(q.double(), k.double(), v.double(), sink.double(), causal, window, cu_q, cu_k,
+                                       used_q, used_k)
+    pt_out, pt_lse, _ = _sink_ref(q, k, v, sink.to(q.dtype), causal, window, cu_q, cu_k, used_q, used_k)
+    rows = rows.to(q.device)
+    assert_close_to_ref("out", out[rows], ref_out.to(q.dtype), pt_out)
+    assert_close_to_ref("lse", lse[:, rows], ref_lse.float(), pt_lse.float(), atol=1e-4)
+    unused = torch.ones(out.shape[0], dtype=torch.bool, device=q.device)
+    unused[rows] = False
+    assert bool((out[unused] == 0).all())

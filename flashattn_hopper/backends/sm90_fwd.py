@@ -9,17 +9,18 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import configs
-from ..jit import KernelKey
+from ..jit import KernelKey, compile_cache, target_arch
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    cluster_ctas, mask_flags, num_sms, tile_counter,
+    cluster_ctas, current_stream_handle, launch_forward, mask_flags, num_sms, tile_counter,
 )
 
 
@@ -54,6 +55,9 @@ class FwdSm90Key(KernelKey):
     lazy_rescale: bool = True
     # Q buffers in shared memory (2: the next tile's Q loads under this tile; persistent, own sO)
     q_stages: int = 1
+    # a learnable sink logit per query head joins each row's softmax at finalize, read from the LSE
+    # buffer the launcher fills with it (``forward_with_sink``); no pack_gqa, no spanning tiles
+    sink: bool = False
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -148,6 +152,29 @@ class FwdSm90(FwdLauncher):
             seqused_k=varlen is not None and varlen.seqused_k is not None,
         )
 
+    def sink_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
+        """``key`` with the in-kernel sink: a tile's rows of one head (no pack_gqa, no spanning tiles)."""
+        return dataclasses.replace(self.key(p, arch, varlen), sink=True, pack_gqa=1, span_heads=False)
+
+    def forward_with_sink(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        sink: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse')`` with one learnable sink logit per query head (``sink``: ``(nheads,)``) in
+        the kernel's finalize (``sinks.py`` has the math). The LSE buffer starts as each head's logit
+        in every row: the kernel reads it there and overwrites it. A non-empty problem (the caller
+        handles the others)."""
+        key = self.sink_key(p, target_arch(), varlen)
+        compiled = compile_cache.get(key, self.compile)
+        logits = sink.to(device=q.device, dtype=torch.float32)
+        if varlen is not None:
+            lse = logits[:, None].expand(p.nheads, p.seqlen_q).contiguous()
+        else:
+            lse = logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q).contiguous()
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        extra = self.extra_args(key, q.device, current_stream_handle(index))
+        return launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
+
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
@@ -203,7 +230,7 @@ class FwdSm90(FwdLauncher):
             has_softcap=key.softcap, intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong,
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
-            span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages,
+            span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:

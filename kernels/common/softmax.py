@@ -152,23 +152,42 @@ class OnlineSoftmax:
                 acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
+    def finalize(self, sink_log2: cute.Tensor | None = None) -> tuple[cute.Tensor, cute.Tensor]:
         """Reduce ``row_sum`` across the quad; return ``(o_scale, lse)`` per row.
 
         ``o_scale`` is what O must be multiplied by (``1 / row_sum``, or 0 for a row that saw
         no key), ``lse`` is the natural-log log-sum-exp of the scaled scores (``-inf`` for such
         a row). A NaN sum (NaN inputs) is treated like an empty row for the LSE.
+
+        ``sink_log2`` (per row, log2 units; ``-inf``: none): a learnable sink's logit joins the
+        denominator with no value, once, here: with ``m`` the row's max in log2 units and
+        ``M = max(m, sink)``, ``D = row_sum * 2^(m - M) + 2^(sink - M)``, ``o_scale = 2^(m - M) / D``
+        and ``lse = (M + log2 D) * ln 2``. A row with no key gets ``o_scale = 0``, ``lse = sink``.
         """
         o_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row_sum = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             is_empty = row_sum == 0.0 or row_sum != row_sum
-            o_scale[r] = Float32(0.0) if is_empty else cute.arch.rcp_approx(row_sum)
-            log_sum = cute.math.log2(row_sum, fastmath=True)
-            lse[r] = (
-                -Float32.inf
-                if is_empty
-                else (self.row_max[r] * self.scale_log2 + log_sum) * LN_2
-            )
+            if cutlass.const_expr(sink_log2 is None):
+                o_scale[r] = Float32(0.0) if is_empty else cute.arch.rcp_approx(row_sum)
+                log_sum = cute.math.log2(row_sum, fastmath=True)
+                lse[r] = (
+                    -Float32.inf
+                    if is_empty
+                    else (self.row_max[r] * self.scale_log2 + log_sum) * LN_2
+                )
+            else:
+                row_max_log2 = -Float32.inf if is_empty else self.row_max[r] * self.scale_log2
+                sink = sink_log2[r]
+                top = cute.arch.fmax(row_max_log2, sink)
+                if top == -Float32.inf:  # no key and no sink
+                    o_scale[r] = Float32(0.0)
+                    lse[r] = -Float32.inf
+                else:
+                    keys_share = Float32(0.0) if is_empty else cute.math.exp2(row_max_log2 - top, fastmath=True)
+                    keys_sum = Float32(0.0) if is_empty else row_sum * keys_share  # (a NaN sum stays out)
+                    denom = keys_sum + cute.math.exp2(sink - top, fastmath=True)
+                    o_scale[r] = keys_share * cute.arch.rcp_approx(denom)
+                    lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN_2
         return o_scale, lse

@@ -169,10 +169,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         span_heads: bool = False,
         lazy_rescale: bool = True,
         q_stages: int = 1,
+        has_sink: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
-            cluster_m, span_heads,
+            cluster_m, span_heads, has_sink,
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -184,6 +185,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         self.is_causal = is_causal
         self.is_local = is_local
         self.has_softcap = has_softcap
+        # A learnable sink per query head joins each row's denominator at finalize (common/softmax.py);
+        # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
+        self.has_sink = has_sink
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -270,7 +274,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
     @staticmethod
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
-        pack_gqa=1, cluster_m=1, span_heads=False,
+        pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -297,6 +301,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         if span_heads and (is_causal or is_local or pack_gqa > 1 or cluster_m > 1 or tile_m < 128):
             # Every warpgroup of a spanning tile must visit the same key blocks in the same order.
             return "span_heads needs no causal/local mask, no pack_gqa, no clusters and tile_m >= 128"
+        if has_sink and (pack_gqa > 1 or span_heads):
+            # The sink is read per (batch, head) tile: every row of a tile must be of one head.
+            return "has_sink needs no pack_gqa and no span_heads (a tile's rows of one head)"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -620,7 +627,14 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                         num_blocks = tile.n_block_max - tile.n_block_min
                         ring_count_a = ring_count_a + num_blocks
                         ring_count_b = ring_count_b + mixed * num_blocks
-                o_scale, lse = softmax.finalize()
+                if const_expr(self.has_sink):
+                    sink_log2 = self.read_sink_log2(
+                        seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
+                        tile.seqlen_q,
+                    )
+                    o_scale, lse = softmax.finalize(sink_log2)
+                else:
+                    o_scale, lse = softmax.finalize()
                 softmax.rescale_O(acc_O, o_scale)
                 if in_range:
                     self.epilogue(
