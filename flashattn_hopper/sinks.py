@@ -49,7 +49,7 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: 
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse')`` from the sm90 forward with the sink in its finalize, or None where that path
     does not serve the call (switched off, traced by torch.compile, not the sm90 family, empty)."""
-    if not IN_KERNEL_SM90 or torch.compiler.is_compiling():
+    if not IN_KERNEL_SM90 or not q.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops
 

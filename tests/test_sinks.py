@@ -207,6 +207,24 @@ def test_sink_in_kernel_sm90_parity(monkeypatch, head_dim, dtype, causal, seqlen
     """The sink in the Hopper forward's finalize (``sinks.IN_KERNEL_SM90``, off by default until this
     passes on a GPU): the same checks, and the call must have taken that path (239x100 causal: rows
     with no key, whose LSE is the sink and out 0)."""
+    taken = _in_kernel_on(monkeypatch)
+    _api_parity(None, dtype, causal, seqlens, head_dim)
+    assert taken == [True], taken
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_k", [1, 300])
+def test_sink_in_kernel_sm90_decode(monkeypatch, s_k):
+    """Batch 1, one query (decode): the LSE buffer the launcher fills has the sink's own shape, and must
+    still be a copy (the kernel overwrites it; the sink parameter stays as it was, checked in
+    ``_api_parity``), with dsink right."""
+    taken = _in_kernel_on(monkeypatch)
+    _api_parity(None, torch.bfloat16, True, (1, s_k), 128, batch=1)
+    assert taken == [True], taken
+
+
+def _in_kernel_on(monkeypatch) -> list:
+    """Switches the in-kernel sink on; returns a list that records, per forward, whether it ran."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel sink is in the sm90 forward")
     taken = []
@@ -219,21 +237,21 @@ def test_sink_in_kernel_sm90_parity(monkeypatch, head_dim, dtype, causal, seqlen
 
     monkeypatch.setattr(sinks, "IN_KERNEL_SM90", True)
     monkeypatch.setattr(sinks, "_in_kernel_forward", spy)
-    _api_parity(None, dtype, causal, seqlens, head_dim)
-    assert taken == [True], taken
+    return taken
 
 
-def _api_parity(backend, dtype, causal, seqlens, head_dim=128):
+def _api_parity(backend, dtype, causal, seqlens, head_dim=128, batch=2):
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(2, s, h, head_dim, dtype=dtype, device="cuda", generator=gen)
+    q, k, v, dout = (torch.randn(batch, s, h, head_dim, dtype=dtype, device="cuda", generator=gen)
                      for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
     sink = torch.randn(8, device="cuda", generator=gen)
     window = (-1, 0) if causal else (-1, -1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
     out, lse = flash_attn_func(*leaves[:3], causal=causal, learnable_sink=leaves[3], return_lse=True, backend=backend)
+    assert torch.equal(leaves[3], sink), "the call wrote into the sink parameter"
     grads = torch.autograd.grad(out, leaves, dout)
     refs = {}
     for upcast in (True, False):
@@ -255,9 +273,7 @@ def test_sink_in_kernel_sm90_varlen_seqused(monkeypatch, causal):
     explicit fp32 reference by the parity rule."""
     from flashattn_hopper.testing import assert_close_to_ref
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the in-kernel sink is in the sm90 forward")
-    monkeypatch.setattr(sinks, "IN_KERNEL_SM90", True)
+    taken = _in_kernel_on(monkeypatch)
     slots_q, slots_k = [70, 0, 130, 50], [90, 40, 30, 60]
     used_q = torch.tensor([50, 0, 130, 50], dtype=torch.int32, device="cuda")
     used_k = torch.tensor([90, 40, 30, 0], dtype=torch.int32, device="cuda")
@@ -279,3 +295,4 @@ def test_sink_in_kernel_sm90_varlen_seqused(monkeypatch, causal):
     unused = torch.ones(out.shape[0], dtype=torch.bool, device=q.device)
     unused[rows] = False
     assert bool((out[unused] == 0).all())
+    assert taken == [True], taken

@@ -166,14 +166,18 @@ class FwdSm90(FwdLauncher):
         handles the others)."""
         key = self.sink_key(p, target_arch(), varlen)
         compiled = compile_cache.get(key, self.compile)
-        logits = sink.to(device=q.device, dtype=torch.float32)
+        logits = sink.detach().to(device=q.device, dtype=torch.float32)
+        # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
         if varlen is not None:
-            lse = logits[:, None].expand(p.nheads, p.seqlen_q).contiguous()
+            lse = torch.empty((p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
+            lse.copy_(logits[:, None].expand(p.nheads, p.seqlen_q))
         else:
-            lse = logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q).contiguous()
+            lse = torch.empty((p.batch, p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
+            lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         extra = self.extra_args(key, q.device, current_stream_handle(index))
-        return launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
+        return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):

@@ -590,6 +590,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                 row0 = tile.m_block * self.tile_m
             if has_tile:
                 acc_O.fill(0.0)
+                sink_log2 = None
+                if const_expr(self.has_sink):  # (read at the tile's start: the load's latency hides under the loop)
+                    sink_log2 = self.read_sink_log2(
+                        seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
+                        tile.seqlen_q,
+                    )
                 softmax = OnlineSoftmax(
                     scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
                     rescale_threshold=self.rescale_threshold,
@@ -628,10 +634,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                         ring_count_a = ring_count_a + num_blocks
                         ring_count_b = ring_count_b + mixed * num_blocks
                 if const_expr(self.has_sink):
-                    sink_log2 = self.read_sink_log2(
-                        seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
-                        tile.seqlen_q,
-                    )
                     o_scale, lse = softmax.finalize(sink_log2)
                 else:
                     o_scale, lse = softmax.finalize()
