@@ -4,7 +4,9 @@ the DSL's own calling convention: the launch path's ready-made kernel arguments 
 stream, compiled-as-None slots: ``backends.common.kernel_arg`` / ``current_stream``) marshal to the
 same bytes as the DSL's own conversion of plain Python values, and the pointers ``backends.common.launch``
 hands the executor are the DSL's own list, for one compiled key per launcher signature of the target
-(sm_90a: the sm90 forward; sm_80: the sm80 forward, preprocess, backward and postprocess).
+(sm_90a: the sm90 forward; sm_80: the sm80 forward, preprocess, backward and postprocess). The
+forwards' cached-call plans (``FwdPlan``), causal and not, and the backwards' plans (``BwdPlan``,
+sm90's and sm80's) pass each kernel the count it was compiled with.
 Compiles with fake tensors (no GPU); exits non-zero with the differing argument on a mismatch."""
 
 from __future__ import annotations
@@ -73,6 +75,101 @@ def check(compiled, args: tuple, stream_handle: int, label: str) -> None:
     print(f"ok {label}: {len(ours)} pointers")
 
 
+def check_plans(family, problem, arch: str, label: str) -> None:
+    """The cached-call path (``FwdLauncher.plan`` -> ``FwdPlan.__call__``, what every repeated dense
+    call runs) passes its kernel the argument count it was compiled with, causal (dynamic schedule:
+    a tile counter) and not (no counter: its slot is None). A wrong count is a TypeError inside the
+    plan, which the API would answer with the general path on every call, silently (the non-causal
+    plan did until session 18). Device lookups are replaced by CPU stand-ins."""
+    import dataclasses
+
+    import torch
+
+    from flashattn_hopper.backends import common, sm90_fwd
+
+    counter = torch.zeros(1, dtype=torch.int32)
+    patches = {
+        (common, "device_index"): lambda device: 0,
+        (common, "current_stream_handle"): lambda index: 0,
+        (common, "tile_counter"): lambda index, stream=None: counter,
+        (sm90_fwd, "tile_counter"): lambda index, stream=None: counter,
+        (sm90_fwd, "num_sms"): lambda index: 132,
+        (torch.cuda, "current_device"): lambda: 0,
+    }
+    saved = {target: getattr(*target) for target in patches}
+    try:
+        for (module, name), stand_in in patches.items():
+            setattr(module, name, stand_in)
+        q = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16)
+        for causal in (True, False):
+            p = dataclasses.replace(problem, causal=causal, window_right=0 if causal else -1)
+            plan = family.plan(q, p)
+            assert plan is not None, f"no plan for causal={causal}"
+            check_ffi(plan.fn, _PlanArgs(plan, q), f"{label} plan causal={causal}")
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
+
+
+def check_bwd_plans(family, problem, arch: str, label: str) -> None:
+    """The backward's plans (``BwdPlan.__call__``: preprocess, main, postprocesses) pass each kernel
+    the argument count it was compiled with: MHA, and GQA deterministic (the dK/dV sums' postprocess,
+    the semaphores). Each launch is recorded on CPU tensors, then replayed against its kernel."""
+    import dataclasses
+
+    import torch
+
+    from flashattn_hopper.backends import sm80_bwd
+
+    patches = {
+        (sm80_bwd, "num_sms"): lambda index: 132,
+        (sm80_bwd, "_unused_semaphore"): lambda index: torch.zeros(1, 1, 1, dtype=torch.int32),
+        (torch.cuda, "current_device"): lambda: 0,
+    }
+    saved = {target: getattr(*target) for target in patches}
+    try:
+        for (module, name), stand_in in patches.items():
+            setattr(module, name, stand_in)
+        for heads_k, deterministic in ((4, False), (2, True)):
+            p = dataclasses.replace(problem, nheads_k=heads_k)
+            plan = family.plan(p, None, deterministic, torch.device("cpu"))
+            b, s, h, d = p.batch, p.seqlen_q, p.nheads, p.head_dim
+            q, dout, out = (torch.zeros(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+            k, v = (torch.zeros(b, p.seqlen_k, heads_k, d, dtype=torch.bfloat16) for _ in range(2))
+            lse = torch.zeros(b, h, s)
+            calls = []
+            names = ("pre", "main", "segments", "post_dq", "post_kv", "post_v")
+            real = {name: getattr(plan, name) for name in names}
+            for name in names:
+                if real[name] is not None:
+                    setattr(plan, name, lambda *args, n=name: calls.append((n, args)))
+            try:
+                plan(dout, q, k, v, out, lse)
+            finally:
+                for name in names:
+                    setattr(plan, name, real[name])
+            for name, args in calls:
+                check_ffi(real[name], args, f"{label} plan gqa={heads_k != h} deterministic={deterministic} {name}")
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
+
+
+class _PlanArgs(tuple):
+    """The argument tuple ``FwdPlan.__call__`` passes its kernel, recorded by calling the plan with a
+    recording stand-in for the kernel."""
+
+    def __new__(cls, plan, q):
+        recorded = []
+        fn = plan.fn
+        plan.fn = lambda *args: recorded.extend(args)
+        try:
+            plan(q, q, q)
+        finally:
+            plan.fn = fn
+        return super().__new__(cls, recorded)
+
+
 def main(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
     import torch
@@ -95,9 +192,14 @@ def main(arch: str) -> None:
         compiled = family.compile(family.key(problem, arch, None))
         # softmax_scale, window_left, window_right, softcap, max_ctas, tile counter, varlen slots
         check(compiled, (*tensors, 0.125, 7, 3, 1.0, 132, counter, *varlen_none), 0x1234, "fwd_sm90")
+        check_plans(family, problem, arch, "fwd_sm90")
+        from flashattn_hopper.backends.sm90_bwd import BwdSm90
+
+        check_bwd_plans(BwdSm90(), problem, arch, "bwd_sm90")
         return
     family = FwdSm80()
     check(family.compile(family.key(problem, arch)), (*tensors, 0.125, 7, 3, 1.0, *varlen_none), 0x1234, "fwd_sm80")
+    check_plans(family, problem, arch, "fwd_sm80")
     bwd = BwdSm80()
     pre_key, main_key, post_dq, _ = bwd.keys(problem, arch)
     acc, sem = torch.zeros(2, 4, 128 * 64), torch.zeros(1, 1, 1, dtype=torch.int32)
@@ -110,6 +212,7 @@ def main(arch: str) -> None:
           "bwd_sm80")
     post_tensors = [common.to_cute(acc), common.to_cute(bshd)]
     check(bwd.compile(post_dq), (*post_tensors, 0.125, None, None), 0x1234, "bwd_post_sm80")
+    check_bwd_plans(bwd, problem, arch, "bwd_sm80")
 
 
 if __name__ == "__main__":
