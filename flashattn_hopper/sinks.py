@@ -6,8 +6,8 @@ Forward: the kernels give ``O`` and ``lse`` of the keys alone; with ``lse' = log
 the sink's share is ``exp(sink - lse')`` and every key's probability shrinks by
 ``w = exp(lse - lse') = sigmoid(lse - sink)``, so ``out = O * w`` (fp32, then the input dtype) and
 the returned LSE is ``lse'``. A row that sees no key gets ``out = 0`` and ``lse' = sink``. On the
-sm90 forward the same math can run in the kernel's finalize instead (``IN_KERNEL_SM90``:
-``FwdSm90.forward_with_sink``, ``OnlineSoftmax.finalize``), with no pass over out.
+forward kernels the same math can run in their finalize instead (``IN_KERNEL``:
+``FwdLauncher.forward_with_sink``, ``OnlineSoftmax.finalize``), with no pass over out.
 
 Backward: softmax over the keys plus a sink column whose value is 0. The kernels' backward, given
 ``out`` and ``lse'``, recomputes ``P' = exp(S - lse')`` (the sinked probabilities), takes
@@ -39,27 +39,24 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.ops.flashattn_hopper.bwd(*args)
 
 
-# The sink inside the Hopper forward's finalize (kernels/common/softmax.py: no pass over out): built
-# and compiled (sm_90a SASS checked), not yet run on a GPU; on once tests/test_sinks.py passes with it.
-IN_KERNEL_SM90 = False
+# The sink inside the forward kernels' finalize (kernels/common/softmax.py: no pass over out), both
+# arches: built and compiled (SASS checked), not yet run on a GPU; on once tests/test_sinks.py passes.
+IN_KERNEL = False
 
 
 def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
                        cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse')`` from the sm90 forward with the sink in its finalize, or None where that path
-    does not serve the call (switched off, traced by torch.compile, not the sm90 family, empty)."""
-    if not IN_KERNEL_SM90 or not q.is_cuda or torch.compiler.is_compiling():
+    """``(out, lse')`` from the forward kernel with the sink in its finalize, or None where that path
+    does not serve the call (switched off, CPU tensors, traced by torch.compile, empty)."""
+    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops
 
     p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
     if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
         return None
-    family = dispatch.fwd_kernel_for(q.device, options[6], p)
-    if not hasattr(family, "forward_with_sink"):
-        return None
-    return family.forward_with_sink(q, k, v, p, varlen, sink)
+    return dispatch.fwd_kernel_for(q.device, options[6], p).forward_with_sink(q, k, v, p, varlen, sink)
 
 
 def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:

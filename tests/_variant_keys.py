@@ -15,6 +15,7 @@ def variant_keys(spec, arch: str) -> list:
             for hdim in (64, 96, 128, 192, 256)
         ]
         keys += [key for key in clustered if key not in keys]
-        # The learnable sink in the finalize (sinks.IN_KERNEL_SM90): one representative.
-        keys.append(dataclasses.replace(spec._key(arch, "bf16", 128, causal=True), sink=True))
+    if spec.kind in ("fwd_sm90", "fwd_sm80") and keys:
+        # The learnable sink in the finalize (sinks.IN_KERNEL): one representative per arch's kernel.
+        keys.append(dataclasses.replace(keys[0], sink=True, **spec.sink_key_overrides))
     return keys

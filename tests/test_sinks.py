@@ -199,34 +199,34 @@ def test_sink_api_parity(backend, dtype, causal, seqlens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(1, 1), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_sink_in_kernel_sm90_parity(monkeypatch, head_dim, dtype, causal, seqlens):
-    """The sink in the Hopper forward's finalize (``sinks.IN_KERNEL_SM90``, off by default until this
-    passes on a GPU): the same checks, and the call must have taken that path (239x100 causal: rows
-    with no key, whose LSE is the sink and out 0)."""
+def test_sink_in_kernel_parity(monkeypatch, backend, head_dim, dtype, causal, seqlens):
+    """The sink in the forward kernels' finalize (``sinks.IN_KERNEL``, off by default until this passes
+    on a GPU): the same checks, and the call must have taken that path (239x100 causal: rows with no
+    key, whose LSE is the sink and out 0)."""
     taken = _in_kernel_on(monkeypatch)
-    _api_parity(None, dtype, causal, seqlens, head_dim)
+    _api_parity(backend, dtype, causal, seqlens, head_dim)
     assert taken == [True], taken
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 @pytest.mark.parametrize("s_k", [1, 300])
-def test_sink_in_kernel_sm90_decode(monkeypatch, s_k):
+def test_sink_in_kernel_decode(monkeypatch, backend, s_k):
     """Batch 1, one query (decode): the LSE buffer the launcher fills has the sink's own shape, and must
     still be a copy (the kernel overwrites it; the sink parameter stays as it was, checked in
     ``_api_parity``), with dsink right."""
     taken = _in_kernel_on(monkeypatch)
-    _api_parity(None, torch.bfloat16, True, (1, s_k), 128, batch=1)
+    _api_parity(backend, torch.bfloat16, True, (1, s_k), 128, batch=1)
     assert taken == [True], taken
 
 
 def _in_kernel_on(monkeypatch) -> list:
     """Switches the in-kernel sink on; returns a list that records, per forward, whether it ran."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the in-kernel sink is in the sm90 forward")
     taken = []
     in_kernel = sinks._in_kernel_forward
 
@@ -235,7 +235,7 @@ def _in_kernel_on(monkeypatch) -> list:
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(sinks, "IN_KERNEL_SM90", True)
+    monkeypatch.setattr(sinks, "IN_KERNEL", True)
     monkeypatch.setattr(sinks, "_in_kernel_forward", spy)
     return taken
 
@@ -266,9 +266,10 @@ def _api_parity(backend, dtype, causal, seqlens, head_dim=128, batch=2):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sink_in_kernel_sm90_varlen_seqused(monkeypatch, causal):
-    """The in-kernel sink (``sinks.IN_KERNEL_SM90``) on packed sequences with seqused: zero-length
+def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
+    """The in-kernel sink (``sinks.IN_KERNEL``) on packed sequences with seqused: zero-length
     sequences, unused slot rows (out 0), rows with no key (out 0, lse = sink); out and lse against the
     explicit fp32 reference by the parity rule."""
     from flashattn_hopper.testing import assert_close_to_ref
@@ -285,7 +286,7 @@ def test_sink_in_kernel_sm90_varlen_seqused(monkeypatch, causal):
     sink = torch.randn(8, device="cuda", generator=gen)
     window = (-1, 0) if causal else (-1, -1)
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 90, causal=causal, learnable_sink=sink,
-                                      seqused_q=used_q, seqused_k=used_k, return_lse=True)
+                                      seqused_q=used_q, seqused_k=used_k, return_lse=True, backend=backend)
     ref_out, ref_lse, rows = _sink_ref(q.double(), k.double(), v.double(), sink.double(), causal, window, cu_q, cu_k,
                                        used_q, used_k)
     pt_out, pt_lse, _ = _sink_ref(q, k, v, sink.to(q.dtype), causal, window, cu_q, cu_k, used_q, used_k)

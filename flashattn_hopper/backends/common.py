@@ -4,6 +4,7 @@ compiling without a GPU, conversion of torch tensors at call time, the current s
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -411,6 +412,34 @@ class FwdLauncher:
         index = device_index(q.device)
         extra = self.extra_args(key, q.device, current_stream_handle(index))
         return launch_forward(compiled, key, q, k, v, p, varlen, out, lse, extra)
+
+    sink_key_overrides: dict[str, Any] = {}  # key fields a sink key must have (a family's restrictions)
+
+    def sink_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> Any:
+        """``key`` with the learnable sink at finalize."""
+        return dataclasses.replace(self.key(p, arch, varlen), sink=True, **self.sink_key_overrides)  # type: ignore[attr-defined]
+
+    def forward_with_sink(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        sink: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse')`` with one learnable sink logit per query head (``sink``: ``(nheads,)``) in
+        the kernel's finalize (``sinks.py`` has the math). The LSE buffer starts as each head's logit
+        in every row: the kernel reads it there and overwrites it. A non-empty problem (the caller
+        handles the others)."""
+        key = self.sink_key(p, target_arch(), varlen)
+        compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
+        logits = sink.detach().to(device=q.device, dtype=torch.float32)
+        # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
+        if varlen is not None:
+            lse = torch.empty((p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
+            lse.copy_(logits[:, None].expand(p.nheads, p.seqlen_q))
+        else:
+            lse = torch.empty((p.batch, p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
+            lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
+        extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
+        return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def plan(self, q: torch.Tensor, p: AttnProblem) -> FwdPlan | None:
         """A ``FwdPlan`` for a dense problem the kernel takes without padding, else None."""

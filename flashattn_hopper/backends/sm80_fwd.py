@@ -36,6 +36,7 @@ class FwdKey(KernelKey):
     varlen: bool = False  # cu_seqlens_q and cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
+    sink: bool = False  # a learnable sink logit per query head at finalize (``FwdLauncher.forward_with_sink``)
 
 
 class FwdSm80(FwdLauncher):
@@ -104,6 +105,6 @@ class FwdSm80(FwdLauncher):
         dtype = cutlass_dtype(key.dtype)
         kernel = FlashFwdSm80(
             dtype, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_threads, key.causal,
-            is_local=key.local, has_softcap=key.softcap, num_stages=key.num_stages,
+            is_local=key.local, has_softcap=key.softcap, num_stages=key.num_stages, has_sink=key.sink,
         )
         return compile_forward(kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options)

@@ -9,18 +9,17 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import configs
-from ..jit import KernelKey, compile_cache, target_arch
+from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    cluster_ctas, current_stream_handle, launch_forward, mask_flags, num_sms, tile_counter,
+    cluster_ctas, mask_flags, num_sms, tile_counter,
 )
 
 
@@ -74,6 +73,8 @@ class FwdSm90(FwdLauncher):
     backend = "sm90"
     kind = "fwd_sm90"
     tiles = configs.FWD_SM90_TILES
+    # a sink key's tile holds rows of one head (the kernel reads one head's logit per row)
+    sink_key_overrides = {"pack_gqa": 1, "span_heads": False}
 
     def can_implement(self, p: AttnProblem) -> str | None:
         if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None:
@@ -151,33 +152,6 @@ class FwdSm90(FwdLauncher):
             seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
         )
-
-    def sink_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
-        """``key`` with the in-kernel sink: a tile's rows of one head (no pack_gqa, no spanning tiles)."""
-        return dataclasses.replace(self.key(p, arch, varlen), sink=True, pack_gqa=1, span_heads=False)
-
-    def forward_with_sink(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
-        sink: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse')`` with one learnable sink logit per query head (``sink``: ``(nheads,)``) in
-        the kernel's finalize (``sinks.py`` has the math). The LSE buffer starts as each head's logit
-        in every row: the kernel reads it there and overwrites it. A non-empty problem (the caller
-        handles the others)."""
-        key = self.sink_key(p, target_arch(), varlen)
-        compiled = compile_cache.get(key, self.compile)
-        logits = sink.detach().to(device=q.device, dtype=torch.float32)
-        # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
-        if varlen is not None:
-            lse = torch.empty((p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
-            lse.copy_(logits[:, None].expand(p.nheads, p.seqlen_q))
-        else:
-            lse = torch.empty((p.batch, p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
-            lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        extra = self.extra_args(key, q.device, current_stream_handle(index))
-        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
-        return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def all_keys(self, arch: str) -> list[FwdSm90Key]:
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):

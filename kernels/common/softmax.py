@@ -38,7 +38,7 @@ the rescaling of O deferred to the end).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .utils import LN_2, LOG2_E, acc_rows_cols
 
@@ -191,3 +191,24 @@ class OnlineSoftmax:
                     o_scale[r] = keys_share * cute.arch.rcp_approx(denom)
                     lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN_2
         return o_scale, lse
+
+
+@cute.jit
+def read_sink_log2(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, seqlen_q: Int32) -> cute.Tensor:
+    """A learnable sink's logit for this thread's accumulator rows, in log2 units (-inf past
+    ``seqlen_q``), read from the LSE rows (``mLSE_cur``: this (batch, head)'s) that the launcher
+    filled with it and the epilogue will overwrite. ``tOcO_mn``: the O accumulator's (row, col)
+    coordinates (``acc_rows_cols`` of an identity tensor's partition). Both arches' epilogues write a
+    row's LSE from the quad's lane 0 (its column-0 thread): that lane's read precedes its own write
+    in program order, and the quad takes the value from it by a shuffle (a read by another lane has
+    no ordering against that write)."""
+    num_rows = cute.size(tOcO_mn.shape[0])
+    quad_writer = cute.arch.lane_idx() // 4 * 4
+    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        row = row0 + tOcO_mn[r, 0][0]
+        logit = -Float32.inf
+        if row < seqlen_q:
+            logit = mLSE_cur[row]
+        sink_log2[r] = cute.arch.shuffle_sync(logit, quad_writer) * LOG2_E
+    return sink_log2

@@ -35,7 +35,7 @@ from ..common.block_info import BlockInfo
 from ..common.gemm_sm80 import gemm_rs, gemm_ss
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from ..common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
+from ..common.softmax import OnlineSoftmax, apply_softcap, read_sink_log2, softcap_scale_log2
 from ..common.utils import (
     LOG2_E,
     acc_rows_cols,
@@ -178,6 +178,7 @@ class FlashFwdSm80:
         is_local: bool = False,
         has_softcap: bool = False,
         num_stages: int = 1,
+        has_sink: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_threads, is_causal,
@@ -188,6 +189,9 @@ class FlashFwdSm80:
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
+        # A learnable sink per query head joins each row's denominator at finalize (common/softmax.py);
+        # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
+        self.has_sink = has_sink
         # mma.sync k16 / ldmatrix x4 work on 16-wide slices; pad the head dims to that.
         self.tile_hdim = _round_up(head_dim, 16)
         self.tile_hdimv = _round_up(head_dim_v, 16)
@@ -498,7 +502,12 @@ class FlashFwdSm80:
             )
             self.mainloop(step, block_info, seqlen_q, n_block_max)
 
-        o_scale, lse = softmax.finalize()
+        sink_log2 = None
+        if const_expr(self.has_sink):  # (read here, not before the key loop: live across it, it spilled)
+            cO_acc = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            tOcO_mn = acc_rows_cols(mma.thr_mma_pv.partition_C(cO_acc))
+            sink_log2 = read_sink_log2(mLSE_cur, tOcO_mn, m_block * self.tile_m, seqlen_q)
+        o_scale, lse = softmax.finalize(sink_log2)
         softmax.rescale_O(mma.acc_O, o_scale)
         self.epilogue(
             mma.acc_O, lse, mO_cur, mLSE_cur, sO, mma.thr_mma_pv, tidx, m_block, seqlen_q,

@@ -7,11 +7,12 @@ mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.sm90_utils import store_rows_predicated
-from ..common.utils import LOG2_E, acc_rows_cols, convert_to_16bit
+from ..common.softmax import read_sink_log2
+from ..common.utils import acc_rows_cols, convert_to_16bit
 from .fwd_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
 
 
@@ -39,30 +40,13 @@ class FwdSm90Epilogue:
 
     @cute.jit
     def read_sink_log2(
-        self,
-        mLSE_cur: cute.Tensor,  # (seqlen_q,) of this (batch, head): the sink logit in every row (launcher)
-        tiled_mma_pv: cute.TiledMma,
-        tidx: Int32,
-        row0: Int32,
-        seqlen_q: Int32,
+        self, mLSE_cur: cute.Tensor, tiled_mma_pv: cute.TiledMma, tidx: Int32, row0: Int32, seqlen_q: Int32,
     ) -> cute.Tensor:
-        """``has_sink``: this thread's rows' sink logit in log2 units (-inf past ``seqlen_q``), read
-        from the LSE rows the epilogue will overwrite. A row's LSE is written by the quad's lane 0
-        (its column-0 thread, ``epilogue``): that lane's read comes before its own write in program
-        order, and the quad takes its value by a shuffle (another lane's read has no ordering
-        against that write)."""
+        """``has_sink``: this thread's rows' sink logit (``common.softmax.read_sink_log2``; the rows
+        as ``epilogue`` writes their LSE)."""
         cO_acc = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
         tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
-        num_rows = cute.size(tOcO_mn.shape[0])
-        quad_writer = cute.arch.lane_idx() // 4 * 4
-        sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            row = row0 + tOcO_mn[r, 0][0]
-            logit = -Float32.inf
-            if row < seqlen_q:
-                logit = mLSE_cur[row]
-            sink_log2[r] = cute.arch.shuffle_sync(logit, quad_writer) * LOG2_E
-        return sink_log2
+        return read_sink_log2(mLSE_cur, tOcO_mn, row0, seqlen_q)
 
     @cute.jit
     def epilogue(
