@@ -4,7 +4,8 @@
 
 Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
 ``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
-package), beside our plain causal call at the same shape. bf16, causal, 16k tokens, nheads * hdim =
+package), beside our plain causal call at the same shape; ``ours_sink_k``: the sink inside the forward kernel
+(``sinks.IN_KERNEL``, switched on for that system's calls only). bf16, causal, 16k tokens, nheads * hdim =
 2048 (batch = 16384 / seqlen). TFLOP/s count the causal half of 4 * b * h * s^2 * d per forward and
 2.5x that per backward, whatever a system computes extra (our gate runs q/k 3 columns wider).
 Forward: the call; backward: ``torch.autograd.grad`` of a retained graph (q, k, v and the gate or
@@ -20,6 +21,20 @@ import sys
 import torch
 
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
+
+
+def in_kernel_sink(fn):
+    """``fn`` with ``flashattn_hopper.sinks.IN_KERNEL`` on while it runs (the sink in the forward
+    kernel's finalize; its backward is the same either way)."""
+    from flashattn_hopper import sinks
+
+    def run():
+        sinks.IN_KERNEL = True
+        try:
+            return fn()
+        finally:
+            sinks.IN_KERNEL = False
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -38,10 +53,11 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"repeat={args.repeat}\n")
-    systems = ["ours", "ours_gate", "fla_gate", "ours_sink", "fla_sink"]
+    systems = ["ours", "ours_gate", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink"]
     cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in systems]
-    print("| hdim | seqlen | " + " | ".join(cols) + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA |")
-    print("|---|---|" + "---|" * len(cols) + "---|---|")
+    print("| hdim | seqlen | " + " | ".join(cols)
+          + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA |")
+    print("|---|---|" + "---|" * len(cols) + "---|---|---|")
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for seqlen in args.seqlens:
@@ -59,6 +75,8 @@ def main(argv: list[str]) -> int:
                 "ours_gate": (lambda: flash_attn_func(*leaves, causal=True, log_decay=g_leaf), [*leaves, g_leaf]),
                 "ours_sink": (lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf),
                               [*leaves, sink_leaf]),
+                "ours_sink_k": (in_kernel_sink(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf)),
+                                [*leaves, sink_leaf]),
             }
             if parallel_attn is not None:
                 calls["fla_gate"] = (lambda: parallel_attn(*leaves, g=g_leaf), [*leaves, g_leaf])
@@ -86,8 +104,9 @@ def main(argv: list[str]) -> int:
 
             gate_r = f"{ratio('fwd:ours_gate', 'fwd:fla_gate')} / {ratio('bwd:ours_gate', 'bwd:fla_gate')}"
             sink_r = f"{ratio('fwd:ours_sink', 'fwd:fla_sink')} / {ratio('bwd:ours_sink', 'bwd:fla_sink')}"
-            print(f"| {hdim} | {seqlen} | " + " | ".join(format_cells(tflops, cols)) + f" | {gate_r} | {sink_r} |",
-                  flush=True)
+            sink_k = f"{ratio('fwd:ours_sink_k', 'fwd:fla_sink')} / {ratio('bwd:ours_sink_k', 'bwd:fla_sink')}"
+            print(f"| {hdim} | {seqlen} | " + " | ".join(format_cells(tflops, cols))
+                  + f" | {gate_r} | {sink_r} | {sink_k} |", flush=True)
     return 0
 
 
