@@ -20,7 +20,6 @@ import subprocess
 import sys
 from typing import Any, Callable
 
-import pytest
 
 # mutation -> (what it stands for, the tests expected to catch it)
 SELECTIONS: dict[str, tuple[str, list[str]]] = {
