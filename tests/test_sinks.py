@@ -297,3 +297,41 @@ def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
     unused[rows] = False
     assert bool((out[unused] == 0).all())
     assert taken == [True], taken
+
+
+@pytest.mark.parametrize("family_name", ["sm80", "sm90"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 300)], ids=["decode", "prefill"])
+def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
+    """The in-kernel route's LSE buffer (the kernel reads the logits there and overwrites them) holds
+    each head's logit in every row and never shares memory with the sink parameter (batch 1 with one
+    query once made ``expand().contiguous()`` return the parameter itself); the sink key has the
+    family's restrictions. CPU: the launch and device lookups are stand-ins."""
+    from flashattn_hopper import dispatch
+    from flashattn_hopper.backends import common, sm90_fwd
+    from flashattn_hopper.validate import AttnProblem
+
+    launched = {}
+
+    def launch(compiled, key, q, k, v, p, varlen, out, lse, extra):
+        launched.update(key=key, lse=lse.clone(), lse_ptr=lse.data_ptr())
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), lse
+
+    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
+    monkeypatch.setattr(common, "launch_forward", launch)
+    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(common, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))
+    batch, s_q = shape
+    q = torch.zeros(batch, s_q, 8, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(batch, 40, 2, 128, dtype=torch.bfloat16)
+    sink = torch.randn(8)
+    p = AttnProblem(batch=batch, seqlen_q=s_q, seqlen_k=40, nheads=8, nheads_k=2, head_dim=128, head_dim_v=128,
+                    dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1, window_right=0,
+                    softcap=0.0, is_varlen=False)
+    dispatch.FWD_KERNELS[family_name].forward_with_sink(q, k, v, p, None, sink)
+    lse, key = launched["lse"], launched["key"]
+    assert lse.shape == (batch, 8, s_q) and torch.equal(lse, sink[None, :, None].expand(batch, 8, s_q))
+    assert launched["lse_ptr"] != sink.data_ptr(), "the LSE buffer is the sink parameter itself"
+    assert key.sink and (family_name == "sm80" or (key.pack_gqa == 1 and not key.span_heads))
