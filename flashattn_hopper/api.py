@@ -352,11 +352,9 @@ def _gated(
     learnable_sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A call with ``log_decay``: the decay as three more q/k columns (``gate.py``), the plain kernels
-    at ``softmax_scale = 1``, then ``G_i`` added to the LSE."""
-    if learnable_sink is not None:
-        raise NotImplementedError("log_decay with learnable_sink is not implemented yet (the sink would need G_i per row)")
+    at ``softmax_scale = 1``, then ``G_i`` added to the LSE (and the sink joined, if given)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     gated_varlen = tuple(varlen[:4]) if varlen is not None else None  # max_seqlen: no kernel reads it
     return gate.attention(q, k, v, log_decay, gated_varlen, float(scale), causal,
-                          validate.check_window(window_size, causal), deterministic, backend)
+                          validate.check_window(window_size, causal), deterministic, backend, learnable_sink)
 

@@ -29,7 +29,8 @@ on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
 Cost: q/k head dims grow by 4 (64 -> 68 runs on the 96-wide rows with v at 64; 128 -> 132 on 192 with
 v at 128): about 25 % more work than plain attention; k and v are expanded to one head per query
 head (a gate per query head). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
-q/k head dims up to 252, no softcap (the bias must not pass through tanh), no sink yet.
+q/k head dims up to 252, no softcap (the bias must not pass through tanh). A learnable sink joins
+after the kernels' forward, as in ``sinks.py``, on the gated LSE (``GatedAttnFunc``).
 """
 
 from __future__ import annotations
@@ -171,40 +172,65 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
-                G_q: torch.Tensor, cu_q: torch.Tensor | None, cu_k: torch.Tensor | None,
-                used_q: torch.Tensor | None, used_k: torch.Tensor | None,
+                G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
+                cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        head_axis = 1 if cu_q is not None else 2
+        varlen = cu_q is not None
+        head_axis = 1 if varlen else 2
         group = q_aug.shape[head_axis] // k.shape[head_axis]
         k_aug = _k_columns(_per_query_head(k, group, head_axis), neg_G)
         v = _per_query_head(v, group, head_axis)
         out, lse = _fwd_op(q_aug, k_aug, v, cu_q, cu_k, used_q, used_k, *options)
-        ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k)
+        G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
+        lse_full = lse + G_rows
+        if sink is not None:
+            # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
+            # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
+            # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
+            lse_full, out = _with_sink(out, lse_full, sink, q_aug, cu_q, used_q)
+            lse = lse_full - G_rows
+        ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
-        lse = lse + (G_q.t() if cu_q is not None else G_q.transpose(1, 2))
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse_full
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full = ctx.saved_tensors
         if dout is None:
-            return (None,) * 10
+            return (None,) * 11
         dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
         d = k_aug.shape[-1] - _PARTS - 1
-        # Each part's column holds the same column sum of dS: one of them is d(-G).
+        # Each part's column holds the same column sum of dS: one of them is d(-G). The row sums (dQ's
+        # last column) are over the keys only, which is G_i's gradient with a sink too.
         d_neg_G, d_G_q = dk32[..., d], dq[..., d + _PARTS].float()
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
-        return dq, dk, dv, d_neg_G, d_G_q, None, None, None, None, None
+        dsink = None
+        if sink is not None:
+            from .sinks import sink_gradient
+
+            dsink = sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
+        return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
+
+
+def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, q: torch.Tensor,
+               cu_q: torch.Tensor | None, used_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse', out')`` with the sink joined (``sinks.py``: ``lse' = logaddexp(lse, sink)``, out
+    scaled by ``exp(lse - lse')``; rows past ``seqused_q`` 0)."""
+    from .sinks import join_sink
+
+    return join_sink(out, lse, sink, q, cu_q, used_q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
               varlen: tuple[Any, ...] | None, scale: float, causal: bool, window: tuple[int, int],
-              deterministic: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None); the
-    ops run eagerly and under ``torch.compile`` alike."""
+              deterministic: bool, backend: str | None,
+              sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None), with
+    a learnable sink per query head if ``sink`` is given; the ops run eagerly and under
+    ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     G = cumulative(log_decay, cu_k)
     q_aug = scaled_q(q, float(scale))
@@ -213,4 +239,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
         G_q = at_queries(G, q.shape[1])
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
-    return GatedAttnFunc.apply(q_aug, k, v, -G, G_q, cu_q, cu_k, used_q, used_k, options)
+    return GatedAttnFunc.apply(q_aug, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)

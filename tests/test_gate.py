@@ -211,7 +211,6 @@ def test_split_bf16_parts_hold_fp32_precision():
     (dict(log_decay=torch.zeros(1, 8, 3)), ValueError, r"log_decay must have shape \(batch, seqlen_k, nheads\) = \(1, 8, 2\)"),
     (dict(log_decay=torch.zeros(1, 8, 2, dtype=torch.int32)), TypeError, "log_decay must be float32"),
     (dict(log_decay=torch.zeros(1, 8, 2), softcap=5.0), NotImplementedError, "log_decay with softcap"),
-    (dict(log_decay=torch.zeros(1, 8, 2), learnable_sink=torch.zeros(2)), NotImplementedError, "learnable_sink"),
 ])
 def test_bad_log_decay_is_named(kwargs, error, match):
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
@@ -232,6 +231,47 @@ def test_valid_log_decay_reaches_the_device_check():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA device"):
         flash_attn_func(q, q, q, causal=True, log_decay=torch.zeros(1, 8, 2))
+    with pytest.raises(ValueError, match="CUDA device"):  # (with a sink too)
+        flash_attn_func(q, q, q, causal=True, log_decay=torch.zeros(1, 8, 2), learnable_sink=torch.zeros(2))
+
+
+def _gated_sink_ref_dense(q, k, v, g, sink, causal, window, scale):
+    """The definition with a sink: the gated scores (``G_i - G_j``) and one more column per row
+    holding the head's sink logit, whose value is 0; (out, lse incl. the sink)."""
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    G = torch.cumsum(g.to(torch.promote_types(q.dtype, torch.float32)), dim=1)  # (as _gated_ref_dense)
+    s_q, s_k = q.shape[1], k.shape[1]
+    pos = (torch.arange(s_q) + s_k - s_q).to(G.device)
+    Gq = torch.where((pos >= 0)[None, :, None], G[:, pos.clamp(0, max(s_k - 1, 0))],
+                     torch.zeros((), dtype=G.dtype, device=G.device))
+    bias = (Gq.permute(0, 2, 1)[..., None] - G.permute(0, 2, 1)[:, :, None, :]).to(q.dtype)
+    s = torch.einsum("bthd,bshd->bhts", q, kr) * scale + bias
+    visible = testing._key_mask(s_q, s_k, causal, window, q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    s = torch.cat([s, sink[None, :, None, None].expand(*s.shape[:3], 1).to(s.dtype)], dim=-1)
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1)[..., :-1], vr), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, 0)), (False, (5, 3))], ids=["causal", "window"])
+@pytest.mark.parametrize("s_q,s_k", [(19, 23), (23, 9)])
+def test_gated_sink_matches_the_definition(emulated_ops, causal, window, s_q, s_k):
+    """``log_decay`` with ``learnable_sink`` (``GatedAttnFunc`` on the op seams): out, LSE (incl. the
+    sink) and dq/dk/dv/dg/dsink equal the definition's; 23x9 causal has rows with no key (out 0, LSE
+    the sink)."""
+    q, k, v, dout = _leaves((2, s_q, 4, 16), (2, s_k, 2, 16), (2, s_k, 2, 16), (2, s_q, 4, 16))
+    g = _gates((2, s_k, 4))
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    out, lse = gate.attention(q, k, v, g, None, 0.3, causal, window, False, None, sink)
+    ref_out, ref_lse = _gated_sink_ref_dense(q, k, v, g, sink, causal, window, 0.3)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    leaves = (q, k, v, g, sink)
+    got = torch.autograd.grad(out, leaves, dout.detach())
+    want = torch.autograd.grad(ref_out, leaves, dout.detach())
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dsink"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------- GPU tier
@@ -264,6 +304,37 @@ def test_gate_api_parity(backend, head_dim, causal, seqlens):
     assert_close_to_ref("out", out, refs[True][0].to(torch.bfloat16), refs[False][0])
     assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-3)
     for name, gr, r, pt in zip(("dq", "dk", "dv", "dg"), grads, refs[True][2], refs[False][2]):
+        assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("seqlens", [(239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gate_with_sink_api_parity(backend, seqlens):
+    """``log_decay`` and ``learnable_sink`` together, causal GQA: out, lse (incl. the sink) and
+    dq/dk/dv/dg/dsink against the fp32 definition (2x PyTorch's error in bf16); 239x100 has rows with
+    no key."""
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    s_q, s_k = seqlens
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, dout = (torch.randn(2, s, h, 64, dtype=torch.bfloat16, device="cuda", generator=gen)
+                     for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 8, device="cuda", generator=gen) * 2 + 3)
+    sink = torch.randn(8, device="cuda", generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, sink)]
+    out, lse = flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3], learnable_sink=leaves[4],
+                               return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls += [g.detach().clone().requires_grad_(), sink.detach().clone().requires_grad_()]
+        o, l = _gated_sink_ref_dense(*ls, True, (-1, 0), 64 ** -0.5)
+        refs[upcast] = (o, l, torch.autograd.grad(o, ls, dout.to(o.dtype)))
+    assert_close_to_ref("out", out, refs[True][0].to(torch.bfloat16), refs[False][0])
+    assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-3)
+    for name, gr, r, pt in zip(("dq", "dk", "dv", "dg", "dsink"), grads, refs[True][2], refs[False][2]):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
 
 
