@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .packed import sequence_of_rows
+from .sinks import join_sink, sink_gradient
 
 _PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
 
@@ -187,7 +188,7 @@ class GatedAttnFunc(torch.autograd.Function):
             # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
             # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
             # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
-            lse_full, out = _with_sink(out, lse_full, sink, q_aug, cu_q, used_q)
+            lse_full, out = join_sink(out, lse_full, sink, q_aug, cu_q, used_q)
             lse = lse_full - G_rows
         ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
@@ -207,21 +208,8 @@ class GatedAttnFunc(torch.autograd.Function):
         d_neg_G, d_G_q = dk32[..., d], dq[..., d + _PARTS].float()
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
-        dsink = None
-        if sink is not None:
-            from .sinks import sink_gradient
-
-            dsink = sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
+        dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
-
-
-def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, q: torch.Tensor,
-               cu_q: torch.Tensor | None, used_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse', out')`` with the sink joined (``sinks.py``: ``lse' = logaddexp(lse, sink)``, out
-    scaled by ``exp(lse - lse')``; rows past ``seqused_q`` 0)."""
-    from .sinks import join_sink
-
-    return join_sink(out, lse, sink, q, cu_q, used_q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

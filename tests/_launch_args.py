@@ -11,6 +11,7 @@ Compiles with fake tensors (no GPU); exits non-zero with the differing argument 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -75,6 +76,19 @@ def check(compiled, args: tuple, stream_handle: int, label: str) -> None:
     print(f"ok {label}: {len(ours)} pointers")
 
 
+@contextlib.contextmanager
+def _stand_ins(patches: dict):
+    """``{(module, name): stand_in}`` set for the block, the originals put back after it."""
+    saved = {target: getattr(*target) for target in patches}
+    try:
+        for (module, name), stand_in in patches.items():
+            setattr(module, name, stand_in)
+        yield
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
+
+
 def check_plans(family, problem, arch: str, label: str) -> None:
     """The cached-call path (``FwdLauncher.plan`` -> ``FwdPlan.__call__``, what every repeated dense
     call runs) passes its kernel the argument count it was compiled with, causal (dynamic schedule:
@@ -88,27 +102,20 @@ def check_plans(family, problem, arch: str, label: str) -> None:
     from flashattn_hopper.backends import common, sm90_fwd
 
     counter = torch.zeros(1, dtype=torch.int32)
-    patches = {
+    with _stand_ins({
         (common, "device_index"): lambda device: 0,
         (common, "current_stream_handle"): lambda index: 0,
         (common, "tile_counter"): lambda index, stream=None: counter,
         (sm90_fwd, "tile_counter"): lambda index, stream=None: counter,
         (sm90_fwd, "num_sms"): lambda index: 132,
         (torch.cuda, "current_device"): lambda: 0,
-    }
-    saved = {target: getattr(*target) for target in patches}
-    try:
-        for (module, name), stand_in in patches.items():
-            setattr(module, name, stand_in)
+    }):
         q = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16)
         for causal in (True, False):
             p = dataclasses.replace(problem, causal=causal, window_right=0 if causal else -1)
             plan = family.plan(q, p)
             assert plan is not None, f"no plan for causal={causal}"
             check_ffi(plan.fn, _PlanArgs(plan, q), f"{label} plan causal={causal}")
-    finally:
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
 
 
 def check_bwd_plans(family, problem, arch: str, label: str) -> None:
@@ -121,15 +128,11 @@ def check_bwd_plans(family, problem, arch: str, label: str) -> None:
 
     from flashattn_hopper.backends import sm80_bwd
 
-    patches = {
+    with _stand_ins({
         (sm80_bwd, "num_sms"): lambda index: 132,
         (sm80_bwd, "_unused_semaphore"): lambda index: torch.zeros(1, 1, 1, dtype=torch.int32),
         (torch.cuda, "current_device"): lambda: 0,
-    }
-    saved = {target: getattr(*target) for target in patches}
-    try:
-        for (module, name), stand_in in patches.items():
-            setattr(module, name, stand_in)
+    }):
         for heads_k, deterministic in ((4, False), (2, True)):
             p = dataclasses.replace(problem, nheads_k=heads_k)
             plan = family.plan(p, None, deterministic, torch.device("cpu"))
@@ -150,9 +153,6 @@ def check_bwd_plans(family, problem, arch: str, label: str) -> None:
                     setattr(plan, name, real[name])
             for name, args in calls:
                 check_ffi(real[name], args, f"{label} plan gqa={heads_k != h} deterministic={deterministic} {name}")
-    finally:
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
 
 
 class _PlanArgs(tuple):

@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
         if not shard:
             continue
         log = (out_dir / f"shard_{i}.log").open("w")
+        # --maxfail: a shard stops after 12 failures (a broken build would otherwise spend the device
+        # time on failing compiles); the shard's rc and log still say it failed.
         cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
                "--maxfail=12", *shard]
         procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))

@@ -345,7 +345,7 @@ def launch_forward(
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if key.seqused_q:  # the kernels write only rows < seqused_q of each sequence
         out.zero_()
-        if not getattr(key, "sink", False):  # (a sink key's LSE holds the sink: a row with no key's LSE)
+        if not key.sink:  # (a sink key's LSE holds the sink: a row with no key's LSE)
             lse.fill_(float("-inf"))
     window_left, window_right = window_args(p) if key.local else (0, 0)
     softcap = p.softcap if key.softcap else 1.0
