@@ -4,8 +4,8 @@
 
 Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
 ``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
-package), beside our plain causal call at the same shape; ``ours_sink_k``: the sink inside the forward kernel
-(``sinks.IN_KERNEL``, switched on for that system's calls only). bf16, causal, 16k tokens, nheads * hdim =
+package), beside our plain causal call at the same shape; ``ours_sink``: the sink joined after the kernel
+(``sinks.IN_KERNEL`` off for that system's calls), ``ours_sink_k``: the sink inside the forward kernel (the default). bf16, causal, 16k tokens, nheads * hdim =
 2048 (batch = 16384 / seqlen). TFLOP/s count the causal half of 4 * b * h * s^2 * d per forward and
 2.5x that per backward, whatever a system computes extra (our gate runs q/k 3 columns wider).
 Forward: the call; backward: ``torch.autograd.grad`` of a retained graph (q, k, v and the gate or
@@ -23,17 +23,17 @@ import torch
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 
-def in_kernel_sink(fn):
-    """``fn`` with ``flashattn_hopper.sinks.IN_KERNEL`` on while it runs (the sink in the forward
-    kernel's finalize; its backward is the same either way)."""
+def sink_path(fn, in_kernel: bool):
+    """``fn`` with ``flashattn_hopper.sinks.IN_KERNEL`` set to ``in_kernel`` while it runs (the sink in
+    the forward kernel's finalize or joined after it; the backward is the same either way)."""
     from flashattn_hopper import sinks
 
     def run():
-        sinks.IN_KERNEL = True
+        was, sinks.IN_KERNEL = sinks.IN_KERNEL, in_kernel
         try:
             return fn()
         finally:
-            sinks.IN_KERNEL = False
+            sinks.IN_KERNEL = was
     return run
 
 
@@ -73,9 +73,9 @@ def main(argv: list[str]) -> int:
             calls = {
                 "ours": (lambda: flash_attn_func(*leaves, causal=True), leaves),
                 "ours_gate": (lambda: flash_attn_func(*leaves, causal=True, log_decay=g_leaf), [*leaves, g_leaf]),
-                "ours_sink": (lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf),
+                "ours_sink": (sink_path(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf), False),
                               [*leaves, sink_leaf]),
-                "ours_sink_k": (in_kernel_sink(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf)),
+                "ours_sink_k": (sink_path(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf), True),
                                 [*leaves, sink_leaf]),
             }
             if parallel_attn is not None:

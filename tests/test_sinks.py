@@ -193,8 +193,10 @@ def test_compile_traces_a_sink_call_in_one_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_sink_api_parity(backend, dtype, causal, seqlens):
-    """out, lse and dq/dk/dv/dsink against the explicit fp32 reference (2x PyTorch's error in the dtype)."""
+def test_sink_api_parity(monkeypatch, backend, dtype, causal, seqlens):
+    """out, lse and dq/dk/dv/dsink against the explicit fp32 reference (2x PyTorch's error in the dtype),
+    with the sink joined after the kernel (``IN_KERNEL`` off: the path torch.compile and the gate take)."""
+    monkeypatch.setattr(sinks, "IN_KERNEL", False)
     _api_parity(backend, dtype, causal, seqlens)
 
 
@@ -205,8 +207,7 @@ def test_sink_api_parity(backend, dtype, causal, seqlens):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(1, 1), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_sink_in_kernel_parity(monkeypatch, backend, head_dim, dtype, causal, seqlens):
-    """The sink in the forward kernels' finalize (``sinks.IN_KERNEL``, off by default until this passes
-    on a GPU): the same checks, and the call must have taken that path (239x100 causal: rows with no
+    """The sink in the forward kernels' finalize (``sinks.IN_KERNEL``, the default): the same checks, and the call must have taken that path (239x100 causal: rows with no
     key, whose LSE is the sink and out 0)."""
     taken = _in_kernel_on(monkeypatch)
     _api_parity(backend, dtype, causal, seqlens, head_dim)
