@@ -1,8 +1,8 @@
-"""The Hopper backward (kernels/sm90/bwd.py) through the public API with ``backend="sm90"`` (GPU tier,
+"""The Hopper backward (kernels/sm90/bwd.py; bwd_wide.py for head dims 192/256) through the public API with ``backend="sm90"`` (GPU tier,
 Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``test_bwd.py`` (whose
 helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
 
-Matrix: both dtypes, head dims 64 and 128 (the sm90 rows), causal or not, odd and unequal seqlens,
+Matrix: both dtypes, head dims 64, 128, 192 and 256 (the sm90 rows), causal or not, odd and unequal seqlens,
 MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and
 seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
 sequence alone gives the same bits as inside a varlen batch). hdim 64 runs its 128 x 128 tile (dQ
@@ -30,7 +30,7 @@ pytestmark = [
     ),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS = [64, 128]
+HEAD_DIMS = [64, 128, 192, 256]
 
 
 def test_sm90_backward_takes_the_common_problems():

@@ -4,8 +4,8 @@
 The pre and post kernels, the scratch buffers, the deterministic semaphores and the launch sequence
 are the Ampere family's (``BwdSm80.backward``); only the main kernel and its key differ, and the
 dQ accumulator is row-major (the postprocess runs in its row-major mode, as for GQA's dK/dV sums).
-Head dims 64, 96 and 128 (q and v the same after padding); other problems run on the Ampere
-backward (dispatch falls back when this family cannot implement them).
+Head dims up to 256 (q and v the same after padding; 192 and 256 on ``kernels/sm90/bwd_wide.py``);
+other problems run on the Ampere backward (dispatch falls back when this family cannot implement them).
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ class BwdSm90Tile:
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
 # 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18);
-# softcap keeps 64x128 there (``_main_key``).
+# softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
+# (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
+    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
+    256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
 
 
@@ -101,7 +104,8 @@ class BwdSm90(BwdSm80):
 
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
-        d128 varlen causal, window and causal softcap. (The pre/post keys are the sm80 family's.)"""
+        d128 varlen causal, window and causal softcap, d256 causal (the wide kernel). (The pre/post
+        keys are the sm80 family's.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -113,6 +117,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, False, varlen=True),
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
+            main(arch, "bf16", 256, 256, True, False),
         ]
 
     def compile(self, key: KernelKey, options: str | None = None) -> Any:
@@ -122,6 +127,7 @@ class BwdSm90(BwdSm80):
         import cutlass.cute as cute
 
         from ..kernels.sm90.bwd import FlashBwdSm90
+        from ..kernels.sm90.bwd_wide import FlashBwdSm90Wide
 
         k: BwdSm90Key = key  # type: ignore[assignment]
         dtype = cutlass_dtype(k.dtype)
@@ -133,7 +139,8 @@ class BwdSm90(BwdSm80):
         def qkv(seqlen: Any, heads: Any) -> Any:
             return _fake_packed(dtype, seqlen, heads, d) if k.varlen else fake_bshd(dtype, b, seqlen, heads, d)
 
-        kernel = FlashBwdSm90(
+        kernel_class = FlashBwdSm90Wide if k.tile_n == 64 else FlashBwdSm90
+        kernel = kernel_class(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
         )

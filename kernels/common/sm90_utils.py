@@ -29,11 +29,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 
 def make_smem_layout_sm90(
-    dtype: type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None
+    dtype: type[cutlass.Numeric], rows: int, cols: int, stages: int | None = None, atom_cols: int | None = None
 ) -> cute.ComposedLayout:
-    """Swizzled ``(rows, cols[, stages])`` smem layout, ``cols`` contiguous (K-major)."""
+    """Swizzled ``(rows, cols[, stages])`` smem layout, ``cols`` contiguous (K-major). The swizzle is
+    the widest whose atom divides ``atom_cols`` (default ``cols``): a narrower one lets a WGMMA read
+    column slices of that width as MN-major operands."""
     atom = warpgroup.make_smem_layout_atom(
-        hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+        hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols), dtype
     )
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))

@@ -152,10 +152,12 @@ class FlashBwdSm90:
         # formed (16-bit, the dV GEMM's A operand), S^T's registers are free, and dS^T is formed
         # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next).
         self.dp_after_p = tile_m == 128
+        # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
+        self.num_mma_wg = 2
         self.dq_rows = 64 if dq_split_rows else tile_m  # one warpgroup's chunk of the dQ tile
-        self.dq_cols = head_dim if dq_split_rows else head_dim // (tile_n // 64)
-        self.num_mma_wg = tile_n // 64
-        self.dq_sync_threads = tile_n // 64 * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
+        self.dq_cols = head_dim if dq_split_rows else head_dim // self.num_mma_wg
+        self.dq_sync_threads = self.num_mma_wg * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
+        self.pds_stages = 2  # sdSt buffers (bwd_wide.py adds two for P^T)
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
         elem = dtype.width // 8
@@ -203,7 +205,7 @@ class FlashBwdSm90:
             "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d),
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, d),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
-            "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, 2),
+            "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
             # fp32 dQ staging, one (dq_rows, dq_cols) chunk per MMA warpgroup, for the TMA reduce-add.
             "sdQ": make_smem_layout_sm90(Float32, self.dq_rows, self.dq_cols, self.num_mma_wg),
         }
