@@ -2,6 +2,7 @@
 
     python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
                              [--repeat N] [--deterministic] [--sm80] [--tiles 64:128x128:1:rows ...]
+                             [--hdim-v DV]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
@@ -13,7 +14,7 @@ launcher with that tile at that head dim (``BwdSm90Tile``: tile_m x tile_n, Q/dO
 rows), called directly on our forward's out/lse (A/B of tiles in one interleaved run). Before timing, every column's gradients are checked against cuDNN's on the same inputs
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
-* h * s^2 * d (x 1/2 causal). Prints a Markdown table of TFLOP/s and ours / the faster peer.
+* h * s^2 * d (x 1/2 causal); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--deterministic", action="store_true", help="ours with deterministic=True")
     ap.add_argument("--sm80", action="store_true", help="also time our Ampere backward")
     ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
+    ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
     args = ap.parse_args(argv)
     tile_cols = {spec: parse_tile(spec) for spec in args.tiles}
 
@@ -89,9 +91,10 @@ def main(argv: list[str]) -> int:
             for causal in (c == "on" for c in args.causal):
                 batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
                 gen = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v, dout = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
-                                             generator=gen) for _ in range(4))
-                flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * hdim * (0.5 if causal else 1.0)
+                hdim_v = args.hdim_v or hdim
+                q, k, v, dout = (torch.randn(batch, seqlen, nheads, width, dtype=torch.bfloat16, device="cuda",
+                                             generator=gen) for width in (hdim, hdim, hdim_v, hdim_v))
+                flops = 2.5 * 2 * batch * nheads * seqlen * seqlen * (hdim + hdim_v) * (0.5 if causal else 1.0)
                 fns, layouts = {}, {}
                 for col in ours_cols:
                     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
@@ -140,7 +143,8 @@ def main(argv: list[str]) -> int:
                 for base in (*peers, best):
                     ok = isinstance(ours, float) and isinstance(base, float)
                     ratios.append(f"{ours / base:.2f}" if ok else "-")
-                print(f"| {hdim} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells + ratios) + " |",
+                dims = f"{hdim}" if hdim_v == hdim else f"{hdim}/{hdim_v}"
+                print(f"| {dims} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells + ratios) + " |",
                       flush=True)
                 del fns
                 torch.cuda.empty_cache()

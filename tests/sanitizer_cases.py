@@ -22,14 +22,15 @@ from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
 VARLEN_LENS = (17, 130, 0, 1)
 
 
-def _qkv(s_q: int, s_k: int, h: int = 2, h_k: int = 1, d: int = 128, batch: int = 1, grad: bool = False):
+def _qkv(s_q: int, s_k: int, h: int = 2, h_k: int = 1, d: int = 128, batch: int = 1, grad: bool = False,
+         dv: int | None = None):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def rand(s: int, heads: int) -> torch.Tensor:
-        x = torch.randn(batch, s, heads, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    def rand(s: int, heads: int, width: int = d) -> torch.Tensor:
+        x = torch.randn(batch, s, heads, width, dtype=torch.bfloat16, device="cuda", generator=gen)
         return x.requires_grad_(grad)
 
-    return rand(s_q, h), rand(s_k, h_k), rand(s_k, h_k)
+    return rand(s_q, h), rand(s_k, h_k), rand(s_k, h_k, dv or d)
 
 
 def _packed(lens: tuple[int, ...], h: int = 2, h_k: int = 1, d: int = 128, grad: bool = False):
@@ -44,10 +45,11 @@ def _packed(lens: tuple[int, ...], h: int = 2, h_k: int = 1, d: int = 128, grad:
     return rand(h), rand(h_k), rand(h_k), cu, max(lens)
 
 
-def _dense(backend: str | None, backward: bool = False, d: int = 128, **kwargs) -> Callable[[], None]:
+def _dense(backend: str | None, backward: bool = False, d: int = 128, dv: int | None = None,
+           **kwargs) -> Callable[[], None]:
     def run() -> None:
         for s_q, s_k in ((113, 203), (256, 256)):
-            q, k, v = _qkv(s_q, s_k, d=d, grad=backward)
+            q, k, v = _qkv(s_q, s_k, d=d, grad=backward, dv=dv)
             out = flash_attn_func(q, k, v, backend=backend, **kwargs)
             if backward:
                 out.backward(torch.randn_like(out))
@@ -132,6 +134,11 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_bwd_d64_dense_causal": _dense("sm90", backward=True, d=64, causal=True),
     "sm90_fwd_bwd_d64_varlen_local": _varlen("sm90", backward=True, d=64, window_size=(20, 0)),
     "sm90_fwd_bwd_d64_deterministic": _dense("sm90", backward=True, d=64, deterministic=True),
+    # hdim 192/256: the wide kernel (64 x 64, head_dim split between the MMA warpgroups).
+    "sm90_fwd_bwd_d256_dense_causal": _dense("sm90", backward=True, d=256, causal=True),
+    "sm90_fwd_bwd_d192_varlen_local": _varlen("sm90", backward=True, d=192, window_size=(20, 0)),
+    "sm90_fwd_bwd_d256_deterministic": _dense("sm90", backward=True, d=256, deterministic=True),
+    "sm90_fwd_bwd_d192_128_dense": _dense("sm90", backward=True, d=192, dv=128),
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }

@@ -74,6 +74,27 @@ def test_bwd_sm90_varlen(dtype, causal, case, heads):
     _varlen_case(dtype, 128 if dtype == torch.bfloat16 else 64, causal, case, heads, backend="sm90")
 
 
+@pytest.mark.parametrize("dims", [(192, 128), (256, 128), (256, 192), (160, 104)], ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_head_dim_v(dims, causal, heads):
+    """v narrower than q/k on the wide kernel (bwd_wide.py: V, dO and dV at v's width; 160/104 runs
+    padded to 192/128), odd seqlens."""
+    (head_dim, head_dim_v), (h, h_k) = dims, heads
+    q, k, v, dout = make_inputs(2, 239, 300, h, h_k, head_dim, dv=head_dim_v, seed=7)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
+
+
+def test_bwd_sm90_head_dim_v_deterministic():
+    """192/128 GQA deterministic: parity, then 5 repeats bit for bit."""
+    q, k, v, dout = make_inputs(2, 500, 700, 8, 2, 192, dv=128, seed=8)
+    first = check_poisoned_grads(q, k, v, dout, "sm90", deterministic=True, causal=True)
+    for _ in range(5):
+        again = poisoned_bwd(q, k, v, dout, "sm90", "sm90", deterministic=True, causal=True)
+        for name, a, b in zip(("dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("scale", [0.05, 0.3], ids=["below", "above"])
 def test_bwd_sm90_softmax_scale(head_dim, scale):

@@ -46,7 +46,7 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 class BwdSm90Key(KernelKey):
     dtype: str
     head_dim: int
-    head_dim_v: int  # == head_dim (the launcher pads v to q/k's width)
+    head_dim_v: int  # == head_dim, or 128..head_dim where head_dim >= 192 (bwd_wide.py)
     tile_m: int
     tile_n: int
     causal: bool
@@ -70,10 +70,12 @@ class BwdSm90(BwdSm80):
     tiles = BWD_SM90_TILES
 
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
-        if configs.kernel_head_dim(self.tiles, p.head_dim, p.head_dim_v) is None or p.head_dim != p.head_dim_v:
+        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        if dims is None or not (dims[0] == dims[1] or dims[0] >= 192 and 128 <= dims[1] <= dims[0]):
             return (
                 f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm90 backward yet; "
-                f"supported: q and v head dims equal, up to {max(self.tiles)}"
+                f"supported: q and v head dims equal up to {max(self.tiles)}, or q/k over 128 with v from "
+                "over 64 up to q/k's"
             )
         return super().can_implement(p, deterministic)
 
@@ -104,8 +106,8 @@ class BwdSm90(BwdSm80):
 
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
-        d128 varlen causal, window and causal softcap, d256 causal (the wide kernel). (The pre/post
-        keys are the sm80 family's.)"""
+        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA.
+        (The pre/post keys are the sm80 family's.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -118,6 +120,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
             main(arch, "bf16", 256, 256, True, False),
+            main(arch, "bf16", 192, 128, True, True),
         ]
 
     def compile(self, key: KernelKey, options: str | None = None) -> Any:
@@ -132,24 +135,25 @@ class BwdSm90(BwdSm80):
         k: BwdSm90Key = key  # type: ignore[assignment]
         dtype = cutlass_dtype(k.dtype)
         f32, i32 = cutlass.Float32, cutlass.Int32
-        b, s_q, s_k, h, h_k, d, s_pad, acc_len, acc_k, b1, nb = (cute.sym_int() for _ in range(11))
+        b, s_q, s_k, h, h_k, d, dv, s_pad, acc_len, acc_k, acc_v, b1, nb = (cute.sym_int() for _ in range(13))
         sem_q = tuple(cute.sym_int() for _ in range(3))
         sem_kv = tuple(cute.sym_int() for _ in range(3))
 
-        def qkv(seqlen: Any, heads: Any) -> Any:
-            return _fake_packed(dtype, seqlen, heads, d) if k.varlen else fake_bshd(dtype, b, seqlen, heads, d)
+        def qkv(seqlen: Any, heads: Any, width: Any = d) -> Any:
+            return _fake_packed(dtype, seqlen, heads, width) if k.varlen else fake_bshd(dtype, b, seqlen, heads, width)
 
         kernel_class = FlashBwdSm90Wide if k.tile_n == 64 else FlashBwdSm90
         kernel = kernel_class(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
+            head_dim_v=k.head_dim_v,
         )
         if k.gqa:
-            dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_k), 4))
+            dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
         else:
-            dkv = (qkv(s_k, h_k), qkv(s_k, h_k))
+            dkv = (qkv(s_k, h_k), qkv(s_k, h_k, dv))
         fakes = (
-            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h), _fake(f32, (b, h, s_pad), 4),
+            qkv(s_q, h), qkv(s_k, h_k), qkv(s_k, h_k, dv), qkv(s_q, h, dv), _fake(f32, (b, h, s_pad), 4),
             _fake(f32, (b, h, s_pad), 4), _fake(f32, (b, h, acc_len), 4), *dkv, _fake(i32, sem_q),
             _fake(i32, sem_kv),
         )

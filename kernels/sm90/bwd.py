@@ -83,9 +83,9 @@ class FlashBwdSm90:
     lane 0 of every MMA warp):
 
         | pipeline    | stages | producer -> consumer            | tx bytes per stage          |
-        | pipeline_kv | 1      | TMA K, V -> every MMA warp      | tile_n * head_dim * 2 * 2   |
+        | pipeline_kv | 1      | TMA K, V -> every MMA warp      | tile_n * (head_dim + head_dim_v) * 2 |
         | pipeline_q  | 2      | TMA Q[m], LSE[m] -> MMA warps   | tile_m * head_dim * 2 + 4 * tile_m |
-        | pipeline_do | 2      | TMA dO[m], dPsum[m] -> MMA warps| tile_m * head_dim * 2 + 4 * tile_m |
+        | pipeline_do | 2      | TMA dO[m], dPsum[m] -> MMA warps| tile_m * head_dim_v * 2 + 4 * tile_m |
 
     Per m_block, each MMA warpgroup (its 64 keys)::
 
@@ -127,13 +127,16 @@ class FlashBwdSm90:
         num_stages: int = 2,
         dq_split_rows: bool = False,
         deterministic: bool = False,
+        head_dim_v: int | None = None,
     ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
-                                    has_softcap)
+                                    has_softcap, head_dim_v=head_dim_v)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v  # V, dO, dV (== head_dim here; bwd_wide.py takes 192/128, 256/128)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.is_causal = is_causal
@@ -161,16 +164,19 @@ class FlashBwdSm90:
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
         elem = dtype.width // 8
-        self.tx_bytes_kv = 2 * tile_n * head_dim * elem
+        self.tx_bytes_kv = tile_n * (head_dim + head_dim_v) * elem
         self.tx_bytes_q = tile_m * head_dim * elem + tile_m * 4
+        self.tx_bytes_do = tile_m * head_dim_v * elem + tile_m * 4
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
-                      dq_split_rows=False, has_softcap=False) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
             return f"head_dim must be 64, 96 or 128, got {head_dim}"
+        if head_dim_v not in (None, head_dim):
+            return f"head_dim_v must equal head_dim, got {head_dim_v} and {head_dim}"
         if tile_n != 128:
             return f"tile_n must be 128 (two MMA warpgroups of 64 keys), got {tile_n}"
         if tile_m not in (64, 128):
@@ -201,9 +207,9 @@ class FlashBwdSm90:
         d, s = self.head_dim, self.num_stages
         return {
             "sQ": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
-            "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
+            "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v, s),
             "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d),
-            "sV": make_smem_layout_sm90(self.dtype, self.tile_n, d),
+            "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
             # fp32 dQ staging, one (dq_rows, dq_cols) chunk per MMA warpgroup, for the TMA reduce-add.
@@ -309,13 +315,14 @@ class FlashBwdSm90:
         d = self.head_dim
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
 
-        def tma(t, layout, rows):
-            return cpasync.make_tiled_tma_atom(tma_load, t, layout, (rows, d))
+        def tma(t, layout, rows, cols):
+            return cpasync.make_tiled_tma_atom(tma_load, t, layout, (rows, cols))
 
-        tma_atom_Q, tma_Q = tma(mQ, cute.select(layouts["sQ"], mode=[0, 1]), self.tile_m)
-        tma_atom_dO, tma_dO = tma(mdO, cute.select(layouts["sdO"], mode=[0, 1]), self.tile_m)
-        tma_atom_K, tma_K = tma(mK, layouts["sK"], self.tile_n)
-        tma_atom_V, tma_V = tma(mV, layouts["sV"], self.tile_n)
+        dv = self.head_dim_v
+        tma_atom_Q, tma_Q = tma(mQ, cute.select(layouts["sQ"], mode=[0, 1]), self.tile_m, d)
+        tma_atom_dO, tma_dO = tma(mdO, cute.select(layouts["sdO"], mode=[0, 1]), self.tile_m, dv)
+        tma_atom_K, tma_K = tma(mK, layouts["sK"], self.tile_n, d)
+        tma_atom_V, tma_V = tma(mV, layouts["sV"], self.tile_n, dv)
         stat_layout = cute.make_layout(self.tile_m)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_load, mLSE_t, stat_layout, (self.tile_m,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_load, mdPsum_t, stat_layout, (self.tile_m,))
@@ -416,7 +423,7 @@ class FlashBwdSm90:
         )
         pipe_do = pipeline.PipelineTmaAsync.create(
             num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
-            tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
+            tx_count=self.tx_bytes_do, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         layouts = self._smem_layouts()
@@ -522,7 +529,8 @@ class FlashBwdSm90:
         d = self.head_dim
         if m_block_min < m_block_max:
             gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
-            gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
+            gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, self.head_dim_v),
+                                 (n_block, 0))
             tKsK, tKgK = cpasync.tma_partition(
                 atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
             )
@@ -535,7 +543,8 @@ class FlashBwdSm90:
             cute.copy(atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
             gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, self.head_dim_v),
+                                  (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )

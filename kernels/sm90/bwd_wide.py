@@ -26,6 +26,7 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
+from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semaphore_wait
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, store_rows_predicated, wgmma
@@ -61,19 +62,22 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     """
 
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
-                 num_stages=1, dq_split_rows=False, deterministic=False):
+                 num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None):
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
-                         deterministic=deterministic)
+                         deterministic=deterministic, head_dim_v=head_dim_v)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
-                      dq_split_rows=False, has_softcap=False) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None) -> str | None:
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (192, 256):
             return f"head_dim must be 192 or 256, got {head_dim}"
+        if head_dim_v not in (128, 192, 256) or head_dim_v > head_dim:
+            return f"head_dim_v must be 128, 192 or 256 and at most head_dim, got {head_dim_v}"
         if tile_m != 64 or tile_n != 64:
             return f"tile must be 64 x 64, got {tile_m} x {tile_n}"
         if dq_split_rows:
@@ -82,14 +86,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             return "is_causal and is_local are exclusive"
         if num_stages not in (1, 2):
             return f"num_stages must be 1 or 2, got {num_stages}"
-        if FlashBwdSm90Wide.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) > _SMEM_CAPACITY:
+        if FlashBwdSm90Wide.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, head_dim_v) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None
 
     @staticmethod
-    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) -> int:
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, head_dim_v=None) -> int:
         elem = dtype.width // 8
-        operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 4 * tile_m * tile_n) * elem
+        widths = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # K + V, Q + dO
+        operands = (tile_n * widths + num_stages * tile_m * widths + 4 * tile_m * tile_n) * elem
         return operands + tile_m * head_dim * 4 + 2 * num_stages * tile_m * 4 + 1024 + 256
 
     def _smem_layouts(self):
@@ -98,30 +103,34 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         half of dK / dV into sK / sV (at d = 192 a 96-column half is not a whole 128-byte swizzle
         atom; 64-byte atoms are)."""
         layouts = super()._smem_layouts()
-        d, half = self.head_dim, self.head_dim // self.num_mma_wg
-        layouts["sQ"] = make_smem_layout_sm90(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half)
-        layouts["sdO"] = make_smem_layout_sm90(self.dtype, self.tile_m, d, self.num_stages, atom_cols=half)
-        layouts["sK"] = make_smem_layout_sm90(self.dtype, self.tile_n, d, atom_cols=half)
+        d, dv, wg = self.head_dim, self.head_dim_v, self.num_mma_wg
+        layouts["sQ"] = make_smem_layout_sm90(self.dtype, self.tile_m, d, self.num_stages, atom_cols=d // wg)
+        layouts["sdO"] = make_smem_layout_sm90(self.dtype, self.tile_m, dv, self.num_stages, atom_cols=dv // wg)
+        layouts["sK"] = make_smem_layout_sm90(self.dtype, self.tile_n, d, atom_cols=d // wg)
         # (sV too: the MHA epilogue stages each warpgroup's dV half in it.)
-        layouts["sV"] = make_smem_layout_sm90(self.dtype, self.tile_n, d, atom_cols=half)
+        layouts["sV"] = make_smem_layout_sm90(self.dtype, self.tile_n, dv, atom_cols=dv // wg)
         return layouts
 
     def _tiled_mmas(self):
         """S^T / dP^T: SS, K-major, warpgroups along queries. dK / dV: A = dS^T / P^T from sdSt
-        (K-major), B = Q^T / dO^T (MN-major views), warpgroups along head_dim. dQ: as ``bwd.py``
-        (A = dS, M-major view of sdSt; B = K^T; warpgroups along head_dim)."""
+        (K-major), B = Q^T / dO^T (MN-major views), warpgroups along head_dim / head_dim_v (one tiled
+        MMA each: the pair is this kernel's ``tiled_mma_dkv``). dQ: as ``bwd.py`` (A = dS, M-major
+        view of sdSt; B = K^T; warpgroups along head_dim)."""
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wg = self.num_mma_wg
         sdp = hopper_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(1, wg, 1), tiler_mn=(64, self.tile_m // wg),
         )
-        dkv = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, wg, 1), tiler_mn=(64, self.head_dim // wg),
+        dk, dv = (
+            hopper_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, wg, 1), tiler_mn=(64, width // wg),
+            )
+            for width in (self.head_dim, self.head_dim_v)
         )
         dq = hopper_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wg, 1), tiler_mn=(64, self.head_dim // wg),
         )
-        return sdp, dkv, dq
+        return sdp, (dk, dv), dq
 
     # ------------------------------------------------------------------ MMA warpgroups
 
@@ -145,8 +154,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
+        tiled_mma_dk, tiled_mma_dv = tiled_mma_dkv
         wg_sdp = tiled_mma_sdp.get_slice(wg_idx * _WG_THREADS)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * _WG_THREADS)
+        wg_dk = tiled_mma_dk.get_slice(wg_idx * _WG_THREADS)
+        wg_dv = tiled_mma_dv.get_slice(wg_idx * _WG_THREADS)
         wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         d = self.head_dim
@@ -154,13 +165,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdKVrXt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt))  # dS^T (stages 0, 1), P^T (2, 3)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tdKrdSt = wg_dk.make_fragment_A(wg_dk.partition_A(sdSt))  # dS^T: stages 0, 1
+        tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(sdSt))  # P^T: stages 2, 3
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dk.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dv.partition_shape_C((self.tile_n, self.head_dim_v)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         # P^T and dS^T (16-bit, C layout) -> sdSt with stmatrix.
@@ -234,9 +246,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             # Both warpgroups' P^T and dS^T are in smem and visible to the async proxy (WGMMA).
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
-            wgmma(tiled_mma_dkv, acc_dK, tdKVrXt[None, None, None, ds_stage], tdKrQt[None, None, None, stage],
+            wgmma(tiled_mma_dk, acc_dK, tdKrdSt[None, None, None, ds_stage], tdKrQt[None, None, None, stage],
                   zero_init=False, wg_wait=-1)
-            wgmma(tiled_mma_dkv, acc_dV, tdKVrXt[None, None, None, p_stage], tdVrdOt[None, None, None, stage],
+            wgmma(tiled_mma_dv, acc_dV, tdVrPt[None, None, None, p_stage], tdVrdOt[None, None, None, stage],
                   zero_init=False, wg_wait=-1)
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=1)
@@ -257,7 +269,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue_mha(self, acc_dK, acc_dV, dk_scale: Float32, mdK_cur, mdV_cur, sK, sV,
-                     tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32, seqlen_k: Int32):
+                     tiled_mma_dkv: tuple, tidx: Int32, n_block: Int32, seqlen_k: Int32):
         """dK * scale, dV -> 16-bit -> sK / sV (stmatrix; every WGMMA is done reading them; each
         warpgroup writes its head_dim half) -> warpgroup 1 stores dK's 64 rows below ``seqlen_k``,
         warpgroup 2 dV's, with 128-bit stores."""
@@ -265,19 +277,34 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         rdK = convert_to_16bit(acc_dK, self.dtype)
         rdV = convert_to_16bit(acc_dV, self.dtype)
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_dkv,
-        ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
+        for acc16, sX, tiled_mma in ((rdK, sK, tiled_mma_dkv[0]), (rdV, sV, tiled_mma_dkv[1])):
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                tiled_mma,
+            ).get_slice(tidx)
+            cute.copy(r2s, r2s.retile(acc16), r2s.partition_D(sX))
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
-        rows = (self.tile_n, self.head_dim)
         num_valid = seqlen_k - n_block * self.tile_n
         if wg_idx == 0:
-            store_rows_predicated(sK, cute.local_tile(mdK_cur, rows, (n_block, 0)), tidx % _WG_THREADS,
-                                  num_valid, self.dtype, _WG_THREADS)
+            store_rows_predicated(sK, cute.local_tile(mdK_cur, (self.tile_n, self.head_dim), (n_block, 0)),
+                                  tidx % _WG_THREADS, num_valid, self.dtype, _WG_THREADS)
         else:
-            store_rows_predicated(sV, cute.local_tile(mdV_cur, rows, (n_block, 0)), tidx % _WG_THREADS,
-                                  num_valid, self.dtype, _WG_THREADS)
+            store_rows_predicated(sV, cute.local_tile(mdV_cur, (self.tile_n, self.head_dim_v), (n_block, 0)),
+                                  tidx % _WG_THREADS, num_valid, self.dtype, _WG_THREADS)
+
+    @cute.jit
+    def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: tuple,
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
+        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums (each at
+        its own width)."""
+        gdK = tiled_mma_dkv[0].get_slice(tidx).partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
+        gdV = tiled_mma_dkv[1].get_slice(tidx).partition_C(
+            accum_tile(mdVaccum, self.tile_n, self.head_dim_v, k_block)
+        )
+        if const_expr(self.deterministic):
+            semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+        red_add_tile(acc_dV, gdV, 2)
+        red_add_tile(acc_dK, gdK, 2)
+        if const_expr(self.deterministic):
+            semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
