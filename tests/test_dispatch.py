@@ -86,19 +86,20 @@ def test_explicit_sm90_never_falls_back(fake_gpu):
 
 @pytest.mark.parametrize("by_default", [False, True])
 def test_auto_backward_on_hopper_runs_sm90_where_it_can(fake_gpu, monkeypatch, by_default):
-    """Hopper backward for head dims up to 128 (q and v equal); the Ampere backward for the rest
-    unless sm90 is asked for explicitly, which then raises and says why. While the Hopper backward
-    is opt-in (``SM90_BWD_BY_DEFAULT`` False), only backend="sm90" runs it."""
+    """Hopper backward for q and v head dims equal (up to 256) or q/k over 128 with v from 128 up to
+    q/k's (the wide kernel); the Ampere backward for the rest unless sm90 is asked for explicitly,
+    which then raises and says why. While the Hopper backward is opt-in (``SM90_BWD_BY_DEFAULT``
+    False), only backend="sm90" runs it."""
     fake_gpu((9, 0))
     monkeypatch.setattr(dispatch, "check_target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(dispatch, "SM90_BWD_BY_DEFAULT", by_default)
     auto = "sm90" if by_default else "sm80"
-    for dims in ((64, 64), (128, 128), (96, 96)):
+    for dims in ((64, 64), (128, 128), (96, 96), (256, 256), (192, 192), (192, 128), (256, 192), (160, 104)):
         p = problem(head_dim=dims[0], head_dim_v=dims[1])
         assert dispatch.bwd_kernel_for(CUDA0, None, p, False).backend == auto
         assert dispatch.bwd_kernel_for(CUDA0, None, p, True).backend == auto
         assert dispatch.bwd_kernel_for(CUDA0, "sm90", p, False).backend == "sm90"
-    for dims in ((256, 256), (192, 128), (64, 256)):
+    for dims in ((64, 256), (128, 256), (96, 192), (192, 256), (256, 64)):
         p = problem(head_dim=dims[0], head_dim_v=dims[1])
         assert dispatch.bwd_kernel_for(CUDA0, None, p, False).backend == "sm80"
         with pytest.raises(NotImplementedError, match="sm90 backward"):

@@ -127,8 +127,9 @@ def test_auto_backend_runs_on_this_gpu():
 @pytest.mark.sm90
 def test_explicit_sm90_does_not_fall_back():
     """backend='sm90' runs the Hopper kernels or raises; it never quietly uses the sm80 ones (here: the
-    sm90 backward at head dim 256, which it does not implement; the default backend would run sm80's)."""
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 16, 16, 2, 2, 256))
+    sm90 backward at q/k head dim 64 with v at 256, which it does not implement; the default backend would
+    run sm80's)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 16, 16, 2, 2, 64, dv=256))
     out = flash_attn_func(q, k, v, backend="sm90")
     with pytest.raises(NotImplementedError, match="sm90"):
         out.sum().backward()
