@@ -44,13 +44,17 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # forward at 319/443 TFLOP/s (1k/4k) against 175/363 for the join after the kernel and 336/456 for no
 # sink at all. False keeps the join after the kernel (tests and benchmarks compare the two).
 IN_KERNEL = True
+# The in-kernel sink even where its key gives up the plain key's packing of GQA heads (tests only: the
+# join after the packed kernel is the faster route there, ``FwdLauncher.forward_with_sink``).
+IN_KERNEL_UNPACKED = False
 
 
 def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
                        cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse')`` from the forward kernel with the sink in its finalize, or None where that path
-    does not serve the call (switched off, CPU tensors, traced by torch.compile, empty)."""
+    does not serve the call (switched off, CPU tensors, traced by torch.compile, empty, or a call whose
+    plain kernel packs GQA heads)."""
     if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops
@@ -58,7 +62,8 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: 
     p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
     if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
         return None
-    return dispatch.fwd_kernel_for(q.device, options[6], p).forward_with_sink(q, k, v, p, varlen, sink)
+    family = dispatch.fwd_kernel_for(q.device, options[6], p)
+    return family.forward_with_sink(q, k, v, p, varlen, sink, even_unpacked=IN_KERNEL_UNPACKED)
 
 
 def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:

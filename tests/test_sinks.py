@@ -226,8 +226,20 @@ def test_sink_in_kernel_decode(monkeypatch, backend, s_k):
     assert taken == [True], taken
 
 
-def _in_kernel_on(monkeypatch) -> list:
-    """Switches the in-kernel sink on; returns a list that records, per forward, whether it ran."""
+@pytest.mark.gpu
+def test_sink_decode_gqa_joins_after_the_packed_kernel(monkeypatch):
+    """The default settings at a GQA decode shape on Hopper: the in-kernel route declines (the plain
+    kernel packs the query heads), the sink is joined after it; results by the parity rule."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the packed GQA forward is sm90's")
+    taken = _in_kernel_on(monkeypatch, unpacked=False)
+    _api_parity(None, torch.bfloat16, True, (1, 300), 128, batch=2)
+    assert taken == [False], taken
+
+
+def _in_kernel_on(monkeypatch, unpacked: bool = True) -> list:
+    """Switches the in-kernel sink on (``unpacked``: even where the plain kernel would pack GQA heads);
+    returns a list that records, per forward, whether it ran."""
     taken = []
     in_kernel = sinks._in_kernel_forward
 
@@ -237,6 +249,7 @@ def _in_kernel_on(monkeypatch) -> list:
         return result
 
     monkeypatch.setattr(sinks, "IN_KERNEL", True)
+    monkeypatch.setattr(sinks, "IN_KERNEL_UNPACKED", unpacked)
     monkeypatch.setattr(sinks, "_in_kernel_forward", spy)
     return taken
 
@@ -331,8 +344,39 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
     p = AttnProblem(batch=batch, seqlen_q=s_q, seqlen_k=40, nheads=8, nheads_k=2, head_dim=128, head_dim_v=128,
                     dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1, window_right=0,
                     softcap=0.0, is_varlen=False)
-    dispatch.FWD_KERNELS[family_name].forward_with_sink(q, k, v, p, None, sink)
+    dispatch.FWD_KERNELS[family_name].forward_with_sink(q, k, v, p, None, sink, even_unpacked=True)
     lse, key = launched["lse"], launched["key"]
     assert lse.shape == (batch, 8, s_q) and torch.equal(lse, sink[None, :, None].expand(batch, 8, s_q))
     assert launched["lse_ptr"] != sink.data_ptr(), "the LSE buffer is the sink parameter itself"
     assert key.sink and (family_name == "sm80" or (key.pack_gqa == 1 and not key.span_heads))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (8, 8)], ids=["gqa", "mha"])
+def test_sink_in_kernel_keeps_packed_gqa(monkeypatch, heads):
+    """Decode (one query): the sm90 forward packs a KV head's query heads into one tile, which the sink
+    key cannot (3-6x faster, perf/NOTES.md session 3): the in-kernel route declines (None: the caller
+    joins the sink after the packed kernel); with MHA nothing is given up and it launches. CPU: the
+    launch and device lookups are stand-ins."""
+    from flashattn_hopper import dispatch
+    from flashattn_hopper.backends import common, sm90_fwd
+    from flashattn_hopper.validate import AttnProblem
+
+    launched = []
+    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
+    monkeypatch.setattr(common, "launch_forward", lambda *args: launched.append(args[1]) or (args[2], args[8]))
+    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(common, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))
+    h, h_k = heads
+    q = torch.zeros(4, 1, h, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(4, 4096, h_k, 128, dtype=torch.bfloat16)
+    p = AttnProblem(batch=4, seqlen_q=1, seqlen_k=4096, nheads=h, nheads_k=h_k, head_dim=128, head_dim_v=128,
+                    dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1, window_right=0,
+                    softcap=0.0, is_varlen=False)
+    result = dispatch.FWD_KERNELS["sm90"].forward_with_sink(q, k, v, p, None, torch.randn(h))
+    if h == h_k:
+        assert result is not None and len(launched) == 1 and launched[0].sink
+    else:
+        assert result is None and not launched
