@@ -415,10 +415,6 @@ class FwdLauncher:
 
     sink_key_overrides: dict[str, Any] = {}  # key fields a sink key must have (a family's restrictions)
 
-    def sink_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> Any:
-        """``key`` with the learnable sink at finalize."""
-        return dataclasses.replace(self.key(p, arch, varlen), sink=True, **self.sink_key_overrides)  # type: ignore[attr-defined]
-
     def forward_with_sink(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
         sink: torch.Tensor, even_unpacked: bool = False,
@@ -429,11 +425,11 @@ class FwdLauncher:
         handles the others). None where the sink key would give up what the plain call's key does
         (``sink_key_overrides``: sm90's packed GQA heads, 3-6x faster at decode, and spanning tiles),
         unless ``even_unpacked`` (tests): the caller then joins the sink after the plain kernel."""
-        key = self.sink_key(p, target_arch(), varlen)
-        if not even_unpacked and self.sink_key_overrides:
-            plain = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
-            if any(getattr(plain, name) != value for name, value in self.sink_key_overrides.items()):
-                return None
+        plain = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
+        overrides = self.sink_key_overrides
+        if not even_unpacked and any(getattr(plain, name) != value for name, value in overrides.items()):
+            return None
+        key = dataclasses.replace(plain, sink=True, **overrides)
         compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
         logits = sink.detach().to(device=q.device, dtype=torch.float32)
         # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
