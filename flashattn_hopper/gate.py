@@ -159,6 +159,33 @@ def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.flashattn_hopper.fwd(*args)
 
 
+# The bias -G_j inside the sm90 forward kernel (kernels/sm90/fwd.py ``has_gate``: one add per score,
+# k and v neither expanded nor widened); the backward stays on the augmented problem. False: the
+# forward runs the augmented problem too (the sm80 backend always does).
+IN_KERNEL = True
+
+
+def _in_kernel_forward(q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+                       cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
+                       used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse less G_i)`` from the sm90 forward with the gate's bias in the kernel, on q's
+    pre-scaled columns of ``q_aug`` (the scores the backward recomputes); None where that path does
+    not serve the call (switched off, CPU, traced by torch.compile, empty, another backend)."""
+    if not IN_KERNEL or not q_aug.is_cuda or torch.compiler.is_compiling():
+        return None
+    from . import dispatch, ops
+
+    q_s = q_aug[..., : q_aug.shape[-1] - _PARTS - 1]
+    p, varlen = ops._problem(q_s, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        return None
+    family = dispatch.fwd_kernel_for(q_aug.device, options[6], p)
+    if not hasattr(family, "forward_with_gate"):
+        return None
+    bias = neg_G.t() if cu_q is not None else neg_G.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
+    return family.forward_with_gate(q_s.contiguous(), k, v, p, varlen, bias)
+
+
 def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward op, called with ``dk_fp32`` (a seam: the CPU tests emulate the kernels here)."""
     return torch.ops.flashattn_hopper.bwd(*args)
@@ -179,9 +206,14 @@ class GatedAttnFunc(torch.autograd.Function):
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
         group = q_aug.shape[head_axis] // k.shape[head_axis]
-        k_aug = _k_columns(_per_query_head(k, group, head_axis), neg_G)
-        v = _per_query_head(v, group, head_axis)
-        out, lse = _fwd_op(q_aug, k_aug, v, cu_q, cu_k, used_q, used_k, *options)
+        in_kernel = _in_kernel_forward(q_aug, k, v, neg_G, cu_q, cu_k, used_q, used_k, options)
+        if in_kernel is not None:
+            out, lse = in_kernel
+            k_saved, v_saved = k, v  # (augmented for the backward there)
+        else:
+            k_saved = _k_columns(_per_query_head(k, group, head_axis), neg_G)
+            v_saved = _per_query_head(v, group, head_axis)
+            out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
         G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
         lse_full = lse + G_rows
         if sink is not None:
@@ -190,7 +222,8 @@ class GatedAttnFunc(torch.autograd.Function):
             # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
             lse_full, out = join_sink(out, lse_full, sink, q_aug, cu_q, used_q)
             lse = lse_full - G_rows
-        ctx.save_for_backward(q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full)
+        ctx.save_for_backward(q_aug, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
+                              neg_G if in_kernel is not None else None)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
         ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
@@ -198,9 +231,12 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full = ctx.saved_tensors
+        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, neg_G = ctx.saved_tensors
         if dout is None:
             return (None,) * 11
+        if neg_G is not None:  # the forward ran the gate in the kernel: augment here
+            k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), neg_G)
+            v = _per_query_head(v, ctx.group, ctx.head_axis)
         dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
         d = k_aug.shape[-1] - _PARTS - 1
         # Each part's column holds the same column sum of dS: one of them is d(-G). The row sums (dQ's

@@ -121,7 +121,7 @@ def sm90_variant_fn(q, k, v, causal, overrides, tile_mn=None):
         counter = extra[1]
         if memset_counter and counter is not None:
             counter = int_to_cute(torch.zeros(1, dtype=torch.int32, device=q.device))
-        compiled(*args, scale, 0, 0, 1.0, extra[0], counter, None, None, None, None, current_stream(q.device))
+        compiled(*args, scale, 0, 0, 1.0, extra[0], counter, *extra[2:], None, None, None, None, current_stream(q.device))
         return out[..., :head_dim_v]
 
     return run

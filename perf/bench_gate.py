@@ -5,7 +5,9 @@
 Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
 ``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
 package), beside our plain causal call at the same shape; ``ours_sink``: the sink joined after the kernel
-(``sinks.IN_KERNEL`` off for that system's calls), ``ours_sink_k``: the sink inside the forward kernel (the default). bf16, causal, 16k tokens, nheads * hdim =
+(``sinks.IN_KERNEL`` off for that system's calls), ``ours_sink_k``: the sink inside the forward kernel (the default);
+``ours_gate``: the gate's bias inside the sm90 forward kernel (the default), ``ours_gate_a``: the augmented problem
+(``gate.IN_KERNEL`` off). bf16, causal, 16k tokens, nheads * hdim =
 2048 (batch = 16384 / seqlen). TFLOP/s count the causal half of 4 * b * h * s^2 * d per forward and
 2.5x that per backward, whatever a system computes extra (our gate runs q/k 3 columns wider).
 Forward: the call; backward: ``torch.autograd.grad`` of a retained graph (q, k, v and the gate or
@@ -23,17 +25,20 @@ import torch
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 
-def sink_path(fn, in_kernel: bool):
-    """``fn`` with ``flashattn_hopper.sinks.IN_KERNEL`` set to ``in_kernel`` while it runs (the sink in
-    the forward kernel's finalize or joined after it; the backward is the same either way)."""
-    from flashattn_hopper import sinks
+def sink_path(fn, in_kernel: bool, module: str = "sinks"):
+    """``fn`` with ``flashattn_hopper.<module>.IN_KERNEL`` set to ``in_kernel`` while it runs (the sink
+    in the forward kernel's finalize or joined after it; the gate's bias in the sm90 forward kernel or
+    the augmented problem; the backward is the same either way)."""
+    import importlib
+
+    flags = importlib.import_module(f"flashattn_hopper.{module}")
 
     def run():
-        was, sinks.IN_KERNEL = sinks.IN_KERNEL, in_kernel
+        was, flags.IN_KERNEL = flags.IN_KERNEL, in_kernel
         try:
             return fn()
         finally:
-            sinks.IN_KERNEL = was
+            flags.IN_KERNEL = was
     return run
 
 
@@ -53,7 +58,7 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"repeat={args.repeat}\n")
-    systems = ["ours", "ours_gate", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink"]
+    systems = ["ours", "ours_gate", "ours_gate_a", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink"]
     cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in systems]
     print("| hdim | seqlen | " + " | ".join(cols)
           + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA |")
@@ -73,6 +78,8 @@ def main(argv: list[str]) -> int:
             calls = {
                 "ours": (lambda: flash_attn_func(*leaves, causal=True), leaves),
                 "ours_gate": (lambda: flash_attn_func(*leaves, causal=True, log_decay=g_leaf), [*leaves, g_leaf]),
+                "ours_gate_a": (sink_path(lambda: flash_attn_func(*leaves, causal=True, log_decay=g_leaf), False, "gate"),
+                                [*leaves, g_leaf]),
                 "ours_sink": (sink_path(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf), False),
                               [*leaves, sink_leaf]),
                 "ours_sink_k": (sink_path(lambda: flash_attn_func(*leaves, causal=True, learnable_sink=sink_leaf), True),

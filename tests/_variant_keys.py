@@ -6,8 +6,8 @@ import dataclasses
 def variant_keys(spec, arch: str) -> list:
     """The keys users hit (``all_keys``) plus sm90 variants measured but not shipped that must keep
     compiling: clusters of 2 with K/V multicast on the other head dims' table tiles (hdim 64: 3 MMA
-    warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys) and
-    the in-kernel sink, not yet on by default."""
+    warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys), the
+    in-kernel sink and (sm90) the in-kernel gate, one representative each."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
         clustered = [
@@ -18,4 +18,8 @@ def variant_keys(spec, arch: str) -> list:
     if spec.kind in ("fwd_sm90", "fwd_sm80") and keys:
         # The learnable sink in the finalize (sinks.IN_KERNEL): one representative per arch's kernel.
         keys.append(dataclasses.replace(keys[0], sink=True, **spec.sink_key_overrides))
+    if spec.kind == "fwd_sm90" and keys:
+        # The gated log-decay bias in the scores (gate.IN_KERNEL, ``forward_with_gate``).
+        causal = next(key for key in keys if key.causal and key.head_dim == 128 and not key.varlen)
+        keys.append(dataclasses.replace(causal, gate=True, pack_gqa=1, span_heads=False))
     return keys

@@ -282,9 +282,13 @@ def test_gated_sink_matches_the_definition(emulated_ops, causal, window, s_q, s_
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gate_api_parity(backend, head_dim, causal, seqlens):
-    """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16)."""
+def test_gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
+    """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16); on Hopper
+    without a backend the forward runs the gate in the sm90 kernel (``gate.IN_KERNEL``), on sm80 the
+    augmented problem."""
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    taken = _record_in_kernel(monkeypatch)
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -305,6 +309,42 @@ def test_gate_api_parity(backend, head_dim, causal, seqlens):
     assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-3)
     for name, gr, r, pt in zip(("dq", "dk", "dv", "dg"), grads, refs[True][2], refs[False][2]):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert taken == [backend is None and hopper], taken
+
+
+def _record_in_kernel(monkeypatch) -> list:
+    """A list that records, per gated forward, whether the gate ran in the sm90 kernel."""
+    from flashattn_hopper import gate
+
+    taken, in_kernel = [], gate._in_kernel_forward
+
+    def spy(*args):
+        result = in_kernel(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(gate, "_in_kernel_forward", spy)
+    return taken
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gate_augmented_forward_on_hopper(monkeypatch, causal):
+    """``gate.IN_KERNEL`` off: the forward runs the augmented problem on the sm90 kernel too (the
+    path torch.compile takes); out and lse by the parity rule, and the same as the in-kernel gate's
+    within bf16 rounding."""
+    from flashattn_hopper import gate
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(2, s, h, 64, dtype=torch.bfloat16, device="cuda", generator=gen)
+               for s, h in ((300, 8), (300, 2), (300, 2)))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 300, 8, device="cuda", generator=gen) * 2 + 3)
+    out_k, lse_k = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
+    monkeypatch.setattr(gate, "IN_KERNEL", False)
+    out_a, lse_a = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
+    assert (out_k.float() - out_a.float()).abs().max().item() < 2e-2
+    assert (lse_k - lse_a).abs().max().item() < 1e-3
 
 
 @pytest.mark.gpu

@@ -372,12 +372,13 @@ class FwdPlan:
     caller then goes the general way (``FwdLauncher.forward``), which copies them."""
 
     __slots__ = ("fn", "key", "problem", "family", "out_shape", "lse_shape", "dtype", "head", "counter_device",
-                 "backend", "bwd")
+                 "tail", "backend", "bwd")
 
     def __init__(self, fn: Any, key: Any, problem: AttnProblem, family: Any, head: tuple[Any, ...],
-                 counter_device: int | None) -> None:
+                 counter_device: int | None, tail: tuple[Any, ...] = ()) -> None:
         self.fn, self.key, self.problem, self.family, self.head = fn, key, problem, family, head
         self.counter_device = counter_device  # the device index of a dynamic schedule's tile counter
+        self.tail = tail  # arguments after the counter (sm90: the gate's slot, None)
         p = problem
         self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
@@ -391,7 +392,7 @@ class FwdPlan:
         if self.counter_device is None:
             self.fn(q, k, v, out, lse, *self.head, None, None, None, None)
         else:
-            self.fn(q, k, v, out, lse, *self.head, tile_counter(self.counter_device), None, None, None, None)
+            self.fn(q, k, v, out, lse, *self.head, tile_counter(self.counter_device), *self.tail, None, None, None, None)
         return out, lse
 
 
@@ -456,10 +457,11 @@ class FwdLauncher:
         window_left, window_right = window_args(p) if key.local else (0, 0)
         softcap = float(p.softcap) if key.softcap else 1.0
         head = (float(p.softmax_scale), window_left, window_right, softcap)
-        if extra:  # (max_ctas, tile counter or None): the counter is per stream, fetched per call
+        if extra:  # (max_ctas, tile counter or None, ...): the counter is per stream, fetched per call
+            rest = extra[2:]  # (sm90: the gate's slot, None for every planned key)
             if extra[1] is None:  # (no dynamic schedule: the counter argument stays None)
-                return FwdPlan(fn, key, p, self, (*head, extra[0], None), None)
-            return FwdPlan(fn, key, p, self, (*head, extra[0]), index)
+                return FwdPlan(fn, key, p, self, (*head, extra[0], None, *rest), None)
+            return FwdPlan(fn, key, p, self, (*head, extra[0]), index, rest)
         return FwdPlan(fn, key, p, self, head, None)
 
     def extra_args(self, key: Any, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:

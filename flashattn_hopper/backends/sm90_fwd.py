@@ -9,6 +9,7 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,9 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_forward, cutlass_dtype,
-    cluster_ctas, mask_flags, num_sms, tile_counter,
+    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_cache, compile_forward, current_stream_handle,
+    cutlass_dtype, cluster_ctas, device_index, fake_f32, launch_forward, mask_flags, num_sms, target_arch,
+    tile_counter,
 )
 
 
@@ -57,6 +59,9 @@ class FwdSm90Key(KernelKey):
     # a learnable sink logit per query head joins each row's softmax at finalize, read from the LSE
     # buffer the launcher fills with it (``forward_with_sink``); no pack_gqa, no spanning tiles
     sink: bool = False
+    # gated log-decay: a bias per (query head, key) added to every score (``forward_with_gate``);
+    # no pack_gqa, no spanning tiles, no softcap
+    gate: bool = False
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -209,6 +214,7 @@ class FwdSm90(FwdLauncher):
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
             span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
+            has_gate=key.gate,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -218,8 +224,14 @@ class FwdSm90(FwdLauncher):
         from cutlass.cute.runtime import make_fake_tensor
 
         counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) if _dynamic(key) else None
+        gate = None
+        if key.gate:  # (batch, nheads, seqlen_k) | varlen (nheads, total_k), contiguous
+            import cutlass.cute as cute
+
+            gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)))
         return compile_forward(
-            kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options, extra_args=(cutlass.Int32(1), counter)
+            kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
+            extra_args=(cutlass.Int32(1), counter, gate),
         )
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
@@ -228,7 +240,20 @@ class FwdSm90(FwdLauncher):
         launch on that stream (``tile_counter``)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
-        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None
+        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None
+
+    def forward_with_gate(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        bias: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
+        softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
+        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``. No softcap; a non-empty problem."""
+        key = dataclasses.replace(self.key(p, target_arch(), varlen), gate=True, pack_gqa=1, span_heads=False)
+        compiled = compile_cache.get(key, self.compile)
+        ctas, counter, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        bias = bias.to(device=q.device, dtype=torch.float32).contiguous()
+        return launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias))
 
 
 def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:

@@ -61,6 +61,7 @@ from ..common.utils import (
     acc_rows_cols,
     attention_kernel_views,
     convert_to_16bit,
+    select_modes,
     transpose_view,
 )
 from .fwd_epilogue import FwdSm90Epilogue
@@ -170,10 +171,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         lazy_rescale: bool = True,
         q_stages: int = 1,
         has_sink: bool = False,
+        has_gate: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
-            cluster_m, span_heads, has_sink,
+            cluster_m, span_heads, has_sink, has_gate, has_softcap,
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -188,6 +190,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         # A learnable sink per query head joins each row's denominator at finalize (common/softmax.py);
         # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
         self.has_sink = has_sink
+        # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) added to each score
+        # before the masks and the softmax, read from mGate (the host's -G_j in the scores' units).
+        self.has_gate = has_gate
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -274,7 +279,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
     @staticmethod
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
-        pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False,
+        pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False, has_gate=False, has_softcap=False,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -304,6 +309,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         if has_sink and (pack_gqa > 1 or span_heads):
             # The sink is read per (batch, head) tile: every row of a tile must be of one head.
             return "has_sink needs no pack_gqa and no span_heads (a tile's rows of one head)"
+        if has_gate and (pack_gqa > 1 or span_heads or has_softcap):
+            # The gate's bias is per query head (a tile's rows of one head) and enters the raw score.
+            return "has_gate needs no pack_gqa, no span_heads and no softcap"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -335,6 +343,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         softcap: Float32,  # has_softcap only (else ignored)
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
+        mGate: cute.Tensor | None,  # has_gate only: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -344,6 +353,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         varlen_q = const_expr(mCuSeqlensQ is not None)
         varlen_k = const_expr(mCuSeqlensK is not None)
         mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
+        if const_expr((mGate is not None) != self.has_gate):
+            raise TypeError("mGate must be given exactly when has_gate")
+        if const_expr(mGate is not None):
+            mGate = select_modes(mGate, [1, 0] if varlen_k else [2, 1, 0])  # (s_k, h[, b]), as LSE
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         if const_expr(self.cluster_m > 1 and (varlen_q or varlen_k)):
             raise ValueError("cluster_m > 1 is implemented for dense layouts only")
@@ -392,7 +405,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, SharedStorage,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, mGate, SharedStorage,
         ).launch(
             grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -428,6 +441,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
+        mGate: cute.Tensor | None,  # (s_k | total_k, nheads[, batch]) fp32: has_gate only
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
@@ -509,7 +523,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(
                 mO, mLSE, sQ, sK, sV, sO, atoms.o, pipes, walk, scale_log2,
-                softcap_scale if const_expr(self.has_softcap) else None,
+                softcap_scale if const_expr(self.has_softcap) else None, mGate,
             )
 
     @cute.jit
@@ -527,6 +541,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
+        mGate: cute.Tensor | None = None,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
         epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
@@ -608,6 +623,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                     mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
+                    gate=seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx) if const_expr(self.has_gate) else None,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -822,7 +838,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
         mask_causal: cutlass.Constexpr[bool],
         mask_local: cutlass.Constexpr[bool],
     ) -> None:
-        """Softcap (if compiled in), then the element masks this block needs (-inf)."""
+        """The gate's bias (if compiled in), softcap (if compiled in), then the element masks this
+        block needs (-inf)."""
+        if const_expr(step.gate is not None):
+            self._add_gate(step, acc_S, n_block, mask_seqlen)
         if const_expr(step.softcap_scale is not None):
             apply_softcap(acc_S, step.softcap_scale)
         if const_expr(mask_seqlen or mask_causal or mask_local):
@@ -830,6 +849,22 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
                 acc_S, step.mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
                 mask_causal=mask_causal, mask_local=mask_local,
             )
+
+    @cute.jit
+    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, n_block: Int32, mask_seqlen: cutlass.Constexpr[bool]):
+        """acc_S[r, c] += gate[key of column c]: one add per score, the bias read from global memory
+        (each thread's columns; L1 serves the warpgroups' repeats). The block cut by seqlen_k reads
+        its last key's bias for the columns past it, which the mask then sets to -inf."""
+        acc_mn = acc_rows_cols(acc_S)
+        tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        col0 = n_block * self.tile_n
+        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+            key = col0 + tScS_mn[0, c][1]
+            if const_expr(mask_seqlen):
+                key = cutlass.min(key, step.mask.seqlen_k - 1)
+            bias = step.gate[key]
+            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                acc_mn[r, c] = acc_mn[r, c] + bias
 
     @cute.jit
     def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:

@@ -121,6 +121,8 @@ class BlockStep:
     other_delta: Int32 | None = None
     # This tile's stage of the Q ring (None: one Q buffer, sQ has no stage mode).
     q_stage: Int32 | None = None
+    # has_gate: this (batch, head)'s bias per key (seqlen_k,), fp32 in the scores' units; else None.
+    gate: cute.Tensor | None = None
 
     def kv(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
         """The pipeline state (barrier and stage index) of a ring-local K/V state."""
