@@ -120,9 +120,18 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
 
 def scaled_q(q: torch.Tensor, scale: float) -> torch.Tensor:
     """q pre-scaled, with ``_PARTS`` columns of ones and one of zeros (the row-sum column)."""
-    extra = torch.ones(*q.shape[:-1], _PARTS + 1, dtype=q.dtype, device=q.device)
-    extra[..., _PARTS] = 0
-    return torch.cat([q * scale, extra], dim=-1)  # (q * scale computed in fp32, rounded once)
+    return _q_columns(q * scale)  # (q * scale computed in fp32, rounded once)
+
+
+def _q_columns(q_s: torch.Tensor) -> torch.Tensor:
+    """The pre-scaled ``q_s`` with ``_PARTS`` columns of ones and one of zeros appended (written into
+    one new buffer: torch.cat of the narrow columns took twice a copy's time on an H100)."""
+    d = q_s.shape[-1]
+    q_aug = q_s.new_empty(*q_s.shape[:-1], d + _PARTS + 1)
+    q_aug[..., :d] = q_s
+    q_aug[..., d: d + _PARTS] = 1
+    q_aug[..., d + _PARTS] = 0
+    return q_aug
 
 
 def _per_query_head(t: torch.Tensor, group: int, head_axis: int) -> torch.Tensor:
@@ -165,25 +174,24 @@ def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 IN_KERNEL = True
 
 
-def _in_kernel_forward(q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+def _in_kernel_forward(q_s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
                        cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse less G_i)`` from the sm90 forward with the gate's bias in the kernel, on q's
-    pre-scaled columns of ``q_aug`` (the scores the backward recomputes); None where that path does
-    not serve the call (switched off, CPU, traced by torch.compile, empty, another backend)."""
-    if not IN_KERNEL or not q_aug.is_cuda or torch.compiler.is_compiling():
+    """``(out, lse less G_i)`` from the sm90 forward with the gate's bias in the kernel, on the
+    pre-scaled ``q_s`` (the scores the backward recomputes); None where that path does not serve the
+    call (switched off, CPU, traced by torch.compile, empty, another backend)."""
+    if not IN_KERNEL or not q_s.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops
 
-    q_s = q_aug[..., : q_aug.shape[-1] - _PARTS - 1]
     p, varlen = ops._problem(q_s, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
     if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
         return None
-    family = dispatch.fwd_kernel_for(q_aug.device, options[6], p)
+    family = dispatch.fwd_kernel_for(q_s.device, options[6], p)
     if not hasattr(family, "forward_with_gate"):
         return None
     bias = neg_G.t() if cu_q is not None else neg_G.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
-    return family.forward_with_gate(q_s.contiguous(), k, v, p, varlen, bias)
+    return family.forward_with_gate(q_s, k, v, p, varlen, bias)
 
 
 def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,25 +200,28 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class GatedAttnFunc(torch.autograd.Function):
-    """``(out, lse)`` of the augmented problem from q' (``scaled_q``), k, v, ``-G`` at the keys and
-    ``G`` at the queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads
-    it). Inside: k and v expanded to q's heads, ``-G``'s parts and the row-sum column appended to k.
-    Backward: dq', dk, dv from the kernels (dk in fp32), the expanded heads summed per kv head in
-    fp32; ``d(-G)`` dK's gate column, ``dG_q`` dQ's row-sum column (the rows' sums of dS)."""
+    """``(out, lse)`` of the augmented problem from the pre-scaled ``q_s``, k, v, ``-G`` at the keys
+    and ``G`` at the queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE
+    reads it). Forward: the sm90 kernel with ``-G`` as its score bias (``IN_KERNEL``), else the
+    augmented problem: q's columns of ones (``_q_columns``), k and v expanded to q's heads, ``-G``'s
+    parts and the row-sum column appended to k. Backward (the augmented problem either way): dq', dk,
+    dv from the kernels (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's
+    gate column, ``dG_q`` dQ's row-sum column (the rows' sums of dS), ``dq_s`` its first columns."""
 
     @staticmethod
-    def forward(ctx: Any, q_aug: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+    def forward(ctx: Any, q_s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
-        group = q_aug.shape[head_axis] // k.shape[head_axis]
-        in_kernel = _in_kernel_forward(q_aug, k, v, neg_G, cu_q, cu_k, used_q, used_k, options)
+        group = q_s.shape[head_axis] // k.shape[head_axis]
+        in_kernel = _in_kernel_forward(q_s, k, v, neg_G, cu_q, cu_k, used_q, used_k, options)
         if in_kernel is not None:
             out, lse = in_kernel
-            k_saved, v_saved = k, v  # (augmented for the backward there)
+            q_saved, k_saved, v_saved = q_s, k, v  # (augmented for the backward there)
         else:
+            q_saved = q_aug = _q_columns(q_s)
             k_saved = _k_columns(_per_query_head(k, group, head_axis), neg_G)
             v_saved = _per_query_head(v, group, head_axis)
             out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
@@ -220,9 +231,9 @@ class GatedAttnFunc(torch.autograd.Function):
             # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
             # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
             # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
-            lse_full, out = join_sink(out, lse_full, sink, q_aug, cu_q, used_q)
+            lse_full, out = join_sink(out, lse_full, sink, q_s, cu_q, used_q)
             lse = lse_full - G_rows
-        ctx.save_for_backward(q_aug, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
+        ctx.save_for_backward(q_saved, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
                               neg_G if in_kernel is not None else None)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
         ctx.mark_non_differentiable(lse_full)
@@ -235,6 +246,7 @@ class GatedAttnFunc(torch.autograd.Function):
         if dout is None:
             return (None,) * 11
         if neg_G is not None:  # the forward ran the gate in the kernel: augment here
+            q_aug = _q_columns(q_aug)
             k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), neg_G)
             v = _per_query_head(v, ctx.group, ctx.head_axis)
         dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
@@ -245,7 +257,7 @@ class GatedAttnFunc(torch.autograd.Function):
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
-        return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
+        return dq[..., :d], dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -257,10 +269,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     G = cumulative(log_decay, cu_k)
-    q_aug = scaled_q(q, float(scale))
+    q_s = q * float(scale)  # (computed in fp32, rounded once; its gradient: autograd's)
     options = (1.0, bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
-    return GatedAttnFunc.apply(q_aug, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
+    return GatedAttnFunc.apply(q_s, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
