@@ -187,7 +187,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
-        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        MN = cute.nvgpu.OperandMajorMode.MN
         mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
         )
