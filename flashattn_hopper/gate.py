@@ -98,6 +98,8 @@ def at_queries(G: torch.Tensor, seqlen_q: int) -> torch.Tensor:
     seqlen_k = G.shape[1]
     if seqlen_k == 0:
         return G.new_zeros(G.shape[0], seqlen_q, G.shape[2])
+    if seqlen_k == seqlen_q:  # (self-attention: each query sits at its own key position)
+        return G
     pos = torch.arange(seqlen_q, device=G.device) + (seqlen_k - seqlen_q)
     picked = G[:, pos.clamp(min=0, max=max(seqlen_k - 1, 0))]
     return torch.where((pos >= 0)[None, :, None], picked, torch.zeros_like(picked))
