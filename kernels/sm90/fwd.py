@@ -54,7 +54,7 @@ from ..common.pack_gqa import pack_gqa_view
 from ..common.sm90_utils import (
     acc_to_frag_a_sm90, same_smem_atom, select_head, wgmma,
 )
-from ..common.softmax import OnlineSoftmax, apply_softcap, softcap_scale_log2
+from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
 from ..common.utils import (
     LOG2_E,
@@ -67,6 +67,7 @@ from ..common.utils import (
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
+from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
 from .fwd_tiles import FwdSm90Tiles
 from .fwd_parts import (
@@ -85,7 +86,7 @@ _LAZY_RESCALE_THRESHOLD = 8.0
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
+class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdSm90Scores):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -827,44 +828,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem):
             self._pass_other_ring(step, step.pipeline_v, kv_state)
             kv_state.advance()
         return kv_state
-
-    @cute.jit
-    def _score_mods(
-        self,
-        step: BlockStep,
-        acc_S: cute.Tensor,
-        n_block: Int32,
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_causal: cutlass.Constexpr[bool],
-        mask_local: cutlass.Constexpr[bool],
-    ) -> None:
-        """The gate's bias (if compiled in), softcap (if compiled in), then the element masks this
-        block needs (-inf)."""
-        if const_expr(step.gate is not None):
-            self._add_gate(step, acc_S, n_block, mask_seqlen)
-        if const_expr(step.softcap_scale is not None):
-            apply_softcap(acc_S, step.softcap_scale)
-        if const_expr(mask_seqlen or mask_causal or mask_local):
-            step.mask.apply(
-                acc_S, step.mma.thr_mma_qk, step.m_block, n_block, mask_seqlen=mask_seqlen,
-                mask_causal=mask_causal, mask_local=mask_local,
-            )
-
-    @cute.jit
-    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, n_block: Int32, mask_seqlen: cutlass.Constexpr[bool]):
-        """acc_S[r, c] += gate[key of column c]: one add per score, the bias read from global memory
-        (each thread's columns; L1 serves the warpgroups' repeats). The block cut by seqlen_k reads
-        its last key's bias for the columns past it, which the mask then sets to -inf."""
-        acc_mn = acc_rows_cols(acc_S)
-        tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        col0 = n_block * self.tile_n
-        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-            key = col0 + tScS_mn[0, c][1]
-            if const_expr(mask_seqlen):
-                key = cutlass.min(key, step.mask.seqlen_k - 1)
-            bias = step.gate[key]
-            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                acc_mn[r, c] = acc_mn[r, c] + bias
 
     @cute.jit
     def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:
