@@ -1,11 +1,15 @@
 """Gated log-decay attention (``log_decay``; Forgetting Transformer, flash-linear-attention's
-``parallel_attn(q, k, v, g)``) on the unchanged kernels.
+``parallel_attn(q, k, v, g)``): the forward in the sm90 kernel's scores, the backward (and the other
+forwards) on the unchanged kernels.
 
 With ``g`` the log forget gates (<= 0) of every key position and query head and ``G = cumsum(g)``
 along each sequence, the score of query ``i`` and key ``j`` is ``q_i . k_j * scale + G_i - G_j``
 (``G_i`` read at the query's position in the key sequence, ``i + seqlen_k - seqlen_q``; 0 before
 the first key). ``G_i`` is the same for a whole row, so the softmax, and the output, see only
-``-G_j``: a bias per key. This module puts it into the QK^T product itself: q gets three more
+``-G_j``: a bias per key. On Hopper the forward kernel adds it to each score (``IN_KERNEL``:
+``FwdSm90.forward_with_gate``, the bias read per (query head, key); q pre-scaled, ``softmax_scale =
+1``, as below). Otherwise, and for every backward, this module puts it into the QK^T product itself
+(the augmented problem): q gets three more
 columns of ones and k three more columns holding ``-G_j`` split into three bf16 parts (hi, mid, lo:
 24 significant bits together, fp32's precision, where one bf16 value would be off by units at
 ``|G| ~ 1000``), with q pre-scaled and ``softmax_scale = 1``. The kernels then compute exactly
@@ -26,9 +30,11 @@ on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
   them well), the gradient of ``G_i``, so ``dG = rowsum - colsum`` sums to zero as PyTorch's and
   FLA's do (issue 24's formula).
 
-Cost: q/k head dims grow by 4 (64 -> 68 runs on the 96-wide rows with v at 64; 128 -> 132 on 192 with
-v at 128): about 25 % more work than plain attention; k and v are expanded to one head per query
-head (a gate per query head). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
+Cost of the augmented problem: q/k head dims grow by 4 (64 -> 68 runs on the 96-wide rows with v at
+64; 128 -> 132 on 192 with v at 128): about 25 % more work than plain attention; k and v are expanded
+to one head per query head (a gate per query head). The in-kernel forward runs at the plain
+forward's width on k and v as given (one add per score and the bias loads: +36 % kernel time at
+hdim 64 on an H100). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
 q/k head dims up to 252, no softcap (the bias must not pass through tanh). A learnable sink joins
 after the kernels' forward, as in ``sinks.py``, on the gated LSE (``GatedAttnFunc``).
 """

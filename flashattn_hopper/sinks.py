@@ -54,7 +54,7 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: 
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse')`` from the forward kernel with the sink in its finalize, or None where that path
     does not serve the call (switched off, CPU tensors, traced by torch.compile, empty, or a call whose
-    plain kernel packs GQA heads)."""
+    plain kernel packs GQA heads or spans heads with its tiles)."""
     if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops

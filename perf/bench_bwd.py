@@ -71,6 +71,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
     ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
     args = ap.parse_args(argv)
+    if args.tiles and args.hdim_v:
+        ap.error("--tiles times q/k's row only: with --hdim-v v would run padded to it (not supported)")
     tile_cols = {spec: parse_tile(spec) for spec in args.tiles}
 
     from torch.nn.attention import SDPBackend, sdpa_kernel

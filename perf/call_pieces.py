@@ -34,7 +34,7 @@ compiled = compile_cache.get(key, fam.compile)
 out = torch.empty_like(q); lse = torch.empty(2, 2, 16, device="cuda")
 cts = [common.to_cute(t) for t in (q, k, v, out, lse)]
 stream = common.current_stream(q.device)
-# window_left, window_right, softcap, the family's own arguments (sm90: CTA count, tile counter), varlen
+# window_left, window_right, softcap, the family's own arguments (sm90: CTA count, tile counter, gate), varlen
 extra = (0, 0, 1.0, *fam.extra_args(key, q.device), None, None, None, None)
 print("backend", fam.backend)
 print(f"full flash_attn_func          {per_call(lambda: flash_attn_func(q, k, v)):8.1f} us")

@@ -20,6 +20,8 @@ def variant_keys(spec, arch: str) -> list:
         keys.append(dataclasses.replace(keys[0], sink=True, **spec.sink_key_overrides))
     if spec.kind == "fwd_sm90" and keys:
         # The gated log-decay bias in the scores (gate.IN_KERNEL, ``forward_with_gate``).
-        causal = next(key for key in keys if key.causal and key.head_dim == 128 and not key.varlen)
-        keys.append(dataclasses.replace(causal, gate=True, pack_gqa=1, span_heads=False))
+        # (dense causal hdim 128 and varlen causal: the bias's two views of its tensor)
+        for varlen in (False, True):
+            causal = next(key for key in keys if key.causal and key.head_dim == 128 and key.varlen == varlen)
+            keys.append(dataclasses.replace(causal, gate=True, pack_gqa=1, span_heads=False))
     return keys

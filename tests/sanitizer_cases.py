@@ -45,11 +45,11 @@ def _packed(lens: tuple[int, ...], h: int = 2, h_k: int = 1, d: int = 128, grad:
     return rand(h), rand(h_k), rand(h_k), cu, max(lens)
 
 
-def _dense(backend: str | None, backward: bool = False, d: int = 128, dv: int | None = None,
-           **kwargs) -> Callable[[], None]:
+def _dense(backend: str | None, backward: bool = False, d: int = 128, dv: int | None = None, h: int = 2,
+           h_k: int = 1, **kwargs) -> Callable[[], None]:
     def run() -> None:
         for s_q, s_k in ((113, 203), (256, 256)):
-            q, k, v = _qkv(s_q, s_k, d=d, grad=backward, dv=dv)
+            q, k, v = _qkv(s_q, s_k, h=h, h_k=h_k, d=d, grad=backward, dv=dv)
             out = flash_attn_func(q, k, v, backend=backend, **kwargs)
             if backward:
                 out.backward(torch.randn_like(out))
@@ -63,6 +63,17 @@ def _varlen(backend: str | None, backward: bool = False, d: int = 128, **kwargs)
         if backward:
             out.backward(torch.randn_like(out))
     return run
+
+
+def _gated() -> None:
+    """The gate's bias in the sm90 forward (read per key from global memory), odd lengths, GQA, and
+    its backward (the augmented problem)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for s_q, s_k in ((113, 203), (256, 256)):
+        q, k, v = _qkv(s_q, s_k, d=64, grad=True)
+        g = torch.nn.functional.logsigmoid(torch.randn(1, s_k, 2, device="cuda", generator=gen)).requires_grad_()
+        out = flash_attn_func(q, k, v, causal=True, log_decay=g)
+        out.backward(torch.randn_like(out))
 
 
 def _clusters() -> None:
@@ -139,6 +150,9 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_bwd_d192_varlen_local": _varlen("sm90", backward=True, d=192, window_size=(20, 0)),
     "sm90_fwd_bwd_d256_deterministic": _dense("sm90", backward=True, d=256, deterministic=True),
     "sm90_fwd_bwd_d192_128_dense": _dense("sm90", backward=True, d=192, dv=128),
+    "sm90_fwd_bwd_d256_mha_causal": _dense("sm90", backward=True, d=256, h=2, h_k=2, causal=True),
+    # Gated log-decay: the bias inside the sm90 forward.
+    "default_gated_causal": _gated,
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }

@@ -553,14 +553,14 @@ def _default_dense(dtype, d, causal, window=(-1, -1), softcap=0.0, heads=(4, 2))
 
 def test_bwd_default_path_window_softcap_head_dims(default_path):
     """Dense features without a backend: windows, softcap with and without one, head dims 96 and 256
-    (on Hopper the sm90 backward serves all but head dim 256)."""
+    (on Hopper the sm90 backward serves them all; 256 on its wide kernel)."""
     cases = [
         (torch.bfloat16, 128, True, dict(window=(20, -1), heads=(4, 4))),
         (torch.float16, 64, False, dict(window=(40, 10))),
         (torch.float16, 128, True, dict(softcap=SOFTCAP, heads=(4, 4))),
         (torch.bfloat16, 64, False, dict(window=(40, 10), softcap=SOFTCAP)),
         (torch.bfloat16, 96, True, {}),
-        (torch.float16, 256, True, dict(heads=(4, 4))),  # beyond the sm90 backward: sm80 serves it
+        (torch.float16, 256, True, dict(heads=(4, 4))),  # the sm90 backward's wide kernel (bwd_wide.py)
     ]
     for dtype, d, causal, kwargs in cases:
         default_path(_default_dense(dtype, d, causal, **kwargs))

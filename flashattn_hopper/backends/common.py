@@ -289,7 +289,7 @@ def compile_forward(
     """``ffi_compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
     window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
-    arguments as compile-time stand-ins (the sm90 kernel's CTA count and tile counter); the family's
+    arguments as compile-time stand-ins (the sm90 kernel's CTA count, tile counter and gate); the family's
     ``extra_args`` gives their call-time values to ``launch_forward``."""
     import cutlass
     import cutlass.cute as cute

@@ -4,8 +4,9 @@
 The pre and post kernels, the scratch buffers, the deterministic semaphores and the launch sequence
 are the Ampere family's (``BwdSm80.backward``); only the main kernel and its key differ, and the
 dQ accumulator is row-major (the postprocess runs in its row-major mode, as for GQA's dK/dV sums).
-Head dims up to 256 (q and v the same after padding; 192 and 256 on ``kernels/sm90/bwd_wide.py``);
-other problems run on the Ampere backward (dispatch falls back when this family cannot implement them).
+Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
+(192 and 256 on ``kernels/sm90/bwd_wide.py``); other problems run on the Ampere backward (dispatch
+falls back when this family cannot implement them).
 """
 
 from __future__ import annotations

@@ -236,8 +236,9 @@ class FwdSm90(FwdLauncher):
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time; with clusters, as
-        many as stay resident together) and, for the dynamic schedule, a tile counter that is zero at
-        launch on that stream (``tile_counter``)."""
+        many as stay resident together), for the dynamic schedule a tile counter that is zero at
+        launch on that stream (``tile_counter``), else None, and the gate's slot: None
+        (``forward_with_gate`` puts its bias there)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
         return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None
@@ -248,12 +249,17 @@ class FwdSm90(FwdLauncher):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
-        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``. No softcap; a non-empty problem."""
-        key = dataclasses.replace(self.key(p, target_arch(), varlen), gate=True, pack_gqa=1, span_heads=False)
+        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``. No softcap; a non-empty problem.
+        The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
+        combinations the gate's tests run)."""
+        key = dataclasses.replace(
+            self.key(p, target_arch(), varlen), gate=True, pack_gqa=1, span_heads=False, cluster_m=1
+        )
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         bias = bias.to(device=q.device, dtype=torch.float32).contiguous()
-        return launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias))
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias))
+        return out.contiguous(), lse  # (out is a view where v ran padded)
 
 
 def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:

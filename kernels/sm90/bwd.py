@@ -136,7 +136,7 @@ class FlashBwdSm90:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
         self.head_dim = head_dim
-        self.head_dim_v = head_dim_v  # V, dO, dV (== head_dim here; bwd_wide.py takes 192/128, 256/128)
+        self.head_dim_v = head_dim_v  # V, dO, dV (== head_dim here; bwd_wide.py: 192/128, 256/128, 256/192)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.is_causal = is_causal
