@@ -351,10 +351,9 @@ def _gated(
     softmax_scale: float | None, causal: bool, window_size: Any, deterministic: bool, backend: str | None,
     learnable_sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call with ``log_decay`` (``gate.py``): q pre-scaled, the forward with ``-G_j`` in the sm90
+    """A call with ``log_decay`` (``gate.py``): the forward with ``-G_j / scale`` added to the sm90
     kernel's scores (else as three more q/k columns on the plain kernels), the backward on the
-    augmented problem, both at ``softmax_scale = 1``; ``G_i`` added to the LSE (and the sink joined,
-    if given)."""
+    augmented problem; ``G_i`` added to the LSE (and the sink joined, if given)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     gated_varlen = tuple(varlen[:4]) if varlen is not None else None  # max_seqlen: no kernel reads it
     return gate.attention(q, k, v, log_decay, gated_varlen, float(scale), causal,

@@ -6,18 +6,18 @@ With ``g`` the log forget gates (<= 0) of every key position and query head and 
 along each sequence, the score of query ``i`` and key ``j`` is ``q_i . k_j * scale + G_i - G_j``
 (``G_i`` read at the query's position in the key sequence, ``i + seqlen_k - seqlen_q``; 0 before
 the first key). ``G_i`` is the same for a whole row, so the softmax, and the output, see only
-``-G_j``: a bias per key. On Hopper the forward kernel adds it to each score (``IN_KERNEL``:
-``FwdSm90.forward_with_gate``, the bias read per (query head, key); q pre-scaled, ``softmax_scale =
-1``, as below). Otherwise, and for every backward, this module puts it into the QK^T product itself
-(the augmented problem): q gets three more
-columns of ones and k three more columns holding ``-G_j`` split into three bf16 parts (hi, mid, lo:
-24 significant bits together, fp32's precision, where one bf16 value would be off by units at
-``|G| ~ 1000``), with q pre-scaled and ``softmax_scale = 1``. The kernels then compute exactly
-``q . k * scale - G_j`` in their fp32 accumulators; the returned LSE gets ``G_i`` added back. No
-N x N bias is built.
+``-G_j``: a bias per key, taken as ``-G_j / scale`` in the scores' units before the softmax scale
+(fp32), so that a zero gate leaves every score as the plain call's. On Hopper the forward kernel adds
+it to each score (``IN_KERNEL``: ``FwdSm90.forward_with_gate``, the bias read per (query head,
+key)). Otherwise, and for every backward, this module puts it into the QK^T product itself (the
+augmented problem): q gets three more columns of ones and k three more columns holding the bias
+split into three bf16 parts (hi, mid, lo: 24 significant bits together, fp32's precision, where one
+bf16 value would be off by units at ``|G| ~ 1000``), at the call's ``softmax_scale``. The kernels
+then compute ``(q . k - G_j / scale) * scale`` in their fp32 accumulators; the returned LSE gets
+``G_i`` added back. No N x N bias is built.
 
-Gradients: the three columns' dK are each the column sum of dS (the kernels' dK GEMM with q's
-columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
+Gradients: the three columns' dK are each ``scale`` times the column sum of dS (the kernels' dK GEMM
+with q's columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
 which is why ``G_i`` carries no gradient), and ``dg = reverse cumsum(dG)`` per sequence via
 ``torch.cumsum``'s own backward. Two things keep dg accurate through that reverse cumsum (measured
 on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
@@ -131,12 +131,12 @@ def scaled_q(q: torch.Tensor, scale: float) -> torch.Tensor:
     return _q_columns(q * scale)  # (q * scale computed in fp32, rounded once)
 
 
-def _q_columns(q_s: torch.Tensor) -> torch.Tensor:
-    """The pre-scaled ``q_s`` with ``_PARTS`` columns of ones and one of zeros appended (written into
-    one new buffer: torch.cat of the narrow columns took twice a copy's time on an H100)."""
-    d = q_s.shape[-1]
-    q_aug = q_s.new_empty(*q_s.shape[:-1], d + _PARTS + 1)
-    q_aug[..., :d] = q_s
+def _q_columns(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with ``_PARTS`` columns of ones and one of zeros appended (written into one new buffer:
+    torch.cat of the narrow columns took twice a copy's time on an H100)."""
+    d = q.shape[-1]
+    q_aug = q.new_empty(*q.shape[:-1], d + _PARTS + 1)
+    q_aug[..., :d] = q
     q_aug[..., d: d + _PARTS] = 1
     q_aug[..., d + _PARTS] = 0
     return q_aug
@@ -182,24 +182,25 @@ def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 IN_KERNEL = True
 
 
-def _in_kernel_forward(q_s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
                        cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse less G_i)`` from the sm90 forward with the gate's bias in the kernel, on the
-    pre-scaled ``q_s`` (the scores the backward recomputes); None where that path does not serve the
-    call (switched off, CPU, traced by torch.compile, empty, another backend)."""
-    if not IN_KERNEL or not q_s.is_cuda or torch.compiler.is_compiling():
+    """``(out, lse less G_i)`` from the sm90 forward with ``key_bias`` (``-G_j / softmax_scale``, the
+    scores' units before the scale) added in the kernel: with a zero gate, the plain forward's scores
+    bit for bit. None where that path does not serve the call (switched off, CPU, traced by
+    torch.compile, empty, another backend)."""
+    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
         return None
     from . import dispatch, ops
 
-    p, varlen = ops._problem(q_s, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
+    p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
     if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
         return None
-    family = dispatch.fwd_kernel_for(q_s.device, options[6], p)
+    family = dispatch.fwd_kernel_for(q.device, options[6], p)
     if not hasattr(family, "forward_with_gate"):
         return None
-    bias = neg_G.t() if cu_q is not None else neg_G.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
-    return family.forward_with_gate(q_s, k, v, p, varlen, bias)
+    bias = key_bias.t() if cu_q is not None else key_bias.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
+    return family.forward_with_gate(q, k, v, p, varlen, bias)
 
 
 def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,29 +209,32 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class GatedAttnFunc(torch.autograd.Function):
-    """``(out, lse)`` of the augmented problem from the pre-scaled ``q_s``, k, v, ``-G`` at the keys
-    and ``G`` at the queries (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE
-    reads it). Forward: the sm90 kernel with ``-G`` as its score bias (``IN_KERNEL``), else the
-    augmented problem: q's columns of ones (``_q_columns``), k and v expanded to q's heads, ``-G``'s
-    parts and the row-sum column appended to k. Backward (the augmented problem either way): dq', dk,
-    dv from the kernels (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's
-    gate column, ``dG_q`` dQ's row-sum column (the rows' sums of dS), ``dq_s`` its first columns."""
+    """``(out, lse)`` of gated attention from q, k, v, ``-G`` at the keys and ``G`` at the queries
+    (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads it), at the call's
+    ``softmax_scale`` (``options[0]``), the keys' bias taken as ``-G_j / softmax_scale`` in the scores'
+    units. Forward: the sm90 kernel with that bias (``IN_KERNEL``), else the augmented problem: q's
+    columns of ones (``_q_columns``), k and v expanded to q's heads, the bias's parts and the row-sum
+    column appended to k. Backward (the augmented problem either way): dq', dk, dv from the kernels
+    (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's gate column and
+    ``dG_q`` dQ's row-sum column (the rows' sums of dS), both over ``softmax_scale`` (the kernels'
+    dQ and dK carry it); dq dQ's first columns."""
 
     @staticmethod
-    def forward(ctx: Any, q_s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
-        group = q_s.shape[head_axis] // k.shape[head_axis]
-        in_kernel = _in_kernel_forward(q_s, k, v, neg_G, cu_q, cu_k, used_q, used_k, options)
+        group = q.shape[head_axis] // k.shape[head_axis]
+        key_bias = neg_G.float() / options[0]  # (fp32: the kernel adds it to its fp32 scores)
+        in_kernel = _in_kernel_forward(q, k, v, key_bias, cu_q, cu_k, used_q, used_k, options)
         if in_kernel is not None:
             out, lse = in_kernel
-            q_saved, k_saved, v_saved = q_s, k, v  # (augmented for the backward there)
+            q_saved, k_saved, v_saved = q, k, v  # (augmented for the backward there)
         else:
-            q_saved = q_aug = _q_columns(q_s)
-            k_saved = _k_columns(_per_query_head(k, group, head_axis), neg_G)
+            q_saved = q_aug = _q_columns(q)
+            k_saved = _k_columns(_per_query_head(k, group, head_axis), key_bias)
             v_saved = _per_query_head(v, group, head_axis)
             out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
         G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
@@ -239,10 +243,10 @@ class GatedAttnFunc(torch.autograd.Function):
             # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
             # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
             # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
-            lse_full, out = join_sink(out, lse_full, sink, q_s, cu_q, used_q)
+            lse_full, out = join_sink(out, lse_full, sink, q, cu_q, used_q)
             lse = lse_full - G_rows
         ctx.save_for_backward(q_saved, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
-                              neg_G if in_kernel is not None else None)
+                              key_bias if in_kernel is not None else None)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
         ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
@@ -250,18 +254,20 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, neg_G = ctx.saved_tensors
+        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, key_bias = ctx.saved_tensors
         if dout is None:
             return (None,) * 11
-        if neg_G is not None:  # the forward ran the gate in the kernel: augment here
+        if key_bias is not None:  # the forward ran the gate in the kernel: augment here
             q_aug = _q_columns(q_aug)
-            k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), neg_G)
+            k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), key_bias)
             v = _per_query_head(v, ctx.group, ctx.head_axis)
         dq, dk32, dv = _bwd_op(dout, q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.options, True)
         d = k_aug.shape[-1] - _PARTS - 1
-        # Each part's column holds the same column sum of dS: one of them is d(-G). The row sums (dQ's
-        # last column) are over the keys only, which is G_i's gradient with a sink too.
-        d_neg_G, d_G_q = dk32[..., d], dq[..., d + _PARTS].float()
+        # Each part's column holds the same column sum of dS (times the scale, as all of dK): one of
+        # them is d(-G / scale). The row sums (dQ's last column, times the scale) are over the keys
+        # only, which is G_i's gradient with a sink too.
+        scale = ctx.options[0]
+        d_neg_G, d_G_q = dk32[..., d] / scale, dq[..., d + _PARTS].float() / scale
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
@@ -277,10 +283,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     G = cumulative(log_decay, cu_k)
-    q_s = q * float(scale)  # (computed in fp32, rounded once; its gradient: autograd's)
-    options = (1.0, bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
+    options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
-    return GatedAttnFunc.apply(q_s, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
+    return GatedAttnFunc.apply(q, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
