@@ -630,7 +630,7 @@ class FlashBwdSm90:
         # This warpgroup's dQ chunk: registers -> sdQ[wg] (64-bit stores through the swizzle); the
         # dQ writer warp reduce-adds it (store_dq). A one-warpgroup tiled MMA of the chunk's shape has
         # exactly this warpgroup's C layout.
-        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        MN = cute.nvgpu.OperandMajorMode.MN
         mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
         )
@@ -677,39 +677,10 @@ class FlashBwdSm90:
                 pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
                 acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-                acc_S_mn = acc_rows_cols(acc_S)
-                num_rows = cute.size(acc_S_mn.shape[0])
-                num_cols = cute.size(acc_S_mn.shape[1])
-                warpgroup.wait_group(1)  # S^T has landed
-                # LSE and dPsum of a column (query) are read from smem where they are used, not held in
-                # registers across the block (16 + 16 values per thread at tile_m 64).
-                acc_dP_mn = acc_rows_cols(acc_dP)
-                if const_expr(softcap_scale is not None):
-                    # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
-                    # before the mask (a masked score's P is 0, so its factor does not matter). One
-                    # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
-                    apply_softcap(acc_S, softcap_scale)
-                    warpgroup.wait_group(0)  # dP^T has landed
-                    for c in cutlass.range_constexpr(num_cols):
-                        dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                        for r in cutlass.range_constexpr(num_rows):
-                            t = acc_S_mn[r, c]
-                            acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
-                if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
-                    mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-                for c in cutlass.range_constexpr(num_cols):
-                    lse = sLSE[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(num_rows):
-                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
-                if const_expr(softcap_scale is None):
-                    warpgroup.wait_group(0)  # dP^T has landed
-                    for c in cutlass.range_constexpr(num_cols):
-                        dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                        for r in cutlass.range_constexpr(num_rows):
-                            acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                        acc_dP[i] = acc_dP[i] * acc_S[i]
+                self.probs_and_ds(
+                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                    softcap_scale,
+                )
                 # dV += P^T dO with P^T straight from registers.
                 tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
                 wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
@@ -732,6 +703,47 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
         return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def probs_and_ds(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, mask: AttentionMask,
+                     thr_sdp, m_block: Int32, n_block: Int32, scale_log2: Float32, softcap_scale: Float32 | None):
+        """S^T and dP^T issued (in that order), not yet waited for: waits for each, then in place
+        S^T -> P^T = exp2(S^T * scale_log2 - LSE) (softcap, masks) and dP^T -> dS^T = P^T (dP^T -
+        dPsum) [* tanh']. ``tScS_mn``: each thread value's (key, query) coordinates; ``stage``: the
+        Q/dO ring stage whose LSE and dPsum to read (shared with bwd_wide.py)."""
+        acc_S_mn = acc_rows_cols(acc_S)
+        num_rows = cute.size(acc_S_mn.shape[0])
+        num_cols = cute.size(acc_S_mn.shape[1])
+        warpgroup.wait_group(1)  # S^T has landed
+        # LSE and dPsum of a column (query) are read from smem where they are used, not held in
+        # registers across the block (16 + 16 values per thread at tile_m 64).
+        acc_dP_mn = acc_rows_cols(acc_dP)
+        if const_expr(softcap_scale is not None):
+            # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
+            # before the mask (a masked score's P is 0, so its factor does not matter). One
+            # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
+            apply_softcap(acc_S, softcap_scale)
+            warpgroup.wait_group(0)  # dP^T has landed
+            for c in cutlass.range_constexpr(num_cols):
+                dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(num_rows):
+                    t = acc_S_mn[r, c]
+                    acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
+        if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+            mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+        for c in cutlass.range_constexpr(num_cols):
+            lse = sLSE[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(num_rows):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+        if const_expr(softcap_scale is None):
+            warpgroup.wait_group(0)  # dP^T has landed
+            for c in cutlass.range_constexpr(num_cols):
+                dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(num_rows):
+                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_dP[i] * acc_S[i]
 
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQ_sem: cute.Tensor,

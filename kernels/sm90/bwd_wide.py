@@ -30,7 +30,6 @@ from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semap
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, store_rows_predicated, wgmma
-from ..common.softmax import apply_softcap
 from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
 from .bwd import _SMEM_CAPACITY, _WG_THREADS, FlashBwdSm90, NamedBarrierBwd
 
@@ -210,35 +209,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
             wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-            acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
-            num_rows = cute.size(acc_S_mn.shape[0])
-            num_cols = cute.size(acc_S_mn.shape[1])
-            warpgroup.wait_group(1)  # S^T has landed
-            if const_expr(softcap_scale is not None):
-                # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
-                # before the mask (as bwd.py).
-                apply_softcap(acc_S, softcap_scale)
-                warpgroup.wait_group(0)  # dP^T has landed
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(num_rows):
-                        t = acc_S_mn[r, c]
-                        acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
-            if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
-                mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-            for c in cutlass.range_constexpr(num_cols):
-                lse = sLSE[tScS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(num_rows):
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
-            if const_expr(softcap_scale is None):
-                warpgroup.wait_group(0)  # dP^T has landed
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(num_rows):
-                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                    acc_dP[i] = acc_dP[i] * acc_S[i]
+            self.probs_and_ds(
+                acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                softcap_scale,
+            )
             rP = convert_to_16bit(acc_S, self.dtype)
             cute.copy(r2s_PdS, r2s_PdS.retile(rP), tXsX[None, None, None, p_stage])
             rdS = convert_to_16bit(acc_dP, self.dtype)
