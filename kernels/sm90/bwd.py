@@ -621,23 +621,8 @@ class FlashBwdSm90:
             tiled_mma_sdp,
         ).get_slice(tidx)
         tdSsdS = r2s_dS.partition_D(sdSt)
-        # Column (query) of each of this thread's S^T values, for LSE / dPsum and the mask.
-        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
-        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
-        window_l = window_left if const_expr(self.is_local) else None
-        window_r = window_right if const_expr(self.is_local) else None
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
-        # This warpgroup's dQ chunk: registers -> sdQ[wg] (64-bit stores through the swizzle); the
-        # dQ writer warp reduce-adds it (store_dq). A one-warpgroup tiled MMA of the chunk's shape has
-        # exactly this warpgroup's C layout.
-        MN = cute.nvgpu.OperandMajorMode.MN
-        mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
-        )
-        r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq_chunk,
-        ).get_slice(tidx % _WG_THREADS)
-        tdQsdQ = r2s_dQ.partition_D(sdQ[None, None, wg_idx])
+        tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
+        r2s_dQ, tdQsdQ = self.dq_staging(sdQ, tidx, wg_idx)
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -696,13 +681,42 @@ class FlashBwdSm90:
             pipe_q.consumer_release(state)
             pipe_do.consumer_release(state)
             state.advance()
-            # dQ -> sdQ once the writer's last reduce-adds have read it (none before the first block).
-            if m_block > m_block_min:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
-            cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
+            self.dq_to_smem(acc_dQ, r2s_dQ, tdQsdQ, m_block > m_block_min)
         return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):
+        """``(tScS_mn, mask)``: the (key, query) coordinates of each of this thread's S^T values (the
+        query column picks LSE / dPsum and the mask) and this sequence's mask."""
+        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
+        return tScS_mn, mask
+
+    def dq_staging(self, sdQ, tidx: Int32, wg_idx: Int32):
+        """``(r2s_dQ, tdQsdQ)``: this warpgroup's dQ chunk, registers -> sdQ[wg] (64-bit stores
+        through the swizzle); the dQ writer warp reduce-adds it (``store_dq``). A one-warpgroup tiled
+        MMA of the chunk's shape has exactly this warpgroup's C layout."""
+        MN = cute.nvgpu.OperandMajorMode.MN
+        mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
+        )
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq_chunk,
+        ).get_slice(tidx % _WG_THREADS)
+        return r2s_dQ, r2s_dQ.partition_D(sdQ[None, None, wg_idx])
+
+    @cute.jit
+    def dq_to_smem(self, acc_dQ, r2s_dQ, tdQsdQ, after_first: cutlass.Boolean):
+        """This block's dQ -> sdQ once the writer's last reduce-adds have read it (``after_first``:
+        there were some), then tell the writer."""
+        if after_first:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
+        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
 
     @cute.jit
     def probs_and_ds(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, mask: AttentionMask,

@@ -27,10 +27,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
 from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semaphore_wait
-from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, store_rows_predicated, wgmma
-from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
+from ..common.utils import convert_to_16bit, transpose_view
 from .bwd import _SMEM_CAPACITY, _WG_THREADS, FlashBwdSm90, NamedBarrierBwd
 
 
@@ -180,20 +179,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tiled_mma_sdp,
         ).get_slice(tidx)
         tXsX = r2s_PdS.partition_D(sdSt)
-        # Column (query) of each of this thread's S^T values, for LSE / dPsum and the mask.
-        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
-        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
-        window_l = window_left if const_expr(self.is_local) else None
-        window_r = window_right if const_expr(self.is_local) else None
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
-        MN = cute.nvgpu.OperandMajorMode.MN
-        mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
-        )
-        r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq_chunk,
-        ).get_slice(tidx % _WG_THREADS)
-        tdQsdQ = r2s_dQ.partition_D(sdQ[None, None, wg_idx])
+        tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
+        r2s_dQ, tdQsdQ = self.dq_staging(sdQ, tidx, wg_idx)
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -231,12 +218,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             pipe_do.consumer_release(state)
             state.advance()
             warpgroup.wait_group(0)
-            # dQ -> sdQ once the writer's last reduce-adds have read it (none before the first block).
-            if m_block > m_block_min:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
-            cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
+            self.dq_to_smem(acc_dQ, r2s_dQ, tdQsdQ, m_block > m_block_min)
         return acc_dK, acc_dV, tiled_mma_dkv
 
     # ------------------------------------------------------------------ epilogue
