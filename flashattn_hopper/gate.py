@@ -189,16 +189,12 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bi
     scores' units before the scale) added in the kernel: with a zero gate, the plain forward's scores
     bit for bit. None where that path does not serve the call (switched off, CPU, traced by
     torch.compile, empty, another backend)."""
-    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
-        return None
-    from . import dispatch, ops
+    from . import ops
 
-    p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
-    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+    route = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
+    if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
-    family = dispatch.fwd_kernel_for(q.device, options[6], p)
-    if not hasattr(family, "forward_with_gate"):
-        return None
+    family, p, varlen = route
     bias = key_bias.t() if cu_q is not None else key_bias.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
     return family.forward_with_gate(q, k, v, p, varlen, bias)
 

@@ -40,6 +40,23 @@ def _problem(
     return p, VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, None)
 
 
+def eager_forward_family(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    options: tuple[Any, ...],
+) -> tuple[Any, AttnProblem, VarlenArgs | None] | None:
+    """``(family, problem, varlen)`` of a forward a module launches itself, beside the op, for a
+    kernel variant the op has no argument for (``sinks.py``, ``gate.py``); ``options`` as the op's
+    ``(softmax_scale, causal, window_left, window_right, softcap, deterministic, backend)``. None where
+    the call must go through the op: CPU tensors, traced by torch.compile, an empty problem."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return None
+    p, varlen = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options[:5])
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        return None
+    return dispatch.fwd_kernel_for(q.device, options[6], p), p, varlen
+
+
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
 def fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,

@@ -55,14 +55,12 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: 
     """``(out, lse')`` from the forward kernel with the sink in its finalize, or None where that path
     does not serve the call (switched off, CPU tensors, traced by torch.compile, empty, or a call whose
     plain kernel packs GQA heads or spans heads with its tiles)."""
-    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
-        return None
-    from . import dispatch, ops
+    from . import ops
 
-    p, varlen = ops._problem(q, k, v, cu_q, cu_k, used_q, used_k, *options[:5])
-    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+    route = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
+    if route is None:
         return None
-    family = dispatch.fwd_kernel_for(q.device, options[6], p)
+    family, p, varlen = route
     return family.forward_with_sink(q, k, v, p, varlen, sink, even_unpacked=IN_KERNEL_UNPACKED)
 
 
