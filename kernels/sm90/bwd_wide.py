@@ -15,8 +15,9 @@ Registers per MMA thread at d = 256: dK 64 + dV 64 + dQ 64 (S^T and dP^T, 16 eac
 written to smem). Everything else (producer, dQ writer, semaphores, masks, epilogues, scratch
 layouts, launch arguments) is ``FlashBwdSm90``'s; the key picks this class by ``tile_n == 64``.
 
-Constraints: as ``bwd.py`` with ``head_dim`` in {192, 256} (the launcher pads), ``tile_m == tile_n
-== 64``; softcap at d = 256 included (its tanh' reuses S^T's registers before P^T is formed).
+Constraints: as ``bwd.py`` with ``head_dim`` in {192, 256} (the launcher pads) and ``head_dim_v`` in
+{128, 192, 256}, at most ``head_dim`` (V, dO and dV at v's width, one tiled MMA each for dK and dV),
+``tile_m == tile_n == 64``; softcap included (its tanh' reuses S^T's registers before P^T is formed).
 """
 
 import cutlass
@@ -56,7 +57,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     still read block j's, and cannot reach block j+2 before the other passed DS_READY of j+1, by
     which point the other's GEMMs of block j are done. Epilogue: MHA: dK * scale, dV to 16 bits,
     through sK / sV (stmatrix), barrier, warpgroup 1 stores dK's rows, warpgroup 2 dV's; GQA: fp32
-    reduce-adds (``FlashBwdSm90.epilogue_gqa``).
+    reduce-adds into the KV head's sums, each at its own width.
     """
 
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
