@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -230,8 +231,8 @@ def test_sink_in_kernel_decode(monkeypatch, backend, s_k):
 def test_sink_decode_gqa_joins_after_the_packed_kernel(monkeypatch):
     """The default settings at a GQA decode shape on Hopper: the in-kernel route declines (the plain
     kernel packs the query heads), the sink is joined after it; results by the parity rule."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the packed GQA forward is sm90's")
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs the default backend on a Hopper GPU: only the sm90 forward packs GQA heads")
     taken = _in_kernel_on(monkeypatch, unpacked=False)
     _api_parity(None, torch.bfloat16, True, (1, 300), 128, batch=2)
     assert taken == [False], taken
@@ -321,7 +322,6 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
     query once made ``expand().contiguous()`` return the parameter itself); the sink key has the
     family's restrictions. CPU: the launch and device lookups are stand-ins."""
     from flashattn_hopper import dispatch
-    from flashattn_hopper.backends import common, sm90_fwd
     from flashattn_hopper.validate import AttnProblem
 
     launched = {}
@@ -330,13 +330,7 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
         launched.update(key=key, lse=lse.clone(), lse_ptr=lse.data_ptr())
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), lse
 
-    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
-    monkeypatch.setattr(common, "launch_forward", launch)
-    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(common, "device_index", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))
+    _cpu_launch_stand_ins(monkeypatch, launch)
     batch, s_q = shape
     q = torch.zeros(batch, s_q, 8, 128, dtype=torch.bfloat16)
     k = v = torch.zeros(batch, 40, 2, 128, dtype=torch.bfloat16)
@@ -351,6 +345,20 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
     assert key.sink and (family_name == "sm80" or (key.pack_gqa == 1 and not key.span_heads))
 
 
+def _cpu_launch_stand_ins(monkeypatch, launch) -> None:
+    """The forward launchers on the CPU: no compile, ``launch`` for ``launch_forward``, device 0 with
+    132 SMs and a CPU tile counter."""
+    from flashattn_hopper.backends import common, sm90_fwd
+
+    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
+    monkeypatch.setattr(common, "launch_forward", launch)
+    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(common, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (8, 8)], ids=["gqa", "mha"])
 def test_sink_in_kernel_keeps_packed_gqa(monkeypatch, heads):
     """Decode (one query): the sm90 forward packs a KV head's query heads into one tile, which the sink
@@ -358,17 +366,10 @@ def test_sink_in_kernel_keeps_packed_gqa(monkeypatch, heads):
     joins the sink after the packed kernel); with MHA nothing is given up and it launches. CPU: the
     launch and device lookups are stand-ins."""
     from flashattn_hopper import dispatch
-    from flashattn_hopper.backends import common, sm90_fwd
     from flashattn_hopper.validate import AttnProblem
 
     launched = []
-    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
-    monkeypatch.setattr(common, "launch_forward", lambda *args: launched.append(args[1]) or (args[2], args[8]))
-    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(common, "device_index", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))
+    _cpu_launch_stand_ins(monkeypatch, lambda *args: launched.append(args[1]) or (args[2], args[8]))
     h, h_k = heads
     q = torch.zeros(4, 1, h, 128, dtype=torch.bfloat16)
     k = v = torch.zeros(4, 4096, h_k, 128, dtype=torch.bfloat16)
