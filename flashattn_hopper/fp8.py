@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import validate
+
 E4M3_MAX = 448.0
 # amax floor: an all-zero block gets a finite scale (its values quantize to 0 either way).
 _AMAX_FLOOR = 1e-12
@@ -130,3 +132,73 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, rows: int | None = None)
         return (x.view(b, s, descale.shape[1], -1, d) * descale[:, None, :, None, None]).view(b, s, h, d)
     per_row = descale.repeat_interleave(rows, dim=2)[:, :, :s]  # (b, h, s)
     return x * per_row.transpose(1, 2)[..., None]
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_fp8(t: object) -> bool:
+    """Whether ``t`` is a tensor of an 8-bit float dtype (the API routes those here)."""
+    return isinstance(t, torch.Tensor) and t.dtype in validate.FP8_DTYPES
+
+
+def descales(extras: dict[str, object], p: validate.AttnProblem, device: torch.device) -> torch.Tensor:
+    """The kernel's ``(3, batch, nheads_k)`` fp32 descales from the call's ``q_descale``, ``k_descale``,
+    ``v_descale`` (FA3's: fp32 ``(batch, nheads_k)``, q's indexed by kv head too; None: 1). A wrong
+    shape, dtype or device raises, naming the argument: a silently dropped descale gives wrong output."""
+    out = torch.ones(3, p.batch, p.nheads_k, dtype=torch.float32, device=device)
+    for i, name in enumerate(DESCALE_NAMES):
+        value = extras.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor of shape (batch, nheads_k) or None, got {type(value).__name__}")
+        if value.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {str(value.dtype).replace('torch.', '')}")
+        if tuple(value.shape) != (p.batch, p.nheads_k):
+            raise ValueError(f"{name} must have shape (batch, nheads_k) = {(p.batch, p.nheads_k)}, got {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {value.device}")
+        out[i] = value
+    return out
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, object], softmax_scale: object,
+    causal: bool, window_size: object, softcap: object, backend: str | None,
+    varlen: tuple[object, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of e4m3 ``q, k, v``: out bf16, lse fp32 (the API's checks of the other options
+    came first). ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+    seqused_k)`` for the packed layout. Hopper only (sm90's e4m3 WGMMA); no softcap, sink, gate or
+    backward (FP8 is an inference forward)."""
+    from . import dispatch
+    from .backends.common import VarlenArgs, empty_result
+
+    scales = {name: extras.pop(name, None) for name in DESCALE_NAMES}
+    validate.check_flash_attn_extras("flash_attn_varlen_func" if varlen else "flash_attn_func", extras)
+    if validate.check_softcap(softcap) > 0.0:
+        raise NotImplementedError("softcap is not implemented for FP8 inputs")
+    if varlen is None:
+        p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, fp8=True)
+        varlen_args = None
+    else:
+        cu_q, cu_k, max_q, max_k, used_q, used_k = varlen
+        p = validate.validate_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, causal,
+                                     window_size, softcap, fp8=True)
+        varlen_args = VarlenArgs(cu_q, cu_k, used_q, used_k, max_q, max_k)
+    if p.head_dim > 256 or p.head_dim_v > 256:
+        raise NotImplementedError(f"FP8 attention supports head dims up to 256, got {p.head_dim}/{p.head_dim_v}")
+    chosen, _ = dispatch.select_backend(q.device, backend)
+    if chosen != "sm90":
+        raise NotImplementedError(
+            "FP8 (float8_e4m3fn) attention needs a Hopper GPU (compute capability 9.0, backend 'sm90'): "
+            "its e4m3 tensor-core MMA has no sm80 form; cast q, k, v to bfloat16 there"
+        )
+    descale = descales(scales, p, q.device)
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        out, lse = empty_result(q, p)
+        return out.to(torch.bfloat16), lse
+    return dispatch.FWD_KERNELS["sm90"].forward_fp8(q, k, v, p, varlen_args, descale)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 MAX_HEAD_DIM = 256
 
 
@@ -59,8 +60,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dtype not in SUPPORTED_DTYPES:
+def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> None:
+    if fp8 and q.dtype == torch.float8_e4m3fn:  # (flashattn_hopper/fp8.py routes e4m3 inputs here)
+        pass
+    elif q.dtype in FP8_DTYPES:
+        raise TypeError(f"q is {_dtype_name(q.dtype)}: FP8 attention takes float8_e4m3fn q, k, v")
+    elif q.dtype not in SUPPORTED_DTYPES:
         name = _dtype_name(q.dtype)
         why = (f"{name} attention is not supported: cast with q.to(torch.bfloat16)" if q.dtype.is_floating_point
                else "attention needs floating-point inputs")
@@ -280,9 +285,10 @@ def validate_dense(
     causal: bool,
     window_size: object,
     softcap: object,
+    fp8: bool = False,
 ) -> AttnProblem:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    _check_dtypes(q, k, v)
+    _check_dtypes(q, k, v, fp8)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape (batch, seqlen, nheads, headdim), got {tuple(t.shape)}")
@@ -346,9 +352,10 @@ def validate_varlen(
     causal: bool,
     window_size: object,
     softcap: object,
+    fp8: bool = False,
 ) -> AttnProblem:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    _check_dtypes(q, k, v)
+    _check_dtypes(q, k, v, fp8)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must have shape (total_tokens, nheads, headdim) for varlen, got {tuple(t.shape)}")
@@ -390,6 +397,7 @@ _UNSUPPORTED_NEUTRAL = {
     "dropout_p": 0.0,
     "alibi_slopes": None,
     "qv": None,
+    # (FP8 inputs take them: flashattn_hopper/fp8.py; with 16-bit inputs only None)
     "q_descale": None,
     "k_descale": None,
     "v_descale": None,

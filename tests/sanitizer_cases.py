@@ -113,6 +113,23 @@ def _pack_gqa() -> None:
     flash_attn_func(q, k, v, causal=True, backend="sm90")
 
 
+def _fp8(causal: bool, varlen: bool) -> Callable[[], None]:
+    """The FP8 forward: V transposed by the producer warpgroup's spare warps into sVt (generic stores
+    the WGMMA reads), GQA 2:1, odd lengths, several key blocks per tile."""
+    def run() -> None:
+        ones = torch.ones(len(VARLEN_LENS) if varlen else 1, 1, device="cuda")
+        if varlen:
+            q, k, v, cu, max_len = _packed(VARLEN_LENS)
+            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            flash_attn_varlen_func(q8, k8, v8, cu, cu, max_len, max_len, causal=causal, q_descale=ones,
+                                   k_descale=ones, v_descale=ones)
+        else:
+            q, k, v = _qkv(300, 300)
+            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            flash_attn_func(q8, k8, v8, causal=causal, q_descale=ones, k_descale=ones, v_descale=ones)
+    return run
+
+
 WINDOW = {"window_size": (40, 7)}
 
 CASES: dict[str, Callable[[], None]] = {
@@ -153,6 +170,9 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_bwd_d256_mha_causal": _dense("sm90", backward=True, d=256, h=2, h_k=2, causal=True),
     # Gated log-decay: the bias inside the sm90 forward.
     "default_gated_causal": _gated,
+    # The FP8 forward (dense non-causal: static persistent walk; varlen causal: dynamic handoff).
+    "sm90_fp8_dense": _fp8(causal=False, varlen=False),
+    "sm90_fp8_varlen_causal": _few_sms(_fp8(causal=True, varlen=True)),
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }

@@ -74,7 +74,7 @@ class BwdFamily(Protocol):
 def cutlass_dtype(name: str) -> Any:
     import cutlass
 
-    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}[name]
 
 
 def fake_bshd(dtype: Any, batch: Any, seqlen: Any, heads: Any, dim: Any) -> Any:
@@ -284,35 +284,37 @@ def ffi_compile(kernel: Any, *args: Any, options: str | None = None) -> Any:
 
 def compile_forward(
     kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None,
-    extra_args: tuple[Any, ...] = (),
+    extra_args: tuple[Any, ...] = (), out_dtype: Any = None,
 ) -> Any:
     """``ffi_compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
     window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
     arguments as compile-time stand-ins (the sm90 kernel's CTA count, tile counter and gate); the family's
-    ``extra_args`` gives their call-time values to ``launch_forward``."""
+    ``extra_args`` gives their call-time values to ``launch_forward``. ``out_dtype``: O's element type
+    where it is not the inputs' (FP8: inputs as bytes, ``Uint8``, and bf16 O)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
+    out_dtype = dtype if out_dtype is None else out_dtype
     h, h_k, d, d_v = (cute.sym_int() for _ in range(4))
     if varlen:
         total_q, total_k, b1, b = (cute.sym_int() for _ in range(4))
 
-        def packed(total: Any, heads: Any, dim: Any) -> Any:
+        def packed(total: Any, heads: Any, dim: Any, elem: Any = dtype) -> Any:
             strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
-            return make_fake_tensor(dtype, (total, heads, dim), stride=(*strides, 1), assumed_align=16)
+            return make_fake_tensor(elem, (total, heads, dim), stride=(*strides, 1), assumed_align=16)
 
         def ints(n: Any) -> Any:
             return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
 
         tensors = (packed(total_q, h, d), packed(total_k, h_k, d), packed(total_k, h_k, d_v),
-                   packed(total_q, h, d_v), fake_f32((h, total_q)))
+                   packed(total_q, h, d_v, out_dtype), fake_f32((h, total_q)))
         varlen_tensors = (ints(b1), ints(b1), ints(b) if seqused_q else None, ints(b) if seqused_k else None)
     else:
         b, s_q, s_k = (cute.sym_int() for _ in range(3))
         tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
-                   fake_bshd(dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
+                   fake_bshd(out_dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
         varlen_tensors = (None, None, None, None)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
     scalars += tuple(extra_args)
@@ -322,14 +324,15 @@ def compile_forward(
 def launch_forward(
     compiled: Any, key: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem,
     varlen: VarlenArgs | None, out: torch.Tensor | None, lse: torch.Tensor | None, extra_args: tuple[Any, ...] = (),
-    stream_handle: int | None = None,
+    stream_handle: int | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pads and aligns the inputs, allocates out/lse (``out``/``lse`` given: tests pass NaN-poisoned
     contiguous buffers of v's head dim; where the kernel runs v padded, out is written through a
     padded buffer) and launches a ``compile_forward`` kernel
     (``compiled``: its ``jit.callable_of``) on the inputs' device and current stream (TVM-FFI's
     environment stream; ``stream_handle``, that stream's handle, only chose ``extra_args``). ``key``
-    carries head_dim(_v) and the feature flags."""
+    carries head_dim(_v) and the feature flags. ``out_dtype``: O's dtype where it is not q's (FP8: q, k, v
+    come as their bytes, ``uint8`` views, and O is bf16)."""
     q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
     v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
     given_out = None
@@ -340,7 +343,7 @@ def launch_forward(
     else:
         out_shape, lse_shape = (p.batch, p.seqlen_q, p.nheads, key.head_dim_v), (p.batch, p.nheads, p.seqlen_q)
     if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(out_shape, dtype=out_dtype or q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if key.seqused_q:  # the kernels write only rows < seqused_q of each sequence

@@ -204,9 +204,48 @@ class FwdSm90(FwdLauncher):
         ]
         return keys
 
+    def fp8_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
+        """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``; v at q's padded width)."""
+        hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v)
+        assert hdim is not None, "fp8.attention checks the head dims first"
+        tile = configs.FWD_SM90_FP8_TILES[hdim]
+        causal, local = mask_flags(p)
+        return FwdSm90Key(
+            kernel=self.kind, arch=arch, dtype="e4m3", head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
+            tile_n=tile.tile_n, causal=causal, local=local, intra_wg_overlap=tile.intra_wg_overlap,
+            pingpong=tile.pingpong, persistent=tile.persistent, num_stages=tile.num_stages,
+            pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None), varlen=varlen is not None,
+            seqused_q=varlen is not None and varlen.seqused_q is not None,
+            seqused_k=varlen is not None and varlen.seqused_k is not None, lazy_rescale=False,
+        )
+
+    def forward_fp8(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        descale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of e4m3 ``q, k, v`` (``flashattn_hopper/fp8.py`` validated them), out bf16;
+        ``descale`` fp32 ``(3, batch, nheads_k)`` contiguous: q's, k's and v's descales."""
+        key = self.fp8_key(p, target_arch(), varlen)
+        compiled = compile_cache.get(key, self.compile)
+        extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        q8, k8, v8 = (t.view(torch.uint8) for t in (q, k, v))
+        return launch_forward(
+            compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale), out_dtype=torch.bfloat16
+        )
+
     def kernel(self, key: FwdSm90Key) -> Any:
         """The kernel object for ``key`` (its static configuration; not yet compiled)."""
         from ..kernels.sm90.fwd import FlashFwdSm90
+
+        if key.dtype == "e4m3":
+            from ..kernels.sm90.fwd_fp8 import FlashFwdSm90Fp8
+
+            return FlashFwdSm90Fp8(
+                key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
+                intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
+                persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
+                section_l2_mb=key.section_l2_mb,
+            )
 
         return FlashFwdSm90(
             cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
@@ -224,6 +263,14 @@ class FwdSm90(FwdLauncher):
         from cutlass.cute.runtime import make_fake_tensor
 
         counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) if _dynamic(key) else None
+        if key.dtype == "e4m3":  # inputs as bytes, bf16 O, the (3, batch, nheads_k) descales
+            import cutlass.cute as cute
+
+            descale = fake_f32(tuple(cute.sym_int() for _ in range(3)))
+            return compile_forward(
+                kernel, cutlass.Uint8, key.varlen, key.seqused_q, key.seqused_k, options,
+                extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
+            )
         gate = None
         if key.gate:  # (batch, nheads, seqlen_k) | varlen (nheads, total_k), contiguous
             import cutlass.cute as cute
@@ -231,17 +278,18 @@ class FwdSm90(FwdLauncher):
             gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)))
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
-            extra_args=(cutlass.Int32(1), counter, gate),
+            extra_args=(cutlass.Int32(1), counter, gate, None),
         )
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time; with clusters, as
         many as stay resident together), for the dynamic schedule a tile counter that is zero at
         launch on that stream (``tile_counter``), else None, and the gate's slot: None
-        (``forward_with_gate`` puts its bias there)."""
+        (``forward_with_gate`` puts its bias there), and the FP8 descales' slot: None
+        (``forward_fp8`` puts them there)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
-        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None
+        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None, None
 
     def forward_with_gate(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
@@ -256,9 +304,9 @@ class FwdSm90(FwdLauncher):
             self.key(p, target_arch(), varlen), gate=True, pack_gqa=1, span_heads=False, cluster_m=1
         )
         compiled = compile_cache.get(key, self.compile)
-        ctas, counter, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         bias = bias.to(device=q.device, dtype=torch.float32).contiguous()
-        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias))
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
 

@@ -99,6 +99,22 @@ def acc_to_frag_a_sm90(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, acc_to_frag_a_layout_sm90(acc.layout))
 
 
+def acc_to_frag_a_fp8(acc_layout: cute.Layout) -> cute.Layout:
+    """The m64nNk16 C fragment layout ``((2, 2, N/8), MMA_M, MMA_N)`` as the 8-bit k32 A fragment
+    ``(((2, 2), 2, 2), MMA_M, (N/32, MMA_N))`` (FP8 P.V). An e4m3 A register holds 4 consecutive k
+    of one row; per thread, the k32 slice's 16 values are: (column pair, even/odd 8-column group)
+    of row r, the same of row r + 8, then the next 16 columns. So A's k ``16h + 4t + q`` is S's
+    column ``16h + 8 (q >> 1) + 2t + (q & 1)``: rows match, keys are permuted, and the kernel
+    writes V^T in that key order (kernels/sm90/fwd_fp8.py). N must be a multiple of 32."""
+    split = cute.logical_divide(acc_layout, ((None, None, 4), None, None))  # ((2, 2, (4, N/32)), M, N)
+    (pairs, rows, groups), mma_m, mma_n = split.shape
+    (pair_stride, row_stride, group_stride), m_stride, n_stride = split.stride
+    return cute.make_layout(
+        (((pairs, 2), rows, 2), mma_m, (groups[1], mma_n)),
+        stride=(((pair_stride, group_stride[0]), row_stride, group_stride[0] * 2), m_stride, (group_stride[1], n_stride)),
+    )
+
+
 def select_head(mX: cute.Tensor, head_idx, mode: int) -> cute.Tensor:
     """Fix mode ``mode`` (the head) of a kernel-side view, keeping the others in order:
     ``(s, d, h[, b])`` with ``mode=2`` or LSE's ``(s, h[, b])`` with ``mode=1``. Works on TMA

@@ -77,10 +77,15 @@ def _chained_reduce(row: cute.Tensor, op, num_chains: int):
 class OnlineSoftmax:
     """Running softmax statistics for ``num_rows`` accumulator rows of the calling thread."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None):
+    def __init__(
+        self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None, max_offset: float = 0.0
+    ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
+        # P = 2**max_offset * p (FP8's P in (0, 256] instead of (0, 1], so small probabilities stay
+        # above e4m3's underflow): O / row_sum cancels the factor, the LSE subtracts it at finalize.
+        self.max_offset = max_offset
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
@@ -114,6 +119,8 @@ class OnlineSoftmax:
             # Fully masked row so far: offset 0 keeps exp2 at exp2(-inf) = 0, never NaN.
             row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
             neg_max_scaled = -(row_max_safe * scale_log2)
+            if cutlass.const_expr(self.max_offset != 0.0):
+                neg_max_scaled = neg_max_scaled + self.max_offset
             for c in cutlass.range_constexpr(cute.size(row)):
                 row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
             row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
@@ -172,6 +179,8 @@ class OnlineSoftmax:
             if cutlass.const_expr(sink_log2 is None):
                 o_scale[r] = Float32(0.0) if is_empty else cute.arch.rcp_approx(row_sum)
                 log_sum = cute.math.log2(row_sum, fastmath=True)
+                if cutlass.const_expr(self.max_offset != 0.0):
+                    log_sum = log_sum - self.max_offset
                 lse[r] = (
                     -Float32.inf
                     if is_empty

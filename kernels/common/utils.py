@@ -48,16 +48,17 @@ def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
 
 def attention_kernel_views(
     mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-    dtype: type[cutlass.Numeric], varlen_q: bool, varlen_k: bool,
+    dtype: type[cutlass.Numeric], varlen_q: bool, varlen_k: bool, o_dtype: type[cutlass.Numeric] | None = None,
 ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor]:
     """The forward kernels' views of the API tensors, after checking their element types.
 
     Q/K/V/O ``(b, s, h, d)`` (varlen ``(total, h, d)``) become ``(s, d, h[, b])`` with their
     16-byte stride alignment re-stated; LSE ``(b, h, s_q)`` (varlen ``(h, total_q)``) becomes
-    ``(s_q, h[, b])``. Sequence first and head dim second is how every tile is cut (design doc 0.2).
+    ``(s_q, h[, b])``. O is ``o_dtype`` (default: ``dtype``). Sequence first and head dim second is how every tile is cut (design doc 0.2).
     """
-    if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == dtype):
-        raise TypeError(f"Q/K/V/O must all be {dtype}")
+    o_dtype = dtype if o_dtype is None else o_dtype
+    if not (mQ.element_type == mK.element_type == mV.element_type == dtype and mO.element_type == o_dtype):
+        raise TypeError(f"Q/K/V must all be {dtype} and O {o_dtype}")
     if mLSE.element_type != cutlass.Float32:
         raise TypeError("LSE must be Float32")
     mQ, mO = [

@@ -181,6 +181,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
+        # O's element type (the FP8 subclass writes bf16 O from e4m3 inputs).
+        self.o_dtype = self._out_dtype(dtype)
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.tile_m = tile_m
@@ -236,7 +238,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # A v head dim above q's needs its own sO in any case: sQ's buffer is too small, and a
         # warpgroup's O rows would land on the next warpgroup's Q rows while it may still read them.
         self.o_aliases_q = not (
-            (persistent or head_dim_v > head_dim)
+            (persistent or head_dim_v > head_dim or self.o_dtype is not dtype)
             and self._smem_bytes(
                 dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages
             )
@@ -345,6 +347,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
         mGate: cute.Tensor | None,  # has_gate only: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32
+        mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) fp32, the q, k, v descales
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -353,7 +356,14 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
     ):
         varlen_q = const_expr(mCuSeqlensQ is not None)
         varlen_k = const_expr(mCuSeqlensK is not None)
-        mQ, mK, mV, mO, mLSE = attention_kernel_views(mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k)
+        if const_expr(mQ.element_type is cutlass.Uint8 and self.dtype.width == 8):
+            # FP8 inputs arrive as bytes (DLPack's float8 codes vary across torch versions).
+            mQ, mK, mV = (cute.recast_tensor(t, self.dtype) for t in (mQ, mK, mV))
+        mQ, mK, mV, mO, mLSE = attention_kernel_views(
+            mQ, mK, mV, mO, mLSE, self.dtype, varlen_q, varlen_k, self.o_dtype
+        )
+        if const_expr((mDescale is not None) != (self.o_dtype is not self.dtype)):
+            raise TypeError("mDescale must be given exactly for FP8 inputs")
         if const_expr((mGate is not None) != self.has_gate):
             raise TypeError("mGate must be given exactly when has_gate")
         if const_expr(mGate is not None):
@@ -406,7 +416,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, mGate, SharedStorage,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, mGate, mDescale, SharedStorage,
         ).launch(
             grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -443,6 +453,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
         mGate: cute.Tensor | None,  # (s_k | total_k, nheads[, batch]) fp32: has_gate only
+        mDescale: cute.Tensor | None,  # (3, batch, nheads_k) fp32: FP8 only
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
@@ -466,27 +477,30 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         num_mma_warps = self.num_mma_threads // 32
         cluster_layout = cute.make_layout((1, self.cluster_m, 1, 1))  # (V, M, N, K) of the cluster
         cluster_shape_mn = (self.cluster_m, 1) if const_expr(self.cluster_m > 1) else None
+        # (FP8: V's consumers are the warps that transpose it, which feed the MMA warps sVt.)
+        v_consumer_warps = num_mma_warps if const_expr(not self.transposes_v) else self.num_transpose_warps
         pipes = Pipelines(
             *(
                 pipeline.PipelineTmaAsync.create(
                     num_stages=stages, producer_group=producer,
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps * ctas),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, warps * ctas),
                     tx_count=tx, barrier_storage=mbar.data_ptr(), defer_sync=True,
                     cta_layout_vmnk=cluster_layout if const_expr(ctas > 1) else None,
                 )
-                for stages, tx, mbar, ctas in (
-                    (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1),
-                    (self.num_stages * self.num_rings, self.tx_bytes_k, storage.mbar_k, self.cluster_m),
-                    (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m),
+                for stages, tx, mbar, ctas, warps in (
+                    (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1, num_mma_warps),
+                    (self.num_stages * self.num_rings, self.tx_bytes_k, storage.mbar_k, self.cluster_m, num_mma_warps),
+                    (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m, v_consumer_warps),
                 )
-            )
+            ),
+            vt=self._vt_pipeline(storage) if const_expr(self.transposes_v) else None,
         )
         # The dynamic scheduler's tile handoff (mbarriers too: initialised before the fence below).
         handoff = None
         if const_expr(self.dynamic_schedule):
             handoff = TileHandoff.create(
                 storage.next_tile.get_tensor(cute.make_layout(1)), storage.mbar_tile.data_ptr(),
-                self.num_mma_threads,
+                self.num_mma_threads + (self.num_transpose_warps * 32 if const_expr(self.transposes_v) else 0),
             )
         # Clusters: no CTA may arrive on, or multicast into, a peer before its barriers exist.
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn, is_relaxed=True)
@@ -520,11 +534,14 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, atoms, pipes, walk)
+            if const_expr(self.transposes_v):
+                if warp_idx > 0 and warp_idx <= self.num_transpose_warps:
+                    self.transpose_v(storage, pipes, walk, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(
-                mO, mLSE, sQ, sK, sV, sO, atoms.o, pipes, walk, scale_log2,
-                softcap_scale if const_expr(self.has_softcap) else None, mGate,
+                mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
+                pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None, mGate, mDescale,
             )
 
     @cute.jit
@@ -543,6 +560,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         scale_log2: Float32,
         softcap_scale: Float32 | None,
         mGate: cute.Tensor | None = None,
+        mDescale: cute.Tensor | None = None,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
         epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
@@ -561,10 +579,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             thr_mma_qk=tiled_mma_qk.get_slice(tidx),
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
-            tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV))),
-            tOrP=wg_mma_pv.make_fragment_A(
-                wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))
-            ),
+            tOrVt=self._pv_fragment_b(wg_mma_pv, sV),
+            tOrP=self._pv_fragment_a(wg_mma_pv),
             acc_O=acc_O,
         )
         if const_expr(self.pingpong):
@@ -612,16 +628,23 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
                         tile.seqlen_q,
                     )
+                descale = None
+                tile_scale_log2 = scale_log2
+                if const_expr(mDescale is not None):  # FP8: q and k descales fold into the scale
+                    descale = (mDescale[0, batch_idx, head_idx // walk.qhead_per_kvhead],
+                               mDescale[1, batch_idx, head_idx // walk.qhead_per_kvhead],
+                               mDescale[2, batch_idx, head_idx // walk.qhead_per_kvhead])
+                    tile_scale_log2 = scale_log2 * descale[0] * descale[1]
                 softmax = OnlineSoftmax(
-                    scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
-                    rescale_threshold=self.rescale_threshold,
+                    tile_scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
+                    rescale_threshold=self.rescale_threshold, max_offset=self.p_max_offset,
                 )
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
                     walk.block_info.window_left, walk.block_info.window_right, self.pack_gqa,
                 )
                 step = BlockStep(
-                    mma, pipes.k, pipes.v, softmax, mask, tile.m_block, wg_idx, softcap_scale,
+                    mma, pipes.k, pipes.v if const_expr(pipes.vt is None) else pipes.vt, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
                     gate=seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx) if const_expr(self.has_gate) else None,
@@ -654,6 +677,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     o_scale, lse = softmax.finalize(sink_log2)
                 else:
                     o_scale, lse = softmax.finalize()
+                if const_expr(descale is not None):  # FP8: V's descale joins O's row scale
+                    for r in cutlass.range_constexpr(cute.size(o_scale)):
+                        o_scale[r] = o_scale[r] * descale[2]
                 softmax.rescale_O(acc_O, o_scale)
                 if in_range:
                     self.epilogue(
@@ -839,6 +865,23 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             other = step.other(state)
             pipe.consumer_wait(other, pipe.consumer_try_wait(other))
             pipe.consumer_release(other)
+
+    # FP8 hooks (kernels/sm90/fwd_fp8.py overrides them): O's dtype, V transposed on chip, P's offset.
+    transposes_v = False
+    num_transpose_warps = 0
+    p_max_offset = 0.0
+
+    @staticmethod
+    def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
+        return dtype
+
+    def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sV: cute.Tensor) -> cute.Tensor:
+        """The P.V WGMMA's B operand: V^T, an MN-major view of the TMA tile (16-bit: transpose bit)."""
+        return wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+
+    def _pv_fragment_a(self, wg_mma_pv: cute.ThrMma) -> cute.Tensor:
+        """The register A fragment P of the P.V WGMMA."""
+        return wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
 
     def _qk_gemm(self, step: BlockStep, stage: Int32, wg_wait: int) -> cute.Tensor:
         mma = step.mma

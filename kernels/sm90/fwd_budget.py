@@ -26,3 +26,17 @@ def smem_bytes(
         + buf(tile_n * head_dim_v * kv_stages)
         + SMEM_ALIGN  # mbarriers
     )
+
+
+def fp8_smem_bytes(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int) -> int:
+    """The FP8 kernel's storage (kernels/sm90/fwd_fp8.py): e4m3 Q and K/V stages, as many e4m3 V^T
+    stages, a bf16 sO of its own, mbarriers."""
+
+    def buf(n: int) -> int:
+        return (n + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
+
+    return (
+        smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False)
+        + buf(tile_n * head_dim_v * kv_stages)
+        + buf(tile_m * head_dim_v * 2)
+    )

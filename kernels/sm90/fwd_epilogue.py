@@ -1,7 +1,7 @@
 """Epilogue role of the Hopper forward kernel (kernels/sm90/fwd.py): O and LSE to global memory.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Epilogue`` is a
-mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``dtype``, ``tile_m``,
+mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``o_dtype``, ``tile_m``,
 ``head_dim_v``, ``num_mma_threads``, ``defer_store_wait``, ``wg_local_epilogue``) from ``self``.
 """
 
@@ -80,7 +80,7 @@ class FwdSm90Epilogue:
         else:
             group_threads, group_tidx, row_block = self.num_mma_threads, tidx, 0
             barrier_id = int(NamedBarrierFwd.EPILOGUE)
-        rO = convert_to_16bit(acc_O, self.dtype)
+        rO = convert_to_16bit(acc_O, self.o_dtype)
         if const_expr(self.defer_store_wait and tma_atom_O is not None):
             if self._is_o_storer(tidx):
                 # The previous tile's TMA store must have read sO before anyone overwrites it.
@@ -89,7 +89,7 @@ class FwdSm90Epilogue:
         # Own sO: the previous tile's store has read it (the wait above) or been copied out.
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)
         smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.o_dtype),
             tiled_mma_pv,
         )
         smem_thr_copy_O = smem_copy_O.get_slice(tidx)
@@ -125,5 +125,5 @@ class FwdSm90Epilogue:
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)
             gO = cute.local_tile(mO_cur, (rows, self.head_dim_v), (gO_row_block, 0))
             store_rows_predicated(
-                sO_rows, gO, group_tidx, seqlen_q - gO_row_block * rows, self.dtype, group_threads
+                sO_rows, gO, group_tidx, seqlen_q - gO_row_block * rows, self.o_dtype, group_threads
             )

@@ -79,6 +79,8 @@ class Pipelines:
     q: pipeline.PipelineTmaAsync
     k: pipeline.PipelineTmaAsync
     v: pipeline.PipelineTmaAsync
+    # FP8 only: the transposing warps -> MMA warps, V^T in K-major smem (kernels/sm90/fwd_fp8.py)
+    vt: pipeline.PipelineAsync | None = None
 
 
 @dataclass(frozen=True)

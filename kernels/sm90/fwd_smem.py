@@ -34,7 +34,7 @@ class FwdSm90Smem:
             make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim, q_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
-            make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v),
+            make_smem_layout_sm90(self.o_dtype, self.tile_m, self.head_dim_v),
         )
 
     def _tiled_mmas(self):
@@ -51,8 +51,8 @@ class FwdSm90Smem:
         return tiled_mma_qk, tiled_mma_pv
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        def buffer(num_elems: int):
-            return cute.struct.Align[cute.struct.MemRange[self.dtype, num_elems], SMEM_ALIGN]
+        def buffer(num_elems: int, dtype=self.dtype):
+            return cute.struct.Align[cute.struct.MemRange[dtype, num_elems], SMEM_ALIGN]
 
         @cute.struct
         class SharedStorage:
@@ -64,6 +64,9 @@ class FwdSm90Smem:
             sQ: buffer(cute.cosize(sQ_layout))  # also sO when o_aliases_q
             sK: buffer(cute.cosize(sK_layout))
             sV: buffer(cute.cosize(sV_layout))
+            if const_expr(self.transposes_v):  # FP8: V^T (K-major) stages and their barriers
+                mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sVt: buffer(cute.cosize(self._vt_layout()))
 
         if const_expr(self.o_aliases_q):
             return SharedStorage
@@ -72,7 +75,7 @@ class FwdSm90Smem:
         @cute.struct
         class SharedStorageWithO:
             base: SharedStorage
-            sO: buffer(cute.cosize(sO_layout))
+            sO: buffer(cute.cosize(sO_layout), self.o_dtype)
 
         return SharedStorageWithO
 

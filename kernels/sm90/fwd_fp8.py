@@ -1,0 +1,259 @@
+"""FP8 (e4m3) forward of the Hopper kernel: ``FlashFwdSm90Fp8``.
+
+Purpose: the FA3 forward (``fwd.py``) on ``float8_e4m3fn`` Q, K, V with fp32 accumulation, bf16 O
+and the fp32 LSE, at e4m3 WGMMA's rate (twice bf16's). Per (batch, kv head) descales
+(``mDescale[0|1|2, b, h_k]``, FA3's ``q_descale``/``k_descale``/``v_descale``): q's and k's fold into
+the tile's softmax scale (the scores' true scale, so the LSE needs nothing more), v's into the
+final row scale of O.
+
+What differs from the 16-bit kernel (``../shared/design/fp8.md``):
+- e4m3 WGMMA takes both smem operands K-major only (no transpose bit below 16 bits), so P.V needs
+  V^T with the keys contiguous. V still arrives by TMA as stored (keys x head dim); three warps
+  of the producer warpgroup, idle in the 16-bit kernel, transpose each V stage into a K-major sVt
+  stage (4 x 4-byte shared loads, 8 byte permutes, 4 x 4-byte stores per 16 bytes) while the MMA
+  warpgroups work on earlier blocks.
+- P's key order: the e4m3 A fragment (k32) holds per thread keys ``{4t..4t+3}`` of each 16, the S
+  accumulator ``{2t, 2t+1, 2t+8, 2t+9}``. Instead of moving P across lanes, the transpose writes
+  V^T in that order: column ``16h + 4t + q`` of sVt holds key ``16h + 8 (q >> 1) + 2t + (q & 1)``,
+  so P goes from S's registers to the A fragment with a conversion only (``acc_to_frag_a_fp8``).
+- P is ``2**8 * p`` (``p_max_offset``): probabilities down to 2**-17 stay above e4m3's smallest
+  subnormal, and 256 stays below its 448 maximum because the row max is renewed before every exp2
+  (no lazy rescale here). O / row_sum cancels the factor; the LSE subtracts it.
+- O has its own bf16 buffer (it cannot alias the e4m3 sQ, half its size).
+
+Roles (``128 * (1 + tile_m / 64)`` threads):
+
+    | warpgroup | warps | registers | role                                                   |
+    | WG0       | 0     | 40 (32)   | producer: TMA loads of Q, K[n], V[n] (as in fwd.py)    |
+    | WG0       | 1-3   | 40 (32)   | transpose V[n] (sV, keys x d) -> sVt[n] (d x keys, K-major) |
+    | WG1..     | 4     | 232 (160) | MMA: as fwd.py, P.V reading sVt                        |
+
+Pipelines (besides fwd.py's Q and K):
+
+    | pipeline   | stages | producer -> consumer                     | arrive counts           |
+    | pipeline_v | 2      | TMA V[n] -> the 3 transposing warps      | tx bytes / lane 0 per warp |
+    | vt         | 2      | transposing threads -> every MMA thread  | 96 / num_mma_threads    |
+
+Timeline of one V stage: TMA lands V[n] -> each transposing warp takes a (16 keys x 32 columns)
+piece at a time, round robin -> ``__syncwarp``, release V[n] (the TMA may refill it) -> async-proxy
+fence (the WGMMA reads what generic stores wrote) -> arrive on vt[n] -> the MMA warpgroups' P.V of
+block n reads sVt[n] and releases it. With intra-WG overlap the P.V of a block is issued one step
+after its QK^T, so the transpose of V[n] has a whole block's GEMMs of slack.
+
+Constraints: head_dim a multiple of 32 in [64, 256] and head_dim_v equal to it; tile_n a multiple
+of 32 (P.V's k is 32); no softcap, sink, gate, clusters or spanning tiles; varlen, causal, local,
+GQA and persistent/dynamic schedules as in fwd.py.
+
+Paper: FlashAttention-3 (Shah et al., 2024) section 3.3 (FP8: layout conformance of P and V^T).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from ..common.sm90_utils import acc_to_frag_a_fp8, make_smem_layout_sm90
+from .fwd import FlashFwdSm90
+from .fwd_budget import SMEM_CAPACITY, fp8_smem_bytes
+from .fwd_parts import MmaParts, Pipelines, TileWalk
+
+# (producer warpgroup, MMA warpgroup) registers per thread: the transposing warps hold 16 bytes of
+# V in flight and their addresses; 128 * (producer + sum of MMA) <= 64K.
+_REGISTERS_FP8 = {1: (56, 256), 2: (40, 232), 3: (32, 160)}
+# Byte selectors of prmt.b32 (bytes 0-3 from the first operand, 4-7 from the second).
+_INTERLEAVE_LO = 0x5140  # a0 b0 a1 b1
+_INTERLEAVE_HI = 0x7362  # a2 b2 a3 b3
+_HALVES_LO = 0x5410  # a0 a1 b0 b1
+_HALVES_HI = 0x7632  # a2 a3 b2 b3
+
+
+class FlashFwdSm90Fp8(FlashFwdSm90):
+    """FA3 forward on e4m3 inputs; see the module docstring for roles, pipelines and timeline."""
+
+    transposes_v = True
+    num_transpose_warps = 3
+    p_max_offset = 8.0
+
+    def __init__(
+        self,
+        head_dim: int,
+        head_dim_v: int,
+        tile_m: int,
+        tile_n: int,
+        is_causal: bool,
+        is_local: bool = False,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+        num_stages: int = 2,
+        persistent: bool = False,
+        pack_gqa: int = 1,
+        wg_local_epilogue: bool = True,
+        section_l2_mb: int = 16,
+    ):
+        super().__init__(
+            cutlass.Float8E4M3FN, head_dim, head_dim_v, tile_m, tile_n, is_causal, is_local=is_local,
+            intra_wg_overlap=intra_wg_overlap, pingpong=pingpong, num_stages=num_stages, persistent=persistent,
+            pack_gqa=pack_gqa, wg_local_epilogue=wg_local_epilogue, section_l2_mb=section_l2_mb,
+            lazy_rescale=False,
+        )
+        self.producer_regs, self.mma_regs = _REGISTERS_FP8[self.num_mma_wg]
+
+    @staticmethod
+    def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
+        return cutlass.BFloat16
+
+    @staticmethod
+    def can_implement(
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
+        pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False, has_gate=False, has_softcap=False,
+    ) -> str | None:
+        if dtype is not cutlass.Float8E4M3FN:
+            return f"dtype must be Float8E4M3FN, got {dtype}"
+        if head_dim % 32 != 0 or not 64 <= head_dim <= 256 or head_dim_v != head_dim:
+            return f"head_dim must be a multiple of 32 in [64, 256] and head_dim_v equal to it, got {head_dim}/{head_dim_v}"
+        if tile_n % 32 != 0:
+            return f"tile_n must be a multiple of 32 (P.V's k), got {tile_n}"
+        if cluster_m > 1 or span_heads or has_sink or has_gate or has_softcap:
+            return "no clusters, spanning tiles, sink, gate or softcap with FP8 inputs"
+        reason = FlashFwdSm90.can_implement(
+            cutlass.BFloat16, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
+        )
+        if reason is not None and "shared memory" not in reason:
+            return reason
+        smem = fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
+        if smem > SMEM_CAPACITY:
+            return f"needs {smem} bytes of shared memory, sm90 allows {SMEM_CAPACITY}"
+        return None
+
+    @staticmethod
+    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1) -> int:
+        return fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
+
+    # ------------------------------------------------------------------ smem, MMAs, pipelines
+
+    def _vt_layout(self):
+        """sVt: ``num_stages`` K-major ``(head_dim_v, tile_n)`` tiles (keys contiguous, in P's order)."""
+        return make_smem_layout_sm90(self.dtype, self.head_dim_v, self.tile_n, self.num_stages)
+
+    def _vt_view(self, storage) -> cute.Tensor:
+        layout = self._vt_layout()
+        return storage.sVt.get_tensor(layout.outer, swizzle=layout.inner)
+
+    def _vt_pipeline(self, storage) -> pipeline.PipelineAsync:
+        return pipeline.PipelineAsync.create(
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_transpose_warps * 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            barrier_storage=storage.mbar_vt.data_ptr(), defer_sync=True,
+        )
+
+    def _tiled_mmas(self):
+        """S = Q K^T and O += P V^T, e4m3 x e4m3 -> fp32, every smem operand K-major."""
+        K = cute.nvgpu.OperandMajorMode.K
+        tiled_mma_qk = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.head_dim_v), a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sVt: cute.Tensor) -> cute.Tensor:
+        return wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+
+    def _pv_fragment_a(self, wg_mma_pv: cute.ThrMma) -> cute.Tensor:
+        # A compact e4m3 fragment: the register-A WGMMA reads it in order (a strided view of S's
+        # registers would be packed as stored, mixing rows).
+        return cute.make_rmem_tensor(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
+
+    def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
+        """P (fp32 S registers) -> e4m3 A fragment, keys in sVt's order (satfinite cvt, packed pairs)."""
+        acc_as_a = cute.make_tensor(acc_S.iterator, acc_to_frag_a_fp8(acc_S.layout))
+        mma.tOrP.store(acc_as_a.load().to(self.dtype))
+
+    # ------------------------------------------------------------------ the transposing warps
+
+    @cute.jit
+    def transpose_v(
+        self,
+        storage,  # the kernel's shared storage: sV (as TMA wrote it) and sVt, read and written as 4-byte words
+        pipes: Pipelines,
+        walk: TileWalk,
+        warp_in_group: Int32,  # 0 .. num_transpose_warps - 1
+    ):
+        """For each V stage the producer loads (this CTA's tiles, the producer's order), write its
+        transpose into the next sVt stage. A warp's piece: 16 keys x 32 columns; lane ``(t, c)``
+        (c = lane % 8, t = lane // 8) reads keys ``16h + 2t + {0, 1, 8, 9}`` at columns
+        ``4c .. 4c + 3`` and writes columns' rows ``4c .. 4c + 3`` at keys ``16h + 4t .. + 3`` of sVt:
+        both sides touch 32 distinct banks under the 128-byte swizzle. Word addresses come from the
+        layouts' unswizzled byte offsets with the swizzle applied by hand (``recast_tensor`` of a
+        swizzled fp8 view to 32-bit words moved rows that are not multiples of 8: measured)."""
+        lane = cute.arch.lane_idx()
+        col_group, t = lane % 8, lane // 8
+        sV_layout = self._smem_layouts()[2]
+        sVt_layout = self._vt_layout()
+        v_words = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32),
+                                   cute.make_layout(cute.cosize(sV_layout.outer) // 4))
+        vt_words = cute.make_tensor(cute.recast_ptr(storage.sVt.data_ptr(), dtype=Int32),
+                                    cute.make_layout(cute.cosize(sVt_layout.outer) // 4))
+        v_swizzle = _swizzle_bits(self.head_dim_v)
+        vt_swizzle = _swizzle_bits(self.tile_n)
+        key_groups = self.tile_n // 16
+        num_pieces = key_groups * (self.head_dim_v // 32)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        handoff_state = walk.handoff.consumer_state() if const_expr(self.dynamic_schedule) else None
+        tile_idx = walk.scheduler.first_tile()
+        while tile_idx < walk.scheduler.num_tiles:
+            has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
+            if has_tile:
+                for _ in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
+                    pipes.v.consumer_wait(v_state, pipes.v.consumer_try_wait(v_state))
+                    pipes.vt.producer_acquire(vt_state)
+                    for piece in cutlass.range(warp_in_group, num_pieces, self.num_transpose_warps, unroll=1):
+                        key_group, col_block = piece % key_groups, piece // key_groups
+                        col = (col_block * 8 + col_group) * 4  # in bytes
+                        key = key_group * 16 + 2 * t
+                        r0, r1, r2, r3 = (
+                            v_words[_word(sV_layout.outer, (key + dk, col, v_state.index), v_swizzle)]
+                            for dk in (0, 1, 8, 9)
+                        )
+                        lo01 = Int32(cute.arch.prmt(r0, r1, _INTERLEAVE_LO))
+                        hi01 = Int32(cute.arch.prmt(r0, r1, _INTERLEAVE_HI))
+                        lo23 = Int32(cute.arch.prmt(r2, r3, _INTERLEAVE_LO))
+                        hi23 = Int32(cute.arch.prmt(r2, r3, _INTERLEAVE_HI))
+                        word_col = key_group * 16 + 4 * t  # in bytes
+                        for j, (a, b, sel) in enumerate(((lo01, lo23, _HALVES_LO), (lo01, lo23, _HALVES_HI),
+                                                         (hi01, hi23, _HALVES_LO), (hi01, hi23, _HALVES_HI))):
+                            vt_words[_word(sVt_layout.outer, (col + j, word_col, vt_state.index), vt_swizzle)] = (
+                                Int32(cute.arch.prmt(a, b, sel))
+                            )
+                    cute.arch.sync_warp()  # every lane's reads of V[n] are done before lane 0 releases it
+                    pipes.v.consumer_release(v_state)
+                    # Generic-proxy stores must be visible to the WGMMA (async proxy) that reads sVt.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    pipes.vt.producer_commit(vt_state)
+                    v_state.advance()
+                    vt_state.advance()
+            tile_idx, handoff_state = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_state)
+
+
+def _swizzle_bits(row_bytes: int) -> int:
+    """B of the ``Swizzle<B, 4, 3>`` a K-major e4m3 tile of rows this wide gets (make_smem_layout_sm90:
+    the widest 128/64/32-byte atom the row holds): 16-byte chunk bits [4, 4 + B) ^= row bits [7, 7 + B)."""
+    for width, bits in ((128, 3), (64, 2), (32, 1)):
+        if row_bytes % width == 0:
+            return bits
+    return 0
+
+
+@cute.jit
+def _word(layout: cute.Layout, coord, swizzle_bits: cutlass.Constexpr[int]) -> Int32:
+    """The 4-byte word index of byte ``coord`` of an e4m3 tile whose unswizzled layout is ``layout``."""
+    offset = Int32(cute.crd2idx(coord, layout))
+    if const_expr(swizzle_bits > 0):
+        offset = offset ^ ((offset >> 3) & (((1 << swizzle_bits) - 1) << 4))
+    return offset >> 2

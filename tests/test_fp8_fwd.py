@@ -1,0 +1,211 @@
+"""The FP8 (e4m3) forward on Hopper (kernels/sm90/fwd_fp8.py) through the API: ``q, k, v`` in
+``float8_e4m3fn`` with FA3's per-(batch, kv head) ``q_descale``/``k_descale``/``v_descale``, bf16 out.
+
+Yardstick (the flash-attn rule, adapted): the fp32 reference is attention on the dequantized inputs
+(exactly what the kernel's fp8 products and fp32 accumulation see), and PyTorch's "same-dtype"
+error is an emulation of the one rounding FP8 adds inside the kernel: P = 2^8 softmax numerator
+rounded to e4m3 (3 mantissa bits: up to 2^-4 relative per probability) before P.V, the row sum taken
+unrounded, O rounded to bf16. Ours must stay within 2x that error plus bf16's rounding of O. The
+LSE depends on S only (exact fp8 products, fp32 sums): within 2e-3 absolute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, rounding_atol
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _poison_allocator() -> None:
+    """Fill freed caching-allocator blocks with NaN, so an output the kernel leaves unwritten shows."""
+    junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+def _quantize(x: torch.Tensor, heads_k: int, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, descale (batch, heads_k))``: one random scale per (batch, kv head) applied to all of x
+    (varlen: per sequence, as the kernel reads it): the dequantized values are x times 0.5-1, scores of
+    ordinary size (softmax neither flat nor one-hot)."""
+    step = x.abs().amax().clamp_min(1e-6) / 200  # x8 = x / step uses e4m3's range below 448
+    descale = (torch.rand(batch, heads_k, generator=gen, device="cuda") * 0.5 + 0.5) * step
+    return (x / step).to(E4M3), descale
+
+
+def _dequantize(x8: torch.Tensor, descale: torch.Tensor, batch_of_row: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values the kernel sees: x8 * descale[b, h // g]. Dense (b, s, h, d) or varlen (t, h, d)."""
+    heads, heads_k = x8.shape[-2], descale.shape[1]
+    per_head = descale.repeat_interleave(heads // heads_k, dim=1)  # (b, h)
+    if batch_of_row is None:
+        return x8.float() * per_head[:, None, :, None]
+    return x8.float() * per_head[batch_of_row][:, :, None]
+
+
+def _emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int],
+              scale: float) -> torch.Tensor:
+    """PyTorch's FP8 yardstick, dense fp32 (b, s, h, d) inputs: P rounded to e4m3 as 2^8 p."""
+    b, s_q, h, d = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    k, v = (t.repeat_interleave(h // h_k, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    rows = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
+    cols = torch.arange(s_k, device=q.device)[None, :]
+    left, right = window
+    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols <= rows
+    if left >= 0:
+        visible &= cols >= rows - left
+    if right >= 0:
+        visible &= cols <= rows + right
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True).clamp_min(-1e30)
+    p = torch.exp(scores - row_max) * 256.0
+    p8 = p.to(E4M3).float()
+    row_sum = p.sum(-1, keepdim=True).permute(0, 2, 1, 3)  # (b, s_q, h, 1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p8, v) / row_sum.clamp_min(1e-30)
+    return torch.where(row_sum > 0, out, torch.zeros_like(out)).to(torch.bfloat16)
+
+
+def _check(out, lse, out_ref, lse_ref, out_emul, name):
+    assert out.dtype == torch.bfloat16, out.dtype
+    atol = rounding_atol(out_ref, torch.bfloat16)
+    assert_close_to_ref(f"{name} out", out, out_ref, out_emul, atol=atol)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), f"{name}: LSE finite where the reference is not (or back)"
+    err = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= 2e-3, f"{name}: LSE max error {err:.2e} > 2e-3"
+
+
+CASES_DENSE = [(1, 1), (17, 113), (113, 17), (1023, 1023)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", CASES_DENSE, ids=[f"{a}x{b}" for a, b in CASES_DENSE])
+def test_fp8_forward_matches_the_dequantized_reference(head_dim, causal, seqlens):
+    s_q, s_k = seqlens
+    batch, heads, heads_k = 2, 4, 2
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + 7 * s_q + s_k + causal)
+    q, k, v = (torch.randn(batch, s, h, head_dim, generator=gen, device="cuda")
+               for s, h in ((s_q, heads), (s_k, heads_k), (s_k, heads_k)))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
+    qf, kf, vf = (_dequantize(t, d, None) for t, d in ((q8, qd), (k8, kd), (v8, vd)))
+    scale = 1.0 / math.sqrt(head_dim)
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal)
+    out_emul = _emulated(qf, kf, vf, causal, (-1, 0 if causal else -1), scale)
+    _poison_allocator()
+    out, lse = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"d{head_dim} causal={causal} {s_q}x{s_k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("window", [(32, 16), (100, -1)])
+def test_fp8_forward_sliding_window(window):
+    batch, heads, heads_k, d, s = 1, 2, 1, 128, 1023
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(batch, s, h, d, generator=gen, device="cuda") for h in (heads, heads_k, heads_k))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
+    qf, kf, vf = (_dequantize(t, dd, None) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
+    out_ref, lse_ref = attention_ref(qf, kf, vf, window_size=window)
+    out_emul = _emulated(qf, kf, vf, False, window, 1.0 / math.sqrt(d))
+    out, lse = flash_attn_func(q8, k8, v8, window_size=window, q_descale=qd, k_descale=kd, v_descale=vd,
+                               return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"window {window}")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_forward_decode_mqa():
+    """One query per sequence against 1023 keys, 8 query heads on one kv head (packed GQA tiles)."""
+    batch, heads, heads_k, d = 3, 8, 1, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(batch, 1, heads, d, generator=gen, device="cuda")
+    k, v = (torch.randn(batch, 1023, heads_k, d, generator=gen, device="cuda") for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
+    qf, kf, vf = (_dequantize(t, dd, None) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=True)
+    out_emul = _emulated(qf, kf, vf, True, (-1, 0), 1.0 / math.sqrt(d))
+    out, lse = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, "decode MQA")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_varlen(causal):
+    lens = [17, 130, 0, 1, 300]
+    heads, heads_k, d = 4, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(3 + causal)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    total, batch = sum(lens), len(lens)
+    batch_of_row = torch.repeat_interleave(torch.arange(batch, device="cuda"), torch.tensor(lens, device="cuda"))
+    q, k, v = (torch.randn(total, h, d, generator=gen, device="cuda") for h in (heads, heads_k, heads_k))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
+    qf, kf, vf = (_dequantize(t, dd, batch_of_row) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out_emul = torch.zeros_like(out_ref, dtype=torch.bfloat16)
+    for i, n in enumerate(lens):
+        if n:
+            a = int(cu[i])
+            out_emul[a:a + n] = _emulated(qf[None, a:a + n], kf[None, a:a + n], vf[None, a:a + n], causal,
+                                          (-1, 0 if causal else -1), 1.0 / math.sqrt(d))[0]
+    _poison_allocator()
+    out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, max(lens), max(lens), causal=causal, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"varlen causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_forward_key_order_one_hot_values():
+    """V's rows one-hot in the key (V[j, c] = [c == j % d]): any key permutation between P and V^T
+    (the kernel stores V^T in P's register order) moves mass to the wrong columns."""
+    s, d = 256, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, s, 1, d, generator=gen, device="cuda")
+    k = torch.randn(1, s, 1, d, generator=gen, device="cuda")
+    v = torch.nn.functional.one_hot(torch.arange(s, device="cuda") % d, d).float()[None, :, None, :]
+    ones = torch.ones(1, 1, device="cuda")
+    q8, k8, v8 = (t.to(E4M3) for t in (q, k, v))
+    out_ref, _ = attention_ref(q8.float(), k8.float(), v8.float())
+    out_emul = _emulated(q8.float(), k8.float(), v8.float(), False, (-1, -1), 1.0 / math.sqrt(d))
+    out = flash_attn_func(q8, k8, v8, q_descale=ones, k_descale=ones, v_descale=ones)
+    assert_close_to_ref("one-hot V", out, out_ref, out_emul, atol=rounding_atol(out_ref, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_descales_are_checked():
+    q8 = torch.randn(2, 64, 4, 64, device="cuda").to(E4M3)
+    k8 = torch.randn(2, 64, 2, 64, device="cuda").to(E4M3)
+    good = torch.ones(2, 2, device="cuda")
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        flash_attn_func(q8, k8, k8, q_descale=good, k_descale=torch.ones(2, 4, device="cuda"), v_descale=good)
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        flash_attn_func(q8, k8, k8, v_descale=good.half())
+    with pytest.raises(ValueError, match="q_descale must be on"):
+        flash_attn_func(q8, k8, k8, q_descale=good.cpu())
+    with pytest.raises(TypeError, match="float32 tensor"):
+        flash_attn_func(q8, k8, k8, q_descale=1.0)
+    with pytest.raises(TypeError, match="k must have the same dtype"):
+        flash_attn_func(q8, k8.to(torch.bfloat16), k8)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        flash_attn_func(q8.to(torch.float8_e5m2), k8.to(torch.float8_e5m2), k8.to(torch.float8_e5m2))
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        flash_attn_func(q8, k8, k8, backend="sm80")
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn_func(q8, k8, k8, softcap=5.0)
+    with pytest.raises(NotImplementedError, match="learnable_sink"):
+        flash_attn_func(q8, k8, k8, learnable_sink=torch.zeros(4, device="cuda"))
+    # no descale: 1 (FA3's default), the result of the inputs as they are
+    out = flash_attn_func(q8, k8, k8)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
