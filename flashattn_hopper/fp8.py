@@ -14,8 +14,9 @@ optionally after a random-sign Hadamard transform of q and k (FlashAttention-3 p
   toward the RMS. The same M goes on q and k, never on v. After rotary embedding, if any.
 
 Computed with torch ops (fp32 intermediates) on the inputs' device, dense ``(batch, seqlen, nheads,
-head_dim)`` inputs, head dims a power of two for the Hadamard transform. The FP8 forward kernel that
-consumes these is issue 25's remaining work: today float8 inputs to the attention functions raise.
+head_dim)`` inputs, head dims a power of two for the Hadamard transform. ``attention`` (below) is the
+API's route for e4m3 inputs to the sm90 FP8 kernel (kernels/sm90/fwd_fp8.py), which takes the per-tensor
+(per batch, kv head) descales; the per-block descales are not consumed by the kernel yet.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``flashattn_hopper.fp8``: e4m3 quantization of q, k, v with per-tensor or per-block scales and the
-random-sign Hadamard transform of q and k (CPU tier; the FP8 forward kernel is not built yet).
+random-sign Hadamard transform of q and k (CPU tier; the FP8 forward kernel: tests/test_fp8_fwd.py).
 
 The transform is orthogonal and leaves q k^T unchanged; every quantized value is within e4m3's half
 ulp of its input (relative 2^-4, or 2^-10 of the scale among subnormals) and never saturates past
