@@ -24,9 +24,9 @@ What differs from the 16-bit kernel (``../shared/design/fp8.md``):
 Roles (``128 * (1 + tile_m / 64)`` threads):
 
     | warpgroup | warps | registers | role                                                   |
-    | WG0       | 0     | 40 (32)   | producer: TMA loads of Q, K[n], V[n] (as in fwd.py)    |
-    | WG0       | 1-3   | 40 (32)   | transpose V[n] (sV, keys x d) -> sVt[n] (d x keys, K-major) |
-    | WG1..     | 4     | 232 (160) | MMA: as fwd.py, P.V reading sVt                        |
+    | WG0       | 0     | 56 (32)   | producer: TMA loads of Q, K[n], V[n] (as in fwd.py)    |
+    | WG0       | 1-3   | 56 (32)   | transpose V[n] (sV, keys x d) -> sVt[n] (d x keys, K-major) |
+    | WG1..     | 4     | 224 (160) | MMA: as fwd.py, P.V reading sVt                        |
 
 Pipelines (besides fwd.py's Q and K):
 
@@ -40,8 +40,8 @@ fence (the WGMMA reads what generic stores wrote) -> arrive on vt[n] -> the MMA 
 block n reads sVt[n] and releases it. With intra-WG overlap the P.V of a block is issued one step
 after its QK^T, so the transpose of V[n] has a whole block's GEMMs of slack.
 
-Constraints: head_dim a multiple of 32 in [64, 256] and head_dim_v equal to it; tile_n a multiple
-of 32 (P.V's k is 32); no softcap, sink, gate, clusters or spanning tiles; varlen, causal, local,
+Constraints: head_dim a multiple of 32 in [64, 256] and head_dim_v equal to it; tile_n 64 or 128
+(P.V's k is 32; one swizzle atom per sVt row); no softcap, sink, gate, clusters or spanning tiles; varlen, causal, local,
 GQA and persistent/dynamic schedules as in fwd.py.
 
 Paper: FlashAttention-3 (Shah et al., 2024) section 3.3 (FP8: layout conformance of P and V^T).
@@ -61,7 +61,7 @@ from .fwd_parts import MmaParts, Pipelines, TileWalk
 
 # (producer warpgroup, MMA warpgroup) registers per thread: the transposing warps hold 16 bytes of
 # V in flight and their addresses; 128 * (producer + sum of MMA) <= 64K.
-_REGISTERS_FP8 = {1: (56, 256), 2: (40, 232), 3: (32, 160)}
+_REGISTERS_FP8 = {1: (56, 256), 2: (56, 224), 3: (32, 160)}
 # Byte selectors of prmt.b32 (bytes 0-3 from the first operand, 4-7 from the second).
 _INTERLEAVE_LO = 0x5140  # a0 b0 a1 b1
 _INTERLEAVE_HI = 0x7362  # a2 b2 a3 b3
@@ -113,8 +113,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             return f"dtype must be Float8E4M3FN, got {dtype}"
         if head_dim % 32 != 0 or not 64 <= head_dim <= 256 or head_dim_v != head_dim:
             return f"head_dim must be a multiple of 32 in [64, 256] and head_dim_v equal to it, got {head_dim}/{head_dim_v}"
-        if tile_n % 32 != 0:
-            return f"tile_n must be a multiple of 32 (P.V's k), got {tile_n}"
+        if tile_n not in (64, 128):
+            # (a multiple of 32 for P.V's k, and one swizzle atom wide: the transpose's addresses)
+            return f"tile_n must be 64 or 128, got {tile_n}"
         if cluster_m > 1 or span_heads or has_sink or has_gate or has_softcap:
             return "no clusters, spanning tiles, sink, gate or softcap with FP8 inputs"
         reason = FlashFwdSm90.can_implement(
@@ -185,24 +186,31 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         warp_in_group: Int32,  # 0 .. num_transpose_warps - 1
     ):
         """For each V stage the producer loads (this CTA's tiles, the producer's order), write its
-        transpose into the next sVt stage. A warp's piece: 16 keys x 32 columns; lane ``(t, c)``
-        (c = lane % 8, t = lane // 8) reads keys ``16h + 2t + {0, 1, 8, 9}`` at columns
-        ``4c .. 4c + 3`` and writes columns' rows ``4c .. 4c + 3`` at keys ``16h + 4t .. + 3`` of sVt:
-        both sides touch 32 distinct banks under the 128-byte swizzle. Word addresses come from the
-        layouts' unswizzled byte offsets with the swizzle applied by hand (``recast_tensor`` of a
-        swizzled fp8 view to 32-bit words moved rows that are not multiples of 8: measured)."""
+        transpose into the next sVt stage. Warp w takes the groups of 16 keys ``kg = w, w + 3, ...``
+        and every 32-column block ``cb`` of them; lane ``(t, c)`` (c = lane % 8, t = lane // 8) reads
+        keys ``16 kg + 2t + {0, 1, 8, 9}`` at columns ``32 cb + 4c .. + 3`` and writes rows
+        ``32 cb + 4c .. + 3`` of sVt at keys ``16 kg + 4t .. + 3`` (both sides 32 distinct banks).
+
+        Addresses by hand from the tiles' structure (``_tile_offset``): the swizzle's row bits are a
+        lane's constants and the rest is additive, so each access costs a few integer ops (the
+        generic ``crd2idx`` path cost ~17 per access, the transposing warps then held back P.V;
+        ``recast_tensor`` of the swizzled fp8 views to 32-bit words moved rows, measured)."""
         lane = cute.arch.lane_idx()
-        col_group, t = lane % 8, lane // 8
-        sV_layout = self._smem_layouts()[2]
-        sVt_layout = self._vt_layout()
+        c, t = lane % 8, lane // 8
+        n, dv = self.tile_n, self.head_dim_v
+        v_atom, vt_atom = _atom_bytes(dv), _atom_bytes(n)
         v_words = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32),
-                                   cute.make_layout(cute.cosize(sV_layout.outer) // 4))
+                                   cute.make_layout(n * dv * self.num_stages // 4))
         vt_words = cute.make_tensor(cute.recast_ptr(storage.sVt.data_ptr(), dtype=Int32),
-                                    cute.make_layout(cute.cosize(sVt_layout.outer) // 4))
-        v_swizzle = _swizzle_bits(self.head_dim_v)
-        vt_swizzle = _swizzle_bits(self.tile_n)
-        key_groups = self.tile_n // 16
-        num_pieces = key_groups * (self.head_dim_v // 32)
+                                    cute.make_layout(n * dv * self.num_stages // 4))
+        # Lane constants: the swizzle's xor of each row the lane touches (sV rows 2t, 2t + 1 mod 8;
+        # sVt rows 4c + j mod 8), and the lane's part of each address.
+        v_xor = [_row_xor(2 * t + e, v_atom) for e in (0, 1)]
+        vt_xor = [_row_xor(4 * c + j, vt_atom) for j in range(4)]
+        v_lane = (2 * t) * v_atom + 4 * (c % 4)  # + chunk * 16
+        vt_lane = (4 * c) * vt_atom + 4 * t
+        key_groups = n // 16
+        nw = self.num_transpose_warps
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         handoff_state = walk.handoff.consumer_state() if const_expr(self.dynamic_schedule) else None
@@ -213,24 +221,29 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                 for _ in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
                     pipes.v.consumer_wait(v_state, pipes.v.consumer_try_wait(v_state))
                     pipes.vt.producer_acquire(vt_state)
-                    for piece in cutlass.range(warp_in_group, num_pieces, self.num_transpose_warps, unroll=1):
-                        key_group, col_block = piece % key_groups, piece // key_groups
-                        col = (col_block * 8 + col_group) * 4  # in bytes
-                        key = key_group * 16 + 2 * t
-                        r0, r1, r2, r3 = (
-                            v_words[_word(sV_layout.outer, (key + dk, col, v_state.index), v_swizzle)]
-                            for dk in (0, 1, 8, 9)
-                        )
-                        lo01 = Int32(cute.arch.prmt(r0, r1, _INTERLEAVE_LO))
-                        hi01 = Int32(cute.arch.prmt(r0, r1, _INTERLEAVE_HI))
-                        lo23 = Int32(cute.arch.prmt(r2, r3, _INTERLEAVE_LO))
-                        hi23 = Int32(cute.arch.prmt(r2, r3, _INTERLEAVE_HI))
-                        word_col = key_group * 16 + 4 * t  # in bytes
-                        for j, (a, b, sel) in enumerate(((lo01, lo23, _HALVES_LO), (lo01, lo23, _HALVES_HI),
-                                                         (hi01, hi23, _HALVES_LO), (hi01, hi23, _HALVES_HI))):
-                            vt_words[_word(sVt_layout.outer, (col + j, word_col, vt_state.index), vt_swizzle)] = (
-                                Int32(cute.arch.prmt(a, b, sel))
-                            )
+                    stage_bytes = v_state.index * (n * dv)
+                    for i in cutlass.range_constexpr((key_groups + nw - 1) // nw):
+                        kg = warp_in_group + nw * i
+                        if kg < key_groups:
+                            v_rows = stage_bytes + kg * (16 * v_atom) + v_lane
+                            vt_base = stage_bytes + vt_lane
+                            for cb in cutlass.range_constexpr(dv // 32):
+                                atom_col, in_atom = (32 * cb) // v_atom, (32 * cb) % v_atom
+                                v_col = atom_col * (n * v_atom) + v_rows
+                                r = [
+                                    v_words[(v_col + dk * v_atom + ((((in_atom >> 4) + c // 4) ^ v_xor[dk % 2]) << 4)) >> 2]
+                                    for dk in (0, 1, 8, 9)
+                                ]
+                                lo01 = Int32(cute.arch.prmt(r[0], r[1], _INTERLEAVE_LO))
+                                hi01 = Int32(cute.arch.prmt(r[0], r[1], _INTERLEAVE_HI))
+                                lo23 = Int32(cute.arch.prmt(r[2], r[3], _INTERLEAVE_LO))
+                                hi23 = Int32(cute.arch.prmt(r[2], r[3], _INTERLEAVE_HI))
+                                for j, (a, b, sel) in enumerate(((lo01, lo23, _HALVES_LO), (lo01, lo23, _HALVES_HI),
+                                                                 (hi01, hi23, _HALVES_LO), (hi01, hi23, _HALVES_HI))):
+                                    row_bytes = (32 * cb + j) * vt_atom
+                                    vt_words[(vt_base + row_bytes + ((kg ^ vt_xor[j]) << 4)) >> 2] = (
+                                        Int32(cute.arch.prmt(a, b, sel))
+                                    )
                     cute.arch.sync_warp()  # every lane's reads of V[n] are done before lane 0 releases it
                     pipes.v.consumer_release(v_state)
                     # Generic-proxy stores must be visible to the WGMMA (async proxy) that reads sVt.
@@ -241,19 +254,17 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             tile_idx, handoff_state = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_state)
 
 
-def _swizzle_bits(row_bytes: int) -> int:
-    """B of the ``Swizzle<B, 4, 3>`` a K-major e4m3 tile of rows this wide gets (make_smem_layout_sm90:
-    the widest 128/64/32-byte atom the row holds): 16-byte chunk bits [4, 4 + B) ^= row bits [7, 7 + B)."""
-    for width, bits in ((128, 3), (64, 2), (32, 1)):
+def _atom_bytes(row_bytes: int) -> int:
+    """The swizzle atom's row width (bytes) of a K-major e4m3 tile with rows this wide
+    (``make_smem_layout_sm90``: the widest of 128/64/32 that divides the row). The tile's byte
+    offset of (row r, byte b) of stage s, R rows of W bytes: ``s R W + (b // A) R A + r A + b % A``
+    with ``Swizzle<log2(A/16), 4, 3>`` on it: 16-byte chunk bits ^= bits 7.. of ``r A``."""
+    for width in (128, 64, 32):
         if row_bytes % width == 0:
-            return bits
-    return 0
+            return width
+    raise ValueError(f"rows of {row_bytes} bytes have no WGMMA swizzle atom")
 
 
-@cute.jit
-def _word(layout: cute.Layout, coord, swizzle_bits: cutlass.Constexpr[int]) -> Int32:
-    """The 4-byte word index of byte ``coord`` of an e4m3 tile whose unswizzled layout is ``layout``."""
-    offset = Int32(cute.crd2idx(coord, layout))
-    if const_expr(swizzle_bits > 0):
-        offset = offset ^ ((offset >> 3) & (((1 << swizzle_bits) - 1) << 4))
-    return offset >> 2
+def _row_xor(row, atom_bytes: int):
+    """The value the swizzle xors into the 16-byte chunk index of a row (depends on row mod 8 only)."""
+    return ((row * atom_bytes) >> 7) & (atom_bytes // 16 - 1)
