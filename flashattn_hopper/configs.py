@@ -215,11 +215,13 @@ def span_pays(tile_m: int, seqlen_q: int) -> bool:
 
 # FP8 (e4m3) forward (kernels/sm90/fwd_fp8.py): tile_n a multiple of 32 (P.V's k), smem = Q + 3 x 2 stages
 # of tile_n x hdim bytes (K, V as loaded, V^T) + a bf16 sO (kernels/sm90/fwd_budget.fp8_smem_bytes).
-# First rows (2026-11-25, not yet tuned): 64: FA3's 192-row tile on 3 WGs (S 64 + O 32 + P 16 regs);
-# 128: 128x128 (S 64 + O 64 + P 16; 144 KB); 256: 128x64 (S 32 + O 128 + P 8; 192 KB: 128x128 needs 288).
+# Rows measured 2026-11-25 (H100, 16k tokens, perf/bench_fp8_tiles.py): 64: 192x128 on 3 WGs (S 64 + O 32 +
+# P 16 regs; 128x128 on 2 WGs -20 %); 128: 128x192 (S 96 + O 64 + P 24; 192 KB), +4-6 % over 128x128 at 16k,
+# +1-6 % at 4k, 128x160 between them, 128x64 -16 %; 256: 128x64 (S 32 + O 128 + P 8; 192 KB: 128x128 needs
+# 288 with its own bf16 sO). Ping-pong on or off within +-3 % everywhere.
 FWD_SM90_FP8_TILES: dict[int, FwdTileSm90] = {
     64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
-    128: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
+    128: FwdTileSm90(tile_m=128, tile_n=192, intra_wg_overlap=True, pingpong=True, persistent=True),
     256: FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
 

@@ -40,8 +40,8 @@ fence (the WGMMA reads what generic stores wrote) -> arrive on vt[n] -> the MMA 
 block n reads sVt[n] and releases it. With intra-WG overlap the P.V of a block is issued one step
 after its QK^T, so the transpose of V[n] has a whole block's GEMMs of slack.
 
-Constraints: head_dim a multiple of 32 in [64, 256] and head_dim_v equal to it; tile_n 64 or 128
-(P.V's k is 32; one swizzle atom per sVt row); no softcap, sink, gate, clusters or spanning tiles; varlen, causal, local,
+Constraints: head_dim a multiple of 32 in [64, 256] and head_dim_v equal to it; tile_n a multiple
+of 32 (P.V's k is 32); no softcap, sink, gate, clusters or spanning tiles; varlen, causal, local,
 GQA and persistent/dynamic schedules as in fwd.py.
 
 Paper: FlashAttention-3 (Shah et al., 2024) section 3.3 (FP8: layout conformance of P and V^T).
@@ -113,9 +113,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             return f"dtype must be Float8E4M3FN, got {dtype}"
         if head_dim % 32 != 0 or not 64 <= head_dim <= 256 or head_dim_v != head_dim:
             return f"head_dim must be a multiple of 32 in [64, 256] and head_dim_v equal to it, got {head_dim}/{head_dim_v}"
-        if tile_n not in (64, 128):
-            # (a multiple of 32 for P.V's k, and one swizzle atom wide: the transpose's addresses)
-            return f"tile_n must be 64 or 128, got {tile_n}"
+        if tile_n % 32 != 0:
+            return f"tile_n must be a multiple of 32 (P.V's k), got {tile_n}"
         if cluster_m > 1 or span_heads or has_sink or has_gate or has_softcap:
             return "no clusters, spanning tiles, sink, gate or softcap with FP8 inputs"
         reason = FlashFwdSm90.can_implement(
@@ -226,7 +225,10 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                         kg = warp_in_group + nw * i
                         if kg < key_groups:
                             v_rows = stage_bytes + kg * (16 * v_atom) + v_lane
-                            vt_base = stage_bytes + vt_lane
+                            # sVt: key group kg is 16-byte chunk kg % (A / 16) of atom column kg // (A / 16)
+                            chunks = vt_atom // 16
+                            vt_col = stage_bytes + vt_lane + (kg // chunks) * (dv * vt_atom)
+                            vt_chunk = kg % chunks
                             for cb in cutlass.range_constexpr(dv // 32):
                                 atom_col, in_atom = (32 * cb) // v_atom, (32 * cb) % v_atom
                                 v_col = atom_col * (n * v_atom) + v_rows
@@ -241,7 +243,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                 for j, (a, b, sel) in enumerate(((lo01, lo23, _HALVES_LO), (lo01, lo23, _HALVES_HI),
                                                                  (hi01, hi23, _HALVES_LO), (hi01, hi23, _HALVES_HI))):
                                     row_bytes = (32 * cb + j) * vt_atom
-                                    vt_words[(vt_base + row_bytes + ((kg ^ vt_xor[j]) << 4)) >> 2] = (
+                                    vt_words[(vt_col + row_bytes + ((vt_chunk ^ vt_xor[j]) << 4)) >> 2] = (
                                         Int32(cute.arch.prmt(a, b, sel))
                                     )
                     cute.arch.sync_warp()  # every lane's reads of V[n] are done before lane 0 releases it
