@@ -95,12 +95,12 @@ def _per_block(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block: bool = True, hadamard_qk: bool = True,
-    seed: int = 0, tile_m: int = 128, tile_n: int = 128,
+    seed: int = 0, tile_m: int | None = None, tile_n: int | None = None,
 ) -> Fp8Qkv:
     """Quantize dense floating ``(batch, seqlen, nheads, head_dim)`` q, k, v to e4m3.
 
-    ``block``: per-block scales (tiles of ``tile_m`` query rows / ``tile_n`` key rows, the FP8
-    kernel's tile), else per (batch, kv head). ``hadamard_qk``: rotate q and k by the same random-sign
+    ``block``: per-block scales (tiles of ``tile_m`` query rows / ``tile_n`` key rows; None: the FP8
+    kernel's tiles at this head dim, ``kernel_tiles``, which the kernel requires), else per (batch, kv head). ``hadamard_qk``: rotate q and k by the same random-sign
     Hadamard matrix first (``seed`` picks the signs; head dim a power of two). v is never rotated.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -111,7 +111,10 @@ def quantize_qkv(
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads % nheads_k != 0 or v.shape[2] != nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of k's and v's nheads ({nheads_k}, {v.shape[2]})")
-    if tile_m < 1 or tile_n < 1:
+    if block and (tile_m is None or tile_n is None):
+        default_m, default_n = kernel_tiles(q.shape[-1])
+        tile_m, tile_n = tile_m or default_m, tile_n or default_n
+    if block and (tile_m < 1 or tile_n < 1):
         raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard_qk else None
     qf, kf, vf = (t.float() for t in (q, k, v))
@@ -145,24 +148,65 @@ def is_fp8(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in validate.FP8_DTYPES
 
 
+def kernel_tiles(head_dim: int) -> tuple[int, int]:
+    """``(tile_m, tile_n)`` of the FP8 kernel at this head dim: the rows of q and of k/v that one
+    per-block descale covers (``configs.FWD_SM90_FP8_TILES``)."""
+    from . import configs
+
+    hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, head_dim, head_dim)
+    if hdim is None:
+        raise ValueError(f"FP8 attention supports head dims up to 256, got {head_dim}")
+    tile = configs.FWD_SM90_FP8_TILES[hdim]
+    return tile.tile_m, tile.tile_n
+
+
 def descales(extras: dict[str, object], p: validate.AttnProblem, device: torch.device) -> torch.Tensor:
-    """The kernel's ``(3, batch, nheads_k)`` fp32 descales from the call's ``q_descale``, ``k_descale``,
-    ``v_descale`` (FA3's: fp32 ``(batch, nheads_k)``, q's indexed by kv head too; None: 1). A wrong
-    shape, dtype or device raises, naming the argument: a silently dropped descale gives wrong output."""
-    out = torch.ones(3, p.batch, p.nheads_k, dtype=torch.float32, device=device)
-    for i, name in enumerate(DESCALE_NAMES):
-        value = extras.get(name)
+    """The kernel's fp32 descales from the call's ``q_descale``, ``k_descale``, ``v_descale`` (None: 1).
+
+    Per tensor (FA3's): each ``(batch, nheads_k)`` (q's indexed by kv head too) -> ``(3, batch, nheads_k)``.
+    Per block (the FA3 paper's block quantization): q's ``(batch, nheads, ceil(seqlen_q / tile_m))``, k's
+    and v's ``(batch, nheads_k, ceil(seqlen_k / tile_n))`` with the kernel's tiles (``kernel_tiles``, what
+    ``quantize_qkv(block=True)`` uses) -> ``(3, batch, nheads, blocks)``. A wrong shape, dtype or device
+    raises, naming the argument: a silently dropped descale gives wrong output."""
+    given = {name: extras.get(name) for name in DESCALE_NAMES}
+    for name, value in given.items():
         if value is None:
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a float32 tensor of shape (batch, nheads_k) or None, got {type(value).__name__}")
         if value.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {str(value.dtype).replace('torch.', '')}")
-        if tuple(value.shape) != (p.batch, p.nheads_k):
-            raise ValueError(f"{name} must have shape (batch, nheads_k) = {(p.batch, p.nheads_k)}, got {tuple(value.shape)}")
         if value.device != device:
             raise ValueError(f"{name} must be on {device} like q, got {value.device}")
-        out[i] = value
+    per_block = any(value is not None and value.dim() == 3 for value in given.values())
+    if not per_block:
+        out = torch.ones(3, p.batch, p.nheads_k, dtype=torch.float32, device=device)
+        for i, (name, value) in enumerate(given.items()):
+            if value is not None:
+                if tuple(value.shape) != (p.batch, p.nheads_k):
+                    raise ValueError(
+                        f"{name} must have shape (batch, nheads_k) = {(p.batch, p.nheads_k)} (or per block, see "
+                        f"flashattn_hopper.fp8.descales), got {tuple(value.shape)}"
+                    )
+                out[i] = value
+        return out
+    if p.is_varlen:
+        raise NotImplementedError("per-block descales are implemented for flash_attn_func (dense q, k, v) only")
+    tile_m, tile_n = kernel_tiles(max(p.head_dim, p.head_dim_v))
+    q_blocks, k_blocks = -(-p.seqlen_q // tile_m), -(-p.seqlen_k // tile_n)
+    shapes = {"q_descale": (p.batch, p.nheads, q_blocks), "k_descale": (p.batch, p.nheads_k, k_blocks),
+              "v_descale": (p.batch, p.nheads_k, k_blocks)}
+    out = torch.ones(3, p.batch, p.nheads, max(q_blocks, k_blocks), dtype=torch.float32, device=device)
+    for i, (name, value) in enumerate(given.items()):
+        if value is None:
+            continue
+        if tuple(value.shape) != shapes[name]:
+            raise ValueError(
+                f"{name} must have shape {shapes[name]} for per-block descales (tiles of {tile_m} query rows and "
+                f"{tile_n} key rows at this head dim: flashattn_hopper.fp8.kernel_tiles), got {tuple(value.shape)}"
+            )
+        _, heads, blocks = shapes[name]
+        out[i, :, :heads, :blocks] = value
     return out
 
 

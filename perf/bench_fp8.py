@@ -3,6 +3,7 @@
     python perf/bench_fp8.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384] [--repeat 3]
 
 Issue 25: TFLOP/s of ``flash_attn_func`` on e4m3 q, k, v with per-(batch, kv head) descales (bf16 out),
+and with per-block descales (``fp8_block``),
 beside the same call on bf16 inputs and ``F.scaled_dot_product_attention`` with the cuDNN backend, causal
 and not; 16k tokens, hidden 2048 (batch = 16384 / seqlen, nheads = 2048 / hdim), 4 * b * h * s^2 * d
 FLOPs per forward (half causal). do_bench medians, rounds interleaved. Then the quantize helper
@@ -35,9 +36,9 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# FP8 forward, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"repeat={args.repeat}\n")
-    systems = ["fp8", "bf16", "cudnn_bf16"]
-    print("| hdim | causal | seqlen | " + " | ".join(systems) + " | fp8 / our bf16 | fp8 / cuDNN bf16 |")
-    print("|---|---|---|" + "---|" * len(systems) + "---|---|")
+    systems = ["fp8", "fp8_block", "bf16", "cudnn_bf16"]
+    print("| hdim | causal | seqlen | " + " | ".join(systems) + " | fp8 / our bf16 | fp8 / cuDNN bf16 | block / per-tensor |")
+    print("|---|---|---|" + "---|" * len(systems) + "---|---|---|")
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for causal in (False, True):
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
                 q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
                            for _ in range(3))
                 quant = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False)
+                blocks = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
                 def cudnn():
@@ -56,6 +58,9 @@ def main(argv: list[str]) -> int:
                 fns = {
                     "fp8": lambda: flash_attn_func(quant.q, quant.k, quant.v, causal=causal, q_descale=quant.q_descale,
                                                    k_descale=quant.k_descale, v_descale=quant.v_descale),
+                    "fp8_block": lambda: flash_attn_func(blocks.q, blocks.k, blocks.v, causal=causal,
+                                                         q_descale=blocks.q_descale, k_descale=blocks.k_descale,
+                                                         v_descale=blocks.v_descale),
                     "bf16": lambda: flash_attn_func(q, k, v, causal=causal),
                     "cudnn_bf16": cudnn,
                 }
@@ -75,7 +80,7 @@ def main(argv: list[str]) -> int:
                     return f"{x / y:.2f}" if isinstance(x, float) and isinstance(y, float) else "-"
 
                 print(f"| {hdim} | {int(causal)} | {seqlen} | " + " | ".join(format_cells(tflops, systems))
-                      + f" | {ratio('fp8', 'bf16')} | {ratio('fp8', 'cudnn_bf16')} |", flush=True)
+                      + f" | {ratio('fp8', 'bf16')} | {ratio('fp8', 'cudnn_bf16')} | {ratio('fp8_block', 'fp8')} |", flush=True)
     if not args.no_quantize:
         print("\n| quantize (bf16 -> e4m3, q, k, v of 16k x 2048) | ms | GB/s |\n|---|---|---|")
         q, k, v = (torch.randn(8, 2048, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))

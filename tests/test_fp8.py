@@ -34,9 +34,11 @@ def _attention(q, k, v):
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v.repeat_interleave(q.shape[2] // v.shape[2], 2))
 
 
-def _dequantized(r: fp8.Fp8Qkv, block: bool, tile: int = 128):
-    rows = tile if block else None
-    return [fp8.dequantize(x, s, rows).double() for x, s in ((r.q, r.q_descale), (r.k, r.k_descale), (r.v, r.v_descale))]
+def _dequantized(r: fp8.Fp8Qkv, block: bool):
+    """fp64 values of quantized q, k, v; per block with the kernel's tiles (``quantize_qkv``'s default)."""
+    tile_m, tile_n = fp8.kernel_tiles(r.q.shape[-1]) if block else (None, None)
+    return [fp8.dequantize(x, s, rows).double()
+            for x, s, rows in ((r.q, r.q_descale, tile_m), (r.k, r.k_descale, tile_n), (r.v, r.v_descale, tile_n))]
 
 
 @pytest.mark.parametrize("d", [16, 64, 128, 256])

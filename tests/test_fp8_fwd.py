@@ -245,3 +245,96 @@ def test_fp8_kernel_compiles_with_e4m3_wgmma_and_no_spills(tmp_path):
     text = (tmp_path / "out.sass").read_text()
     assert "QGMMA" in text and "E4M3.E4M3" in text, "no e4m3 WGMMA in the SASS"
     assert " LDL" not in text and " STL" not in text, "the FP8 kernel spills to local memory"
+
+
+def _rows_varied(*shape, gen):
+    """Random values whose rows differ in magnitude (0.25x-4x): per-block scales then differ per block."""
+    x = torch.randn(*shape, generator=gen, device="cuda")
+    return x * torch.exp2(torch.rand(*shape[:-1], 1, generator=gen, device="cuda") * 4 - 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_block_scales_match_the_dequantized_reference(head_dim, causal):
+    """Per-block descales (q per tile of rows, k and v per key block, the kernel's tiles): each block's
+    k descale in its step's scale, v's through O's row scale."""
+    from flashattn_hopper import fp8
+
+    batch, heads, heads_k, s_q, s_k = 2, 4, 2, 1023, 700
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + causal)
+    q = _rows_varied(batch, s_q, heads, head_dim, gen=gen)
+    k, v = (_rows_varied(batch, s_k, heads_k, head_dim, gen=gen) for _ in range(2))
+    quant = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False)
+    tile_m, tile_n = fp8.kernel_tiles(head_dim)
+    qf, kf, vf = (fp8.dequantize(x8, d, rows) for x8, d, rows in
+                  ((quant.q, quant.q_descale, tile_m), (quant.k, quant.k_descale, tile_n), (quant.v, quant.v_descale, tile_n)))
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal)
+    out_emul = _emulated(qf, kf, vf, causal, (-1, 0 if causal else -1), 1.0 / math.sqrt(head_dim))
+    _poison_allocator()
+    out, lse = flash_attn_func(quant.q, quant.k, quant.v, causal=causal, q_descale=quant.q_descale,
+                               k_descale=quant.k_descale, v_descale=quant.v_descale, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"block scales d{head_dim} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_equal_block_scales_give_the_per_tensor_result():
+    from flashattn_hopper import fp8
+
+    batch, heads, heads_k, s, d = 2, 4, 2, 900, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(batch, s, h, d, generator=gen, device="cuda") for h in (heads, heads_k, heads_k))
+    quant = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False)
+    tile_m, tile_n = fp8.kernel_tiles(d)
+    q_blocks = quant.q_descale.repeat_interleave(heads // heads_k, dim=1)[:, :, None].expand(-1, -1, -(-s // tile_m))
+    k_blocks, v_blocks = (t[:, :, None].expand(-1, -1, -(-s // tile_n)).contiguous()
+                          for t in (quant.k_descale, quant.v_descale))
+    out_t = flash_attn_func(quant.q, quant.k, quant.v, causal=True, q_descale=quant.q_descale,
+                            k_descale=quant.k_descale, v_descale=quant.v_descale)
+    out_b = flash_attn_func(quant.q, quant.k, quant.v, causal=True, q_descale=q_blocks.contiguous(),
+                            k_descale=k_blocks, v_descale=v_blocks)
+    diff = (out_b.float() - out_t.float()).abs().max().item()
+    assert diff <= 0.01 * out_t.float().abs().max().item(), f"block vs per-tensor: max diff {diff:.3e}"
+    with pytest.raises(ValueError, match="per-block descales"):
+        flash_attn_func(quant.q, quant.k, quant.v, q_descale=q_blocks[:, :, :1].contiguous(), k_descale=k_blocks,
+                        v_descale=v_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_outliers_block_scales_and_hadamard_lower_the_error(head_dim):
+    """The FA3 paper's setup (N(0, 1) entries plus 0.1 % with an extra N(0, 100) term): the kernel's RMSE
+    against fp32 attention on the original inputs, per-tensor scales vs per-block scales after the
+    random-sign Hadamard transform of q and k. The paper reports 2.6x; the torch emulation of the same
+    (tests/test_fp8.py) measured 1.36-1.70x, almost all of it the Hadamard step. Asserted: >= 1.3x, and
+    the block + Hadamard error within 100x bf16-input attention's (printed)."""
+    from flashattn_hopper import fp8
+
+    batch, heads, s = 2, 4, 1024
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+
+    def outliers():
+        x = torch.randn(batch, s, heads, head_dim, generator=gen, device="cuda")
+        mask = torch.rand(x.shape, generator=gen, device="cuda") < 0.001
+        return x + mask * torch.randn(x.shape, generator=gen, device="cuda") * 10
+
+    q, k, v = outliers(), outliers(), outliers()
+    out_ref, _ = attention_ref(q, k, v)
+
+    def rmse(out):
+        return (out.float() - out_ref.float()).pow(2).mean().sqrt().item()
+
+    per_tensor = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False)
+    block_h = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=True)
+    errs = {}
+    for name, quant in (("per-tensor", per_tensor), ("block+hadamard", block_h)):
+        errs[name] = rmse(flash_attn_func(quant.q, quant.k, quant.v, q_descale=quant.q_descale,
+                                          k_descale=quant.k_descale, v_descale=quant.v_descale))
+    errs["bf16"] = rmse(flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16()))
+    print(f"d{head_dim} RMSE: " + ", ".join(f"{n} {e:.3e}" for n, e in errs.items())
+          + f"; per-tensor / block+hadamard = {errs['per-tensor'] / errs['block+hadamard']:.2f}")
+    assert errs["per-tensor"] >= 1.3 * errs["block+hadamard"], errs
+    assert errs["block+hadamard"] <= 100 * errs["bf16"], errs

@@ -62,6 +62,8 @@ class FwdSm90Key(KernelKey):
     # gated log-decay: a bias per (query head, key) added to every score (``forward_with_gate``);
     # no pack_gqa, no spanning tiles, no softcap
     gate: bool = False
+    # FP8 (dtype e4m3) with per-block descales (q per tile of rows, k/v per key block; pack_gqa 1)
+    fp8_block_scales: bool = False
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -204,8 +206,11 @@ class FwdSm90(FwdLauncher):
         ]
         return keys
 
-    def fp8_key(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None) -> FwdSm90Key:
-        """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``; v at q's padded width)."""
+    def fp8_key(
+        self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, block_scales: bool = False
+    ) -> FwdSm90Key:
+        """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``; v at q's padded width);
+        ``block_scales``: descales per tile of rows (no packed GQA tiles)."""
         hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v)
         assert hdim is not None, "fp8.attention checks the head dims first"
         tile = configs.FWD_SM90_FP8_TILES[hdim]
@@ -214,9 +219,10 @@ class FwdSm90(FwdLauncher):
             kernel=self.kind, arch=arch, dtype="e4m3", head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
             tile_n=tile.tile_n, causal=causal, local=local, intra_wg_overlap=tile.intra_wg_overlap,
             pingpong=tile.pingpong, persistent=tile.persistent, num_stages=tile.num_stages,
-            pack_gqa=pack_gqa_factor(p, tile.tile_m, varlen is not None), varlen=varlen is not None,
-            seqused_q=varlen is not None and varlen.seqused_q is not None,
+            pack_gqa=1 if block_scales else pack_gqa_factor(p, tile.tile_m, varlen is not None),
+            varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None, lazy_rescale=False,
+            fp8_block_scales=block_scales,
         )
 
     def forward_fp8(
@@ -224,8 +230,10 @@ class FwdSm90(FwdLauncher):
         descale: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of e4m3 ``q, k, v`` (``flashattn_hopper/fp8.py`` validated them), out bf16;
-        ``descale`` fp32 ``(3, batch, nheads_k)`` contiguous: q's, k's and v's descales."""
-        key = self.fp8_key(p, target_arch(), varlen)
+        ``descale`` fp32 contiguous: ``(3, batch, nheads_k)``, q's, k's and v's descales, or per block
+        ``(3, batch, nheads, blocks)`` (q's per tile of rows, k's and v's per key block of the kernel's
+        tiles in the first nheads_k heads)."""
+        key = self.fp8_key(p, target_arch(), varlen, block_scales=descale.dim() == 4)
         compiled = compile_cache.get(key, self.compile)
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         q8, k8, v8 = (t.view(torch.uint8) for t in (q, k, v))
@@ -244,7 +252,7 @@ class FwdSm90(FwdLauncher):
                 key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
                 intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
                 persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
-                section_l2_mb=key.section_l2_mb,
+                section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales,
             )
 
         return FlashFwdSm90(
@@ -266,7 +274,7 @@ class FwdSm90(FwdLauncher):
         if key.dtype == "e4m3":  # inputs as bytes, bf16 O, the (3, batch, nheads_k) descales
             import cutlass.cute as cute
 
-            descale = fake_f32(tuple(cute.sym_int() for _ in range(3)))
+            descale = fake_f32(tuple(cute.sym_int() for _ in range(4 if key.fp8_block_scales else 3)))
             return compile_forward(
                 kernel, cutlass.Uint8, key.varlen, key.seqused_q, key.seqused_k, options,
                 extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,

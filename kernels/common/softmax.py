@@ -78,11 +78,16 @@ class OnlineSoftmax:
     """Running softmax statistics for ``num_rows`` accumulator rows of the calling thread."""
 
     def __init__(
-        self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None, max_offset: float = 0.0
+        self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None, max_offset: float = 0.0,
+        block_scales: bool = False,
     ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
+        # Per-block scales (FP8 block quantization: each key block's k descale): every ``update`` gets its
+        # block's scale, and the running max is kept in scaled (log2) units so blocks compare.
+        self.block_scales = block_scales
+        assert not (block_scales and rescale_threshold is not None), "no lazy rescale with per-block scales"
         # P = 2**max_offset * p (FP8's P in (0, 256] instead of (0, 1], so small probabilities stay
         # above e4m3's underflow): O / row_sum cancels the factor, the LSE subtracts it at finalize.
         self.max_offset = max_offset
@@ -92,20 +97,26 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def update(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+    def update(
+        self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], block_scale_log2: Float32 | None = None
+    ) -> cute.Tensor:
         """Fold one (already masked) S block in: S is overwritten with P, returns the O row scale.
 
         The returned ``row_scale[r] = exp2((old_max - new_max) * scale_log2)`` must be applied
         to the O accumulator before this block's P.V is added (``rescale_O``). On the first
-        block O is zero, so the scale is 1 and need not be applied.
+        block O is zero, so the scale is 1 and need not be applied. ``block_scale_log2``: this
+        block's scale (``block_scales`` mode only, where it replaces ``scale_log2``).
         """
         acc_S_mn = acc_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
-        scale_log2 = self.scale_log2
+        scaled = self.block_scales
+        scale_log2 = block_scale_log2 if cutlass.const_expr(scaled) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
             row_max_cur = _chained_reduce(row, cute.arch.fmax, 4)
             row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
+            if cutlass.const_expr(scaled):  # (a positive scale keeps the order; -inf stays -inf)
+                row_max_cur = row_max_cur * scale_log2
             row_max_prev = self.row_max[r]
             if cutlass.const_expr(not is_first):
                 if cutlass.const_expr(self.rescale_threshold is not None):
@@ -118,7 +129,10 @@ class OnlineSoftmax:
             self.row_max[r] = row_max_cur
             # Fully masked row so far: offset 0 keeps exp2 at exp2(-inf) = 0, never NaN.
             row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
-            neg_max_scaled = -(row_max_safe * scale_log2)
+            if cutlass.const_expr(scaled):
+                neg_max_scaled = -row_max_safe
+            else:
+                neg_max_scaled = -(row_max_safe * scale_log2)
             if cutlass.const_expr(self.max_offset != 0.0):
                 neg_max_scaled = neg_max_scaled + self.max_offset
             for c in cutlass.range_constexpr(cute.size(row)):
@@ -128,9 +142,12 @@ class OnlineSoftmax:
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = row_sum_cur
             else:
-                row_scale[r] = cute.math.exp2(
-                    (row_max_prev - row_max_safe) * scale_log2, fastmath=True
-                )
+                if cutlass.const_expr(scaled):
+                    row_scale[r] = cute.math.exp2(row_max_prev - row_max_safe, fastmath=True)
+                else:
+                    row_scale[r] = cute.math.exp2(
+                        (row_max_prev - row_max_safe) * scale_log2, fastmath=True
+                    )
                 if cutlass.const_expr(self.rescale_threshold is not None):
                     # Exactly 1 for a kept max (also an all-masked row: -inf kept), so
                     # rescale_O's vote sees it.
@@ -181,11 +198,14 @@ class OnlineSoftmax:
                 log_sum = cute.math.log2(row_sum, fastmath=True)
                 if cutlass.const_expr(self.max_offset != 0.0):
                     log_sum = log_sum - self.max_offset
-                lse[r] = (
-                    -Float32.inf
-                    if is_empty
-                    else (self.row_max[r] * self.scale_log2 + log_sum) * LN_2
-                )
+                if cutlass.const_expr(self.block_scales):
+                    lse[r] = -Float32.inf if is_empty else (self.row_max[r] + log_sum) * LN_2
+                else:
+                    lse[r] = (
+                        -Float32.inf
+                        if is_empty
+                        else (self.row_max[r] * self.scale_log2 + log_sum) * LN_2
+                    )
             else:
                 row_max_log2 = -Float32.inf if is_empty else self.row_max[r] * self.scale_log2
                 sink = sink_log2[r]

@@ -628,16 +628,24 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
                         tile.seqlen_q,
                     )
-                descale = None
+                v_descale, kv_scales = None, None
                 tile_scale_log2 = scale_log2
                 if const_expr(mDescale is not None):  # FP8: q and k descales fold into the scale
-                    descale = (mDescale[0, batch_idx, head_idx // walk.qhead_per_kvhead],
-                               mDescale[1, batch_idx, head_idx // walk.qhead_per_kvhead],
-                               mDescale[2, batch_idx, head_idx // walk.qhead_per_kvhead])
-                    tile_scale_log2 = scale_log2 * descale[0] * descale[1]
+                    kv_head = head_idx // walk.qhead_per_kvhead
+                    if const_expr(self.block_scales):
+                        # (3, batch, nheads, blocks): q's per (head, m_block) here, k's per block in each
+                        # step's scale, v's through O's row scale (the last block visited's at finalize)
+                        tile_scale_log2 = scale_log2 * mDescale[0, batch_idx, head_idx, tile.m_block]
+                        kv_scales = (mDescale[1, batch_idx, kv_head, None], mDescale[2, batch_idx, kv_head, None])
+                        last = cutlass.max(cutlass.min(tile.n_block_min, tile.n_block_max - 1), 0)
+                        v_descale = kv_scales[1][last]
+                    else:
+                        tile_scale_log2 = scale_log2 * mDescale[0, batch_idx, kv_head] * mDescale[1, batch_idx, kv_head]
+                        v_descale = mDescale[2, batch_idx, kv_head]
                 softmax = OnlineSoftmax(
                     tile_scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
                     rescale_threshold=self.rescale_threshold, max_offset=self.p_max_offset,
+                    block_scales=self.block_scales,
                 )
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,
@@ -648,6 +656,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
                     gate=seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx) if const_expr(self.has_gate) else None,
+                    kv_scales=kv_scales,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
                 if has_keys:
@@ -677,9 +686,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     o_scale, lse = softmax.finalize(sink_log2)
                 else:
                     o_scale, lse = softmax.finalize()
-                if const_expr(descale is not None):  # FP8: V's descale joins O's row scale
+                if const_expr(v_descale is not None):  # FP8: V's descale joins O's row scale
                     for r in cutlass.range_constexpr(cute.size(o_scale)):
-                        o_scale[r] = o_scale[r] * descale[2]
+                        o_scale[r] = o_scale[r] * v_descale
                 softmax.rescale_O(acc_O, o_scale)
                 if in_range:
                     self.epilogue(
@@ -777,7 +786,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         step.pipeline_k.consumer_release(k_state)
         self._pass_other_ring(step, step.pipeline_k, kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
-        step.softmax.update(acc_S, is_first=True)
+        step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block))
         self._store_p(mma, acc_S)
         return kv_state
 
@@ -828,7 +837,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             step.pipeline_k.consumer_release(k_state)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
-            row_scale = step.softmax.update(acc_S, is_first=False)
+            row_scale = step.softmax.update(acc_S, False, self._block_scale_log2(step, n_block))
+            if const_expr(step.kv_scales is not None):
+                # FP8 block scales: O holds V's values in units of the last block added (n_block + 1,
+                # whose P.V is in flight); the next P.V adds block n_block's, so O changes units now.
+                ratio = step.kv_scales[1][n_block + 1] / step.kv_scales[1][n_block]
+                for r in cutlass.range_constexpr(cute.size(row_scale)):
+                    row_scale[r] = row_scale[r] * ratio
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
             step.pipeline_v.consumer_release(v_state)
             self._pass_other_ring(step, step.pipeline_v, v_local)
@@ -870,10 +885,17 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
     transposes_v = False
     num_transpose_warps = 0
     p_max_offset = 0.0
+    block_scales = False
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
         return dtype
+
+    def _block_scale_log2(self, step: BlockStep, n_block: Int32) -> Float32 | None:
+        """FP8 block scales: key block ``n_block``'s scale (the tile's times its k descale); else None."""
+        if const_expr(step.kv_scales is None):
+            return None
+        return step.softmax.scale_log2 * step.kv_scales[0][n_block]
 
     def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sV: cute.Tensor) -> cute.Tensor:
         """The P.V WGMMA's B operand: V^T, an MN-major view of the TMA tile (16-bit: transpose bit)."""

@@ -91,7 +91,13 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         pack_gqa: int = 1,
         wg_local_epilogue: bool = True,
         section_l2_mb: int = 16,
+        block_scales: bool = False,
     ):
+        if block_scales and (pack_gqa > 1 or not intra_wg_overlap):
+            raise ValueError("FlashFwdSm90Fp8: block scales need pack_gqa 1 (a tile's rows of one head) and intra-WG overlap")
+        # Per-block descales (mDescale (3, batch, nheads, blocks)): q's per tile of rows, k's and v's per
+        # key block (the kernel's tiles), instead of one per (batch, kv head).
+        self.block_scales = block_scales
         super().__init__(
             cutlass.Float8E4M3FN, head_dim, head_dim_v, tile_m, tile_n, is_causal, is_local=is_local,
             intra_wg_overlap=intra_wg_overlap, pingpong=pingpong, num_stages=num_stages, persistent=persistent,
