@@ -72,14 +72,27 @@ def _emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     return torch.where(row_sum > 0, out, torch.zeros_like(out)).to(torch.bfloat16)
 
 
-def _check(out, lse, out_ref, lse_ref, out_emul, name):
+def _score_magnitude(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
+    """``scale * max sum_d |q_d k_d|`` over (row, key) pairs of dense fp32 (b, s, h, d) inputs: the size of the
+    partial sums the e4m3 WGMMA accumulates."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return scale * torch.einsum("bqhd,bkhd->bhqk", q.abs(), k.abs()).max().item()
+
+
+def _check(out, lse, out_ref, lse_ref, out_emul, name, score_magnitude=0.0, head_dim=32):
+    """``score_magnitude`` (``_score_magnitude``): Hopper's e4m3 WGMMA adds its products with about 14
+    mantissa bits, not fp32's 23 (DeepSeek-V3 report, section 3.3.2), so S, and with it the LSE, is off
+    by ~2^-14 of the partial sums' size per 32-deep k step; the LSE bound is 2e-3 plus twice that.
+    (Measured on an H200 with scores up to ~50: LSE errors 0.008 / 0.017 / 0.025 at head dim 64 / 128 /
+    256, in proportion to the k steps; this bound was set from those figures and not yet rerun.)"""
     assert out.dtype == torch.bfloat16, out.dtype
     atol = rounding_atol(out_ref, torch.bfloat16)
     assert_close_to_ref(f"{name} out", out, out_ref, out_emul, atol=atol)
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), f"{name}: LSE finite where the reference is not (or back)"
     err = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
-    assert err <= 2e-3, f"{name}: LSE max error {err:.2e} > 2e-3"
+    bound = 2e-3 + score_magnitude * (head_dim // 32) * 2.0 ** -13
+    assert err <= bound, f"{name}: LSE max error {err:.2e} > {bound:.2e}"
 
 
 CASES_DENSE = [(1, 1), (17, 113), (113, 17), (1023, 1023)]
@@ -275,7 +288,8 @@ def test_fp8_block_scales_match_the_dequantized_reference(head_dim, causal):
     _poison_allocator()
     out, lse = flash_attn_func(quant.q, quant.k, quant.v, causal=causal, q_descale=quant.q_descale,
                                k_descale=quant.k_descale, v_descale=quant.v_descale, return_lse=True)
-    _check(out, lse, out_ref, lse_ref, out_emul, f"block scales d{head_dim} causal={causal}")
+    _check(out, lse, out_ref, lse_ref, out_emul, f"block scales d{head_dim} causal={causal}",
+           _score_magnitude(qf, kf, 1.0 / math.sqrt(head_dim)), head_dim)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,12 @@ Purpose: the FA3 forward (``fwd.py``) on ``float8_e4m3fn`` Q, K, V with fp32 acc
 and the fp32 LSE, at e4m3 WGMMA's rate (twice bf16's). Per (batch, kv head) descales
 (``mDescale[0|1|2, b, h_k]``, FA3's ``q_descale``/``k_descale``/``v_descale``): q's and k's fold into
 the tile's softmax scale (the scores' true scale, so the LSE needs nothing more), v's into the
-final row scale of O.
+final row scale of O. Per-block descales (``block_scales``, ``mDescale[0, b, h, m_block]`` and
+``mDescale[1|2, b, h_k, n_block]``, the FA3 paper's block quantization, blocks = this kernel's tiles):
+q's in the tile's scale, each key block's k descale in that block's softmax scale (the running max
+kept in scaled units, ``OnlineSoftmax(block_scales=True)``), v's through O's row scale (O held in
+the units of the last block added; each step's row scale times ``vd[n + 1] / vd[n]``), the last
+block's at finalize. Note: e4m3 WGMMA adds with ~14 mantissa bits, so S is less exact than bf16's.
 
 What differs from the 16-bit kernel (``../shared/design/fp8.md``):
 - e4m3 WGMMA takes both smem operands K-major only (no transpose bit below 16 bits), so P.V needs
