@@ -95,13 +95,16 @@ def _per_block(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block: bool = True, hadamard_qk: bool = True,
-    seed: int = 0, tile_m: int | None = None, tile_n: int | None = None,
+    seed: int = 0, tile_m: int | None = None, tile_n: int | None = None, impl: str = "auto",
 ) -> Fp8Qkv:
     """Quantize dense floating ``(batch, seqlen, nheads, head_dim)`` q, k, v to e4m3.
 
     ``block``: per-block scales (tiles of ``tile_m`` query rows / ``tile_n`` key rows; None: the FP8
     kernel's tiles at this head dim, ``kernel_tiles``, which the kernel requires), else per (batch, kv head). ``hadamard_qk``: rotate q and k by the same random-sign
     Hadamard matrix first (``seed`` picks the signs; head dim a power of two). v is never rotated.
+    ``impl``: ``"triton"`` (one kernel per tensor, ``quantize_triton``: CUDA 16-bit inputs, head dims a
+    power of two in [16, 256]), ``"torch"`` (fp32 torch ops, any device and dtype), or ``"auto"``: Triton
+    where it applies and is installed.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -111,12 +114,24 @@ def quantize_qkv(
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads % nheads_k != 0 or v.shape[2] != nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of k's and v's nheads ({nheads_k}, {v.shape[2]})")
-    if block and (tile_m is None or tile_n is None):
-        default_m, default_n = kernel_tiles(q.shape[-1])
-        tile_m, tile_n = tile_m or default_m, tile_n or default_n
-    if block and (tile_m < 1 or tile_n < 1):
-        raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
+    if block:
+        default_m, default_n = kernel_tiles(max(q.shape[-1], v.shape[-1]))  # (the kernel's key: both head dims)
+        tile_m = default_m if tile_m is None else tile_m
+        tile_n = default_n if tile_n is None else tile_n
+        if tile_m < 1 or tile_n < 1:
+            raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard_qk else None
+    fits = _triton_fits(q, k, v, (tile_m, tile_n) if block else None)
+    if impl == "triton" and fits is not None:
+        raise ValueError(f"impl='triton' cannot quantize these inputs: {fits}")
+    if impl == "triton" or (impl == "auto" and fits is None):
+        (q8, qd), (k8, kd), (v8, vd) = (
+            quantize_triton(t, nheads_k, rows if block else None, s) for t, rows, s in
+            ((q, tile_m, signs), (k, tile_n, signs), (v, tile_n, None))
+        )
+        return Fp8Qkv(q8, k8, v8, qd, kd, vd, signs)
     qf, kf, vf = (t.float() for t in (q, k, v))
     if signs is not None:
         qf, kf = incoherent(qf, signs), incoherent(kf, signs)
@@ -125,6 +140,64 @@ def quantize_qkv(
     else:
         (q8, qd), (k8, kd), (v8, vd) = (_per_head_group(t, nheads_k) for t in (qf, kf, vf))
     return Fp8Qkv(q8, k8, v8, qd, kd, vd, signs)
+
+
+def _pm1_hadamard(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The Sylvester matrix of +-1 (unnormalized), ``size`` a power of two."""
+    return (hadamard(size, device) * math.sqrt(size)).round().to(dtype)
+
+
+def _triton_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: tuple[int, int] | None) -> str | None:
+    """None if ``quantize_triton`` takes these inputs, else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if any(t.device.type != "cuda" for t in (q, k, v)):
+        return "the inputs are not CUDA tensors"
+    if any(t.dtype not in (torch.float16, torch.bfloat16) or t.dtype != q.dtype for t in (q, k, v)):
+        return "q, k, v must all be float16 or all bfloat16"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        d = t.shape[-1]
+        if d < 16 or d > 256 or d & (d - 1):
+            return f"{name}'s head dim must be a power of two in [16, 256], got {d}"
+    if tiles is not None and any(rows % (32 if t.shape[-1] > 128 else 64) for rows, t in ((tiles[0], q), (tiles[1], k))):
+        return f"block rows {tiles} must be multiples of 64 (32 above head dim 128)"
+    return None
+
+
+def quantize_triton(
+    x: torch.Tensor, nheads_k: int, block_rows: int | None, signs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor through the Triton kernel (``kernels/triton/fp8_quantize.py``): ``(x8, descale)``, per
+    block of ``block_rows`` rows ``(b, h, blocks)`` or, with None, per (batch, kv head) ``(b, nheads_k)``.
+    16-bit x ``(b, s, h, d)``, d a power of two in [16, 256]; ``signs``: the Hadamard signs or None."""
+    from .kernels.triton.fp8_quantize import quantize_kernel
+
+    b, s, h, d = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    half = min(d, 128)
+    had = _pm1_hadamard(half, x.dtype, x.device) if signs is not None else x.new_zeros(1)
+    sgn = signs.to(device=x.device, dtype=x.dtype) if signs is not None else x.new_zeros(1)
+    chunk = 32 if d > 128 else 64
+    common = dict(D=d, CHUNK=chunk, HADAMARD=signs is not None, num_warps=8)
+    args = (x, out)
+    tail = (sgn, had, s, h, x.stride(0), x.stride(1), x.stride(2), 1.0 / math.sqrt(d))
+    if block_rows is not None:
+        rows = max(chunk, -(-block_rows // chunk) * chunk)
+        if rows != block_rows:
+            raise ValueError(f"block rows ({block_rows}) must be a multiple of {chunk} here")
+        scale = torch.empty(b, h, -(-s // rows), dtype=torch.float32, device=x.device)
+        quantize_kernel[(-(-s // rows), h, b)](*args, scale, *tail, ROWS=rows, PER_BLOCK=True, GROUP=1, PASS=0,
+                                               **common)
+        return out, scale
+    amax = torch.zeros(b, nheads_k, dtype=torch.float32, device=x.device)
+    grid = (-(-s // 128), h, b)
+    for step in (1, 2):
+        quantize_kernel[grid](*args, amax, *tail, ROWS=128, PER_BLOCK=False, GROUP=h // nheads_k, PASS=step,
+                              **common)
+    return out, amax.clamp_min(_AMAX_FLOOR) / E4M3_MAX
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, rows: int | None = None) -> torch.Tensor:

@@ -10,6 +10,8 @@ without paying for a DSL start-up. Import the kernel modules themselves where th
   128, and ``sm90.bwd_wide``: ``FlashBwdSm90Wide``, its variant for 192 and 256).
 - ``sm80``: the Ampere kernels (``sm80.fwd``: ``FlashFwdSm80``, the FA2 forward; ``sm80.bwd``:
   ``FlashBwdSm80``, the FA2 backward's main kernel, with ``bwd_epilogue``). They run on Hopper too.
+- ``triton``: the one Triton kernel (``fp8_quantize``: e4m3 quantization of q, k, v with the optional
+  Hadamard transform, for ``flashattn_hopper.fp8.quantize_qkv`` on CUDA 16-bit inputs).
 - ``common``: what both arches use: device helpers (online softmax, masks, block ranges, tile
   schedulers, seqlen info, layouts) and the backward's preprocess and postprocess kernels
   (``bwd_pre``, ``bwd_post``).

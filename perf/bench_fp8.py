@@ -7,8 +7,8 @@ and with per-block descales (``fp8_block``),
 beside the same call on bf16 inputs and ``F.scaled_dot_product_attention`` with the cuDNN backend, causal
 and not; 16k tokens, hidden 2048 (batch = 16384 / seqlen, nheads = 2048 / hdim), 4 * b * h * s^2 * d
 FLOPs per forward (half causal). do_bench medians, rounds interleaved. Then the quantize helper
-(``fp8.quantize_qkv``, per block with the Hadamard transform, and per tensor) in GB/s (bf16 in, e4m3
-out), beside a device-to-device copy's bandwidth measured in the same run.
+(``fp8.quantize_qkv``, per block with the Hadamard transform, and per tensor; the torch path and the
+Triton kernel) in GB/s (bf16 in, e4m3 out), beside a device-to-device copy's bandwidth in the same run.
 """
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ def main(argv: list[str]) -> int:
         copy_dst = torch.empty_like(copy_src)
         for name, fn, nbytes in (
             ("device copy (bandwidth yardstick)", lambda: copy_dst.copy_(copy_src), 2 * copy_src.numel()),
-            ("per block + Hadamard", lambda: fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=True), moved),
-            ("per tensor", lambda: fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False), moved),
+            ("per block + Hadamard, torch", lambda: fp8.quantize_qkv(q, k, v, hadamard_qk=True, impl="torch"), moved),
+            ("per tensor, torch", lambda: fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, impl="torch"), moved),
+            ("per block + Hadamard, triton", lambda: fp8.quantize_qkv(q, k, v, hadamard_qk=True, impl="triton"), moved),
+            ("per block, triton", lambda: fp8.quantize_qkv(q, k, v, hadamard_qk=False, impl="triton"), moved),
+            ("per tensor, triton", lambda: fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, impl="triton"),
+             moved),
         ):
             ms = timer(fn)
             print(f"| {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |", flush=True)

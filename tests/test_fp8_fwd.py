@@ -357,3 +357,26 @@ def test_fp8_outliers_block_scales_and_hadamard_lower_the_error(head_dim):
           + f"; per-tensor / block+hadamard = {errs['per-tensor'] / errs['block+hadamard']:.2f}")
     assert errs["per-tensor"] >= 1.3 * errs["block+hadamard"], errs
     assert errs["block+hadamard"] <= 100 * errs["bf16"], errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block", [False, True])
+def test_triton_quantizer_matches_the_torch_path(head_dim, block):
+    """``quantize_qkv(impl="triton")`` against ``impl="torch"`` on the GPU: the same scales (to fp32
+    rounding of the Hadamard sums) and e4m3 values at most one step apart (the sums' order differs)."""
+    from flashattn_hopper import fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (torch.randn(2, 333, h, head_dim, generator=gen, device="cuda").bfloat16() * 3 for h in (4, 2, 2))
+    tri = fp8.quantize_qkv(q, k, v, block=block, hadamard_qk=True, impl="triton")
+    ref = fp8.quantize_qkv(q, k, v, block=block, hadamard_qk=True, impl="torch")
+    tile_m, tile_n = fp8.kernel_tiles(head_dim)
+    for name, rows in (("q", tile_m), ("k", tile_n), ("v", tile_n)):
+        x8, scale = getattr(tri, name), getattr(tri, f"{name}_descale")
+        r8, r_scale = getattr(ref, name), getattr(ref, f"{name}_descale")
+        torch.testing.assert_close(scale, r_scale, rtol=1e-5, atol=0)
+        deq = fp8.dequantize(x8, scale, rows if block else None)
+        ref_deq = fp8.dequantize(r8, r_scale, rows if block else None)
+        step = ref_deq.abs() * 2.0 ** -3 + scale.max() * 2.0 ** -9
+        assert ((deq - ref_deq).abs() <= step).all(), f"{name}: values more than one e4m3 step apart"

@@ -1,0 +1,1 @@
+"""Triton kernels (imported only where used: Triton is not needed to import the package)."""
