@@ -151,18 +151,25 @@ def _autocast(*tensors: Any) -> tuple[Any, ...]:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
 
 
-def _check_fp8_options(
-    attention_chunk: object, learnable_sink: object, log_decay: object, deterministic: object, return_lse: object,
-    return_attn_probs: object,
-) -> None:
-    """FP8 inputs run the plain forward only (fp8.py): the options that need more say so."""
-    validate._check_bool("deterministic", deterministic)
-    validate._check_bool("return_lse", return_lse)
-    validate._check_bool("return_attn_probs", return_attn_probs)
+def _fp8_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, Any], softmax_scale: Any, causal: Any,
+    window_size: Any, softcap: Any, attention_chunk: Any, learnable_sink: Any, log_decay: Any, deterministic: Any,
+    return_lse: Any, return_attn_probs: Any, backend: Any, varlen: tuple[Any, ...] | None = None,
+) -> Any:
+    """FP8 inputs (``fp8.py``): the plain forward only, eager only; the options that need more say so."""
+    validate.check_common_options(
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
+    )
     for name, value, off in (("attention_chunk", attention_chunk, 0), ("learnable_sink", learnable_sink, None),
                              ("log_decay", log_decay, None)):
         if value is not off and not (off == 0 and value == 0 and type(value) is int):
             raise NotImplementedError(f"{name} is not implemented for FP8 (float8_e4m3fn) inputs")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("FP8 (float8_e4m3fn) inputs run eagerly only: call outside torch.compile")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("FP8 attention is a forward only: no gradient flows to q, k, v")
+    out, lse = fp8.attention(q, k, v, dict(extras), softmax_scale, causal, window_size, softcap, backend, varlen)
+    return (out, lse) if (return_lse or return_attn_probs) else out
 
 
 def flash_attn_func(
@@ -224,9 +231,8 @@ def flash_attn_func(
     if positional_options:
         raise validate.too_many_positional("flash_attn_func", "q, k, v", positional_options, "dropout_p", "softmax_scale")
     if fp8.is_fp8(q):  # e4m3 inference forward with FA3's descales (fp8.py)
-        _check_fp8_options(attention_chunk, learnable_sink, log_decay, deterministic, return_lse, return_attn_probs)
-        out, lse = fp8.attention(q, k, v, dict(flash_attn_extras), softmax_scale, causal, window_size, softcap, backend)
-        return (out, lse) if (return_lse or return_attn_probs) else out
+        return _fp8_call(q, k, v, flash_attn_extras, softmax_scale, causal, window_size, softcap, attention_chunk,
+                         learnable_sink, log_decay, deterministic, return_lse, return_attn_probs, backend)
     q, k, v = _autocast(q, k, v)
     validate.check_flash_attn_extras("flash_attn_func", flash_attn_extras)
     validate.check_common_options(
@@ -300,12 +306,9 @@ def flash_attn_varlen_func(
             positional_options, "dropout_p", "seqused_q",
         )
     if fp8.is_fp8(q):  # e4m3 inference forward with FA3's descales (fp8.py)
-        _check_fp8_options(attention_chunk, learnable_sink, log_decay, deterministic, return_lse, return_attn_probs)
-        out, lse = fp8.attention(
-            q, k, v, dict(flash_attn_extras), softmax_scale, causal, window_size, softcap, backend,
-            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k),
-        )
-        return (out, lse) if (return_lse or return_attn_probs) else out
+        return _fp8_call(q, k, v, flash_attn_extras, softmax_scale, causal, window_size, softcap, attention_chunk,
+                         learnable_sink, log_decay, deterministic, return_lse, return_attn_probs, backend,
+                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k))
     q, k, v = _autocast(q, k, v)
     validate.check_flash_attn_extras("flash_attn_varlen_func", flash_attn_extras)
     validate.check_common_options(

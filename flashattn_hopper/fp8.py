@@ -14,9 +14,9 @@ optionally after a random-sign Hadamard transform of q and k (FlashAttention-3 p
   toward the RMS. The same M goes on q and k, never on v. After rotary embedding, if any.
 
 Computed with torch ops (fp32 intermediates) on the inputs' device, dense ``(batch, seqlen, nheads,
-head_dim)`` inputs, head dims a power of two for the Hadamard transform. ``attention`` (below) is the
-API's route for e4m3 inputs to the sm90 FP8 kernel (kernels/sm90/fwd_fp8.py), which takes the per-tensor
-(per batch, kv head) descales; the per-block descales are not consumed by the kernel yet.
+head_dim)`` inputs, head dims a power of two for the Hadamard transform (a Triton kernel per tensor on
+CUDA 16-bit inputs, ``quantize_triton``). ``attention`` (below) is the API's route for e4m3 inputs to the
+sm90 FP8 kernel (kernels/sm90/fwd_fp8.py), which takes either kind of descale.
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def descales(extras: dict[str, object], p: validate.AttnProblem, device: torch.d
     Per block (the FA3 paper's block quantization): q's ``(batch, nheads, ceil(seqlen_q / tile_m))``, k's
     and v's ``(batch, nheads_k, ceil(seqlen_k / tile_n))`` with the kernel's tiles (``kernel_tiles``, what
     ``quantize_qkv(block=True)`` uses) -> ``(3, batch, nheads, blocks)``. A wrong shape, dtype or device
-    raises, naming the argument: a silently dropped descale gives wrong output."""
+    raises, naming the argument: a silently dropped descale gives wrong output. Values must be positive
+    and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction)."""
     given = {name: extras.get(name) for name in DESCALE_NAMES}
     for name, value in given.items():
         if value is None:
@@ -307,8 +308,6 @@ def attention(
         p = validate.validate_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, causal,
                                      window_size, softcap, fp8=True)
         varlen_args = VarlenArgs(cu_q, cu_k, used_q, used_k, max_q, max_k)
-    if p.head_dim > 256 or p.head_dim_v > 256:
-        raise NotImplementedError(f"FP8 attention supports head dims up to 256, got {p.head_dim}/{p.head_dim_v}")
     chosen, _ = dispatch.select_backend(q.device, backend)
     if chosen != "sm90":
         raise NotImplementedError(

@@ -429,6 +429,8 @@ def check_flash_attn_extras(func_name: str, extras: dict[str, object]) -> None:
         if name not in _UNSUPPORTED_NEUTRAL:
             raise TypeError(f"{func_name}() got an unexpected keyword argument {name!r}")
         if value != _UNSUPPORTED_NEUTRAL[name] or isinstance(value, torch.Tensor):
+            if name.endswith("_descale"):
+                raise TypeError(f"{name} goes with float8_e4m3fn q, k, v (FP8 attention); these inputs are not FP8")
             raise NotImplementedError(f"{name} is not supported by flashattn_hopper (got {_short(value)})")
 
 

@@ -380,3 +380,32 @@ def test_triton_quantizer_matches_the_torch_path(head_dim, block):
         ref_deq = fp8.dequantize(r8, r_scale, rows if block else None)
         step = ref_deq.abs() * 2.0 ** -3 + scale.max() * 2.0 ** -9
         assert ((deq - ref_deq).abs() <= step).all(), f"{name}: values more than one e4m3 step apart"
+
+
+def test_fp8_options_are_checked_before_any_launch():
+    """CPU tier: the FP8 route checks the common options and refuses what it does not do, naming it."""
+    q8 = torch.randn(1, 16, 2, 64).to(E4M3)
+    with pytest.raises(TypeError, match="causal"):
+        flash_attn_func(q8, q8, q8, causal="yes")
+    with pytest.raises(ValueError, match="backend"):
+        flash_attn_func(q8, q8, q8, backend="sm9")
+    with pytest.raises(NotImplementedError, match="attention_chunk"):
+        flash_attn_func(q8, q8, q8, attention_chunk=8)
+    with pytest.raises(NotImplementedError, match="log_decay"):
+        flash_attn_func(q8, q8, q8, log_decay=torch.zeros(1, 16, 2))
+    with pytest.raises(TypeError, match="goes with float8_e4m3fn"):
+        q16 = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+        flash_attn_func(q16, q16, q16, q_descale=torch.ones(1, 2))
+
+
+def test_fp8_byte_views_get_16_byte_strides():
+    """An e4m3 tensor's byte view with strides that are multiples of 8 but not 16 bytes is copied
+    before the kernel sees it (TMA needs 16-byte strides); 16-bit tensors keep the 8-element rule."""
+    from flashattn_hopper.backends.common import kernel_ready
+
+    odd = torch.empty(2, 8, 3, 72, dtype=torch.uint8)[..., :64]  # head stride 72 bytes
+    assert kernel_ready(odd).stride(-2) % 16 == 0
+    even = torch.empty(2, 8, 3, 80, dtype=torch.uint8)[..., :64]  # 80 bytes: kept
+    assert kernel_ready(even).data_ptr() == even.data_ptr() or even.data_ptr() % 16
+    half = torch.empty(2, 8, 3, 72, dtype=torch.bfloat16)[..., :64]  # 144 bytes: kept
+    assert kernel_ready(half).data_ptr() == half.data_ptr() or half.data_ptr() % 16

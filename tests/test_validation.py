@@ -217,10 +217,16 @@ def test_varlen_positional_option_after_max_seqlen_k():
     assert "after max_seqlen_k are keyword-only" in message and "dropout_p" in message and "seqused_q" in message
 
 
-@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)), ("q_descale", torch.ones(1, 4))])
+@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1))])
 def test_unimplemented_flash_attn_features(name, value):
     q, k, v = qkv()
     raises(NotImplementedError, name, flash_attn_func, q, k, v, **{name: value})
+
+
+def test_descales_need_fp8_inputs():
+    """FA3's descales go with float8_e4m3fn q, k, v (tests/test_fp8_fwd.py); with 16-bit inputs they are an error."""
+    q, k, v = qkv()
+    raises(TypeError, "q_descale", flash_attn_func, q, k, v, q_descale=torch.ones(1, 4))
 
 
 def test_implemented_flash_attn_extras_pass_to_the_device_check():

@@ -221,9 +221,11 @@ def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements (a fresh
-    copy, not ``contiguous()``, which returns a contiguous but misaligned view as it is)."""
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+    """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements, and of 16
+    bytes (FP8's byte views: 16 elements) (a fresh copy, not ``contiguous()``, which returns a contiguous
+    but misaligned view as it is)."""
+    unit = max(8, 16 // t.element_size())
+    if t.data_ptr() % 16 == 0 and all(s % unit == 0 for s in t.stride()[:-1]):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -289,7 +291,7 @@ def compile_forward(
     """``ffi_compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
     window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
-    arguments as compile-time stand-ins (the sm90 kernel's CTA count, tile counter and gate); the family's
+    arguments as compile-time stand-ins (the sm90 kernel's CTA count, tile counter, gate, FP8 descales); the family's
     ``extra_args`` gives their call-time values to ``launch_forward``. ``out_dtype``: O's element type
     where it is not the inputs' (FP8: inputs as bytes, ``Uint8``, and bf16 O)."""
     import cutlass
@@ -381,7 +383,7 @@ class FwdPlan:
                  counter_device: int | None, tail: tuple[Any, ...] = ()) -> None:
         self.fn, self.key, self.problem, self.family, self.head = fn, key, problem, family, head
         self.counter_device = counter_device  # the device index of a dynamic schedule's tile counter
-        self.tail = tail  # arguments after the counter (sm90: the gate's slot, None)
+        self.tail = tail  # arguments after the counter (sm90: the gate's and the FP8 descales' slots, None)
         p = problem
         self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
@@ -461,7 +463,7 @@ class FwdLauncher:
         softcap = float(p.softcap) if key.softcap else 1.0
         head = (float(p.softmax_scale), window_left, window_right, softcap)
         if extra:  # (max_ctas, tile counter or None, ...): the counter is per stream, fetched per call
-            rest = extra[2:]  # (sm90: the gate's slot, None for every planned key)
+            rest = extra[2:]  # (sm90: the gate's and FP8 descales' slots, None for every planned key)
             if extra[1] is None:  # (no dynamic schedule: the counter argument stays None)
                 return FwdPlan(fn, key, p, self, (*head, extra[0], None, *rest), None)
             return FwdPlan(fn, key, p, self, (*head, extra[0]), index, rest)

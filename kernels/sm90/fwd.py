@@ -26,7 +26,8 @@ Constraints:
 - ``softmax_scale > 0``, ``softcap > 0`` when compiled in (``common/softmax.py``); window sides
   are runtime ``Int32``, an unbounded side is a huge value (``2**30``); lengths < ``2**30``.
 
-Files by role: this one (configuration, launch, prologue, the MMA warpgroups' main loop),
+Files by role: this one (configuration, launch, prologue, the MMA warpgroups' tile loop and main loop),
+``fwd_steps.py`` (one key block's GEMMs and softmax, the half blocks, ping-pong turns, FP8 hooks),
 ``fwd_load.py`` (the producer warp's TMA loads), ``fwd_epilogue.py`` (O and LSE out),
 ``fwd_tiles.py`` (the tile scheduler's setup and each tile's coordinates and key blocks),
 ``fwd_smem.py`` (shared-memory layouts, storage and byte count, the tiled WGMMAs, the Q ring's
@@ -45,30 +46,22 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.pack_gqa import pack_gqa_view
-from ..common.sm90_utils import (
-    acc_to_frag_a_sm90, same_smem_atom, select_head, wgmma,
-)
+from ..common.sm90_utils import same_smem_atom, select_head
 from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
-from ..common.utils import (
-    LOG2_E,
-    acc_rows_cols,
-    attention_kernel_views,
-    convert_to_16bit,
-    select_modes,
-    transpose_view,
-)
+from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select_modes
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
+from .fwd_steps import FwdSm90Steps
 from .fwd_tiles import FwdSm90Tiles
 from .fwd_parts import (
     WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd, Pipelines, TileCoord, TileWalk,
@@ -86,7 +79,7 @@ _LAZY_RESCALE_THRESHOLD = 8.0
 _MAX_ACC_REGS = {1: 216, 2: 216, 3: 128}
 
 
-class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdSm90Scores):
+class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdSm90Scores, FwdSm90Steps):
     """FA3 forward on sm90: each CTA computes ``(tile_m, head_dim_v)`` tiles of O.
 
     Tiles (``common/tile_scheduler.py``): a 1-D index over ``(m_block, head, batch)``, m_block
@@ -347,7 +340,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
         mGate: cute.Tensor | None,  # has_gate only: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32
-        mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) fp32, the q, k, v descales
+        mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -453,7 +446,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
         mGate: cute.Tensor | None,  # (s_k | total_k, nheads[, batch]) fp32: has_gate only
-        mDescale: cute.Tensor | None,  # (3, batch, nheads_k) fp32: FP8 only
+        mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
@@ -770,170 +763,3 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         if const_expr(self.intra_wg_overlap):
             kv_state = self.last_half_block(step, kv_state)
         return kv_state
-
-    @cute.jit
-    def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
-        """Intra-WG overlap prologue: S = Q K^T of the first block, its softmax and P; no P.V."""
-        mma = step.mma
-        k_state = step.kv(kv_state)
-        step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
-        # A ping-pong turn like every later block's GEMMs (FA3): the warpgroups enter each tile
-        # in turn instead of both issuing the first QK^T at once.
-        self._scheduler_sync(step.wg_idx)
-        acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
-        self._scheduler_arrive(step.wg_idx)
-        warpgroup.wait_group(0)
-        step.pipeline_k.consumer_release(k_state)
-        self._pass_other_ring(step, step.pipeline_k, kv_state)
-        self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
-        step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block))
-        self._store_p(mma, acc_S)
-        return kv_state
-
-    @cute.jit
-    def last_half_block(self, step: BlockStep, kv_state):
-        """Intra-WG overlap epilogue: O += P V of the last block visited."""
-        mma = step.mma
-        v_state = step.kv(kv_state)
-        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
-        wgmma(
-            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
-            zero_init=False, wg_wait=0,
-        )
-        step.pipeline_v.consumer_release(v_state)
-        self._pass_other_ring(step, step.pipeline_v, kv_state)
-        kv_state.advance()
-        return kv_state
-
-    @cute.jit
-    def one_block(
-        self,
-        step: BlockStep,
-        kv_state,
-        n_block: Int32,
-        is_first: cutlass.Constexpr[bool],
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_causal: cutlass.Constexpr[bool],
-        mask_local: cutlass.Constexpr[bool],
-    ):
-        """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together,
-        softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
-        mma = step.mma
-        if const_expr(self.intra_wg_overlap):
-            v_local = kv_state.clone()
-            v_state = step.kv(v_local)
-            kv_state.advance()
-            k_state = step.kv(kv_state)
-            step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
-            self._scheduler_sync(step.wg_idx)
-            acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
-            step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
-            wgmma(
-                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
-                zero_init=False, wg_wait=-1,
-            )
-            self._scheduler_arrive(step.wg_idx)
-            warpgroup.wait_group(1)  # S_j has landed; P.V may still run
-            step.pipeline_k.consumer_release(k_state)
-            self._pass_other_ring(step, step.pipeline_k, kv_state)
-            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
-            row_scale = step.softmax.update(acc_S, False, self._block_scale_log2(step, n_block))
-            if const_expr(step.kv_scales is not None):
-                # FP8 block scales: O holds V's values in units of the last block added (n_block + 1,
-                # whose P.V is in flight); the next P.V adds block n_block's, so O changes units now.
-                ratio = step.kv_scales[1][n_block + 1] / step.kv_scales[1][n_block]
-                for r in cutlass.range_constexpr(cute.size(row_scale)):
-                    row_scale[r] = row_scale[r] * ratio
-            warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
-            step.pipeline_v.consumer_release(v_state)
-            self._pass_other_ring(step, step.pipeline_v, v_local)
-            self._store_p(mma, acc_S)
-            step.softmax.rescale_O(mma.acc_O, row_scale)
-        else:
-            kv_cur = step.kv(kv_state)
-            step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
-            acc_S = self._qk_gemm(step, kv_cur.index, wg_wait=0)
-            step.pipeline_k.consumer_release(kv_cur)
-            self._pass_other_ring(step, step.pipeline_k, kv_state)
-            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
-            row_scale = step.softmax.update(acc_S, is_first=is_first)
-            self._store_p(mma, acc_S)
-            if const_expr(not is_first):
-                step.softmax.rescale_O(mma.acc_O, row_scale)
-            step.pipeline_v.consumer_wait(kv_cur, step.pipeline_v.consumer_try_wait(kv_cur))
-            wgmma(
-                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_cur.index],
-                zero_init=False, wg_wait=0,
-            )
-            step.pipeline_v.consumer_release(kv_cur)
-            self._pass_other_ring(step, step.pipeline_v, kv_state)
-            kv_state.advance()
-        return kv_state
-
-    @cute.jit
-    def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:
-        """Spanning tiles over two (batch, head) pairs: wait for and release, unread, the other
-        ring's stage of the block ring-local ``state`` names. Every warpgroup thus consumes every
-        stage of both rings in order, so its wait parities never fall a phase behind (a
-        warpgroup that skipped stages could see a stage two phases on and misread its parity)."""
-        if const_expr(step.other_offset is not None):
-            other = step.other(state)
-            pipe.consumer_wait(other, pipe.consumer_try_wait(other))
-            pipe.consumer_release(other)
-
-    # FP8 hooks (kernels/sm90/fwd_fp8.py overrides them): O's dtype, V transposed on chip, P's offset.
-    transposes_v = False
-    num_transpose_warps = 0
-    p_max_offset = 0.0
-    block_scales = False
-
-    @staticmethod
-    def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
-        return dtype
-
-    def _block_scale_log2(self, step: BlockStep, n_block: Int32) -> Float32 | None:
-        """FP8 block scales: key block ``n_block``'s scale (the tile's times its k descale); else None."""
-        if const_expr(step.kv_scales is None):
-            return None
-        return step.softmax.scale_log2 * step.kv_scales[0][n_block]
-
-    def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sV: cute.Tensor) -> cute.Tensor:
-        """The P.V WGMMA's B operand: V^T, an MN-major view of the TMA tile (16-bit: transpose bit)."""
-        return wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
-
-    def _pv_fragment_a(self, wg_mma_pv: cute.ThrMma) -> cute.Tensor:
-        """The register A fragment P of the P.V WGMMA."""
-        return wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
-
-    def _qk_gemm(self, step: BlockStep, stage: Int32, wg_wait: int) -> cute.Tensor:
-        mma = step.mma
-        acc_S = cute.make_rmem_tensor(
-            mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32
-        )
-        tSrQ = mma.tSrQ if const_expr(step.q_stage is None) else mma.tSrQ[None, None, None, step.q_stage]
-        wgmma(
-            mma.tiled_mma_qk, acc_S, tSrQ, mma.tSrK[None, None, None, stage],
-            zero_init=True, wg_wait=wg_wait,
-        )
-        return acc_S
-
-    def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
-        """P (fp32, in S's registers) -> 16-bit A fragment of the P.V WGMMA (paired cvt)."""
-        mma.tOrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-
-    def _scheduler_sync(self, wg_idx: Int32) -> None:
-        """Wait for this warpgroup's turn to issue GEMMs (ping-pong, design doc 1.8)."""
-        if const_expr(self.pingpong):
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + wg_idx,
-                number_of_threads=2 * _WG_THREADS,
-            )
-
-    def _scheduler_arrive(self, wg_idx: Int32) -> None:
-        """Hand the tensor cores to the next MMA warpgroup (round robin)."""
-        if const_expr(self.pingpong):
-            next_wg = (wg_idx + 1) % self.num_mma_wg
-            cute.arch.barrier_arrive(
-                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + next_wg,
-                number_of_threads=2 * _WG_THREADS,
-            )

@@ -15,28 +15,25 @@ def smem_bytes(
     own_sO: bool, q_stages: int = 1,
 ) -> int:
     """Bytes of the storage struct: Q (q_stages buffers), K/V stages, optionally O, mbarriers."""
-
-    def buf(n: int) -> int:
-        return (n * elem_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
-
     return (
-        buf(tile_m * head_dim * q_stages)
-        + (buf(tile_m * head_dim_v) if own_sO else 0)
-        + buf(tile_n * head_dim * kv_stages)
-        + buf(tile_n * head_dim_v * kv_stages)
+        _buffer(tile_m * head_dim * q_stages * elem_bytes)
+        + (_buffer(tile_m * head_dim_v * elem_bytes) if own_sO else 0)
+        + _buffer(tile_n * head_dim * kv_stages * elem_bytes)
+        + _buffer(tile_n * head_dim_v * kv_stages * elem_bytes)
         + SMEM_ALIGN  # mbarriers
     )
+
+
+def _buffer(num_bytes: int) -> int:
+    """A buffer's bytes rounded up to the alignment every swizzled tile starts on."""
+    return (num_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
 
 
 def fp8_smem_bytes(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int) -> int:
     """The FP8 kernel's storage (kernels/sm90/fwd_fp8.py): e4m3 Q and K/V stages, as many e4m3 V^T
     stages, a bf16 sO of its own, mbarriers."""
-
-    def buf(n: int) -> int:
-        return (n + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
-
     return (
         smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False)
-        + buf(tile_n * head_dim_v * kv_stages)
-        + buf(tile_m * head_dim_v * 2)
+        + _buffer(tile_n * head_dim_v * kv_stages)
+        + _buffer(tile_m * head_dim_v * 2)
     )

@@ -112,6 +112,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             lazy_rescale=False,
         )
         self.producer_regs, self.mma_regs = _REGISTERS_FP8[self.num_mma_wg]
+        # (bf16 O cannot share the e4m3 sQ, half its size: can_implement checks the own sO fits)
+        assert not self.o_aliases_q, "FlashFwdSm90Fp8 needs its own sO"
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:

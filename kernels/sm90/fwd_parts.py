@@ -126,7 +126,7 @@ class BlockStep:
     # has_gate: this (batch, head)'s bias per key (seqlen_k,), fp32 in the scores' units; else None.
     gate: cute.Tensor | None = None
     # FP8 block scales: this (batch, kv head)'s k and v descales per key block (each (n_blocks,)); else None.
-    kv_scales: tuple | None = None
+    kv_scales: tuple[cute.Tensor, cute.Tensor] | None = None
 
     def kv(self, state: pipeline.PipelineState) -> pipeline.PipelineState:
         """The pipeline state (barrier and stage index) of a ring-local K/V state."""

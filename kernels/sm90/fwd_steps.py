@@ -1,0 +1,188 @@
+"""Key-block steps of the Hopper forward's MMA warpgroups (kernels/sm90/fwd.py): ``FwdSm90Steps``.
+
+Split out of the kernel module by role (STYLE: files under ~900 lines). A mixin of ``FlashFwdSm90``: the
+intra-warpgroup-overlap prologue and epilogue half blocks, one key block's GEMMs and softmax, the
+ping-pong turns, the QK^T GEMM and P's conversion, and the hooks the FP8 subclass
+(``fwd_fp8.FlashFwdSm90Fp8``) overrides. Reads the kernel's static configuration (``tile_m``,
+``tile_n``, ``dtype``, ``intra_wg_overlap``, ``pingpong``, ``num_mma_wg``, masks) and ``_score_mods``
+(``fwd_scores.py``) from ``self``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from ..common.sm90_utils import acc_to_frag_a_sm90, wgmma
+from ..common.utils import convert_to_16bit, transpose_view
+from .fwd_parts import WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd
+
+
+class FwdSm90Steps:
+    @cute.jit
+    def first_half_block(self, step: BlockStep, kv_state, n_block: Int32):
+        """Intra-WG overlap prologue: S = Q K^T of the first block, its softmax and P; no P.V."""
+        mma = step.mma
+        k_state = step.kv(kv_state)
+        step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
+        # A ping-pong turn like every later block's GEMMs (FA3): the warpgroups enter each tile
+        # in turn instead of both issuing the first QK^T at once.
+        self._scheduler_sync(step.wg_idx)
+        acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
+        self._scheduler_arrive(step.wg_idx)
+        warpgroup.wait_group(0)
+        step.pipeline_k.consumer_release(k_state)
+        self._pass_other_ring(step, step.pipeline_k, kv_state)
+        self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
+        step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block))
+        self._store_p(mma, acc_S)
+        return kv_state
+
+    @cute.jit
+    def last_half_block(self, step: BlockStep, kv_state):
+        """Intra-WG overlap epilogue: O += P V of the last block visited."""
+        mma = step.mma
+        v_state = step.kv(kv_state)
+        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
+        wgmma(
+            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
+            zero_init=False, wg_wait=0,
+        )
+        step.pipeline_v.consumer_release(v_state)
+        self._pass_other_ring(step, step.pipeline_v, kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def one_block(
+        self,
+        step: BlockStep,
+        kv_state,
+        n_block: Int32,
+        is_first: cutlass.Constexpr[bool],
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool],
+    ):
+        """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together,
+        softmax of S_j under the P.V GEMM. Without: S, softmax, P.V in sequence."""
+        mma = step.mma
+        if const_expr(self.intra_wg_overlap):
+            v_local = kv_state.clone()
+            v_state = step.kv(v_local)
+            kv_state.advance()
+            k_state = step.kv(kv_state)
+            step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
+            self._scheduler_sync(step.wg_idx)
+            acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
+            step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
+            wgmma(
+                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
+                zero_init=False, wg_wait=-1,
+            )
+            self._scheduler_arrive(step.wg_idx)
+            warpgroup.wait_group(1)  # S_j has landed; P.V may still run
+            step.pipeline_k.consumer_release(k_state)
+            self._pass_other_ring(step, step.pipeline_k, kv_state)
+            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
+            row_scale = step.softmax.update(acc_S, False, self._block_scale_log2(step, n_block))
+            if const_expr(step.kv_scales is not None):
+                # FP8 block scales: O holds V's values in units of the last block added (n_block + 1,
+                # whose P.V is in flight); the next P.V adds block n_block's, so O changes units now.
+                ratio = step.kv_scales[1][n_block + 1] / step.kv_scales[1][n_block]
+                for r in cutlass.range_constexpr(cute.size(row_scale)):
+                    row_scale[r] = row_scale[r] * ratio
+            warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
+            step.pipeline_v.consumer_release(v_state)
+            self._pass_other_ring(step, step.pipeline_v, v_local)
+            self._store_p(mma, acc_S)
+            step.softmax.rescale_O(mma.acc_O, row_scale)
+        else:
+            kv_cur = step.kv(kv_state)
+            step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
+            acc_S = self._qk_gemm(step, kv_cur.index, wg_wait=0)
+            step.pipeline_k.consumer_release(kv_cur)
+            self._pass_other_ring(step, step.pipeline_k, kv_state)
+            self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
+            row_scale = step.softmax.update(acc_S, is_first=is_first)
+            self._store_p(mma, acc_S)
+            if const_expr(not is_first):
+                step.softmax.rescale_O(mma.acc_O, row_scale)
+            step.pipeline_v.consumer_wait(kv_cur, step.pipeline_v.consumer_try_wait(kv_cur))
+            wgmma(
+                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_cur.index],
+                zero_init=False, wg_wait=0,
+            )
+            step.pipeline_v.consumer_release(kv_cur)
+            self._pass_other_ring(step, step.pipeline_v, kv_state)
+            kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:
+        """Spanning tiles over two (batch, head) pairs: wait for and release, unread, the other
+        ring's stage of the block ring-local ``state`` names. Every warpgroup thus consumes every
+        stage of both rings in order, so its wait parities never fall a phase behind (a
+        warpgroup that skipped stages could see a stage two phases on and misread its parity)."""
+        if const_expr(step.other_offset is not None):
+            other = step.other(state)
+            pipe.consumer_wait(other, pipe.consumer_try_wait(other))
+            pipe.consumer_release(other)
+
+    # FP8 hooks (kernels/sm90/fwd_fp8.py overrides them): O's dtype, V transposed on chip, P's offset.
+    transposes_v = False
+    num_transpose_warps = 0
+    p_max_offset = 0.0
+    block_scales = False
+
+    @staticmethod
+    def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
+        return dtype
+
+    def _block_scale_log2(self, step: BlockStep, n_block: Int32) -> Float32 | None:
+        """FP8 block scales: key block ``n_block``'s scale (the tile's times its k descale); else None."""
+        if const_expr(step.kv_scales is None):
+            return None
+        return step.softmax.scale_log2 * step.kv_scales[0][n_block]
+
+    def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sV: cute.Tensor) -> cute.Tensor:
+        """The P.V WGMMA's B operand: V^T, an MN-major view of the TMA tile (16-bit: transpose bit)."""
+        return wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+
+    def _pv_fragment_a(self, wg_mma_pv: cute.ThrMma) -> cute.Tensor:
+        """The register A fragment P of the P.V WGMMA."""
+        return wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+
+    def _qk_gemm(self, step: BlockStep, stage: Int32, wg_wait: int) -> cute.Tensor:
+        mma = step.mma
+        acc_S = cute.make_rmem_tensor(
+            mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32
+        )
+        tSrQ = mma.tSrQ if const_expr(step.q_stage is None) else mma.tSrQ[None, None, None, step.q_stage]
+        wgmma(
+            mma.tiled_mma_qk, acc_S, tSrQ, mma.tSrK[None, None, None, stage],
+            zero_init=True, wg_wait=wg_wait,
+        )
+        return acc_S
+
+    def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
+        """P (fp32, in S's registers) -> 16-bit A fragment of the P.V WGMMA (paired cvt)."""
+        mma.tOrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+
+    def _scheduler_sync(self, wg_idx: Int32) -> None:
+        """Wait for this warpgroup's turn to issue GEMMs (ping-pong, design doc 1.8)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + wg_idx,
+                number_of_threads=2 * _WG_THREADS,
+            )
+
+    def _scheduler_arrive(self, wg_idx: Int32) -> None:
+        """Hand the tensor cores to the next MMA warpgroup (round robin)."""
+        if const_expr(self.pingpong):
+            next_wg = (wg_idx + 1) % self.num_mma_wg
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrierFwd.WARP_SCHEDULER_WG1) + next_wg,
+                number_of_threads=2 * _WG_THREADS,
+            )
