@@ -1,7 +1,7 @@
 """Reading the SASS of a compiled kernel with ``nvdisasm`` (from the ``nvidia-cuda-nvdisasm`` wheel or PATH).
 
 Used by the compile-only tests to confirm, without a GPU, that the tensor-core instructions we meant
-are there (``HMMA`` on the FA2 path; ``HGMMA``, ``UTMALDG``, ``USETMAXREG`` on Hopper) and that nothing
+are there (``HMMA`` on the FA2 path; ``HGMMA`` (``QGMMA`` for e4m3), ``UTMALDG``, ``USETMAXREG`` on Hopper) and that nothing
 spilled to local memory (``LDL``/``STL``).
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-OPCODES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
+OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
 # Opcodes with a modifier counted apart as well (also counted under their opcode).
 MODIFIED_OPCODES = ("UTMALDG.MULTICAST",)
 HGMMA_GROUP_ENDS = "HGMMA.gsb0"

@@ -164,8 +164,8 @@ class FwdSm90(FwdLauncher):
         """The variants users hit, for precompile and the compile-only tests (sm_90a only: WGMMA/TMA):
         bf16/fp16 x head dims x causal x {dense, varlen (64/128/256 only)}, plus bf16 local and
         softcap at 128, decode-style GQA (pack_gqa 4 and 8, bf16, hdim 128, causal), bf16 192/128 and causal 64/256, the
-        spanning tiles, the two-Q-buffer tiles, the cluster rows without clusters and the short-sequence
-        tiles (62 keys).
+        spanning tiles, the two-Q-buffer tiles, the cluster rows without clusters, the short-sequence
+        tiles and two FP8 keys (per tensor and per block).
         Rarer combinations (local/softcap at other head dims or with varlen, seqused, varlen at 96/192,
         other pack factors) compile on first use."""
         if not arch.startswith("sm_90"):
@@ -198,6 +198,9 @@ class FwdSm90(FwdLauncher):
             self._key(arch, dtype, hdim, configs.FWD_SM90_CLUSTER_MIN_SEQLEN // 2, causal=False)
             for hdim, tile in self.tiles.items() if tile.cluster_m > 1 for dtype in ("bf16", "fp16")
         ]
+        # FP8 (e4m3): per tensor at hdim 128 causal (the transposing warps join the dynamic schedule's
+        # handoff), per block at hdim 64 causal (3 MMA warpgroups: the tightest registers).
+        keys += [self.fp8_key(_fp8_problem(hdim), arch, block_scales=block) for hdim, block in ((128, False), (64, True))]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
@@ -221,8 +224,8 @@ class FwdSm90(FwdLauncher):
             pingpong=tile.pingpong, persistent=tile.persistent, num_stages=tile.num_stages,
             pack_gqa=1 if block_scales else pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
-            seqused_k=varlen is not None and varlen.seqused_k is not None, lazy_rescale=False,
-            fp8_block_scales=block_scales,
+            seqused_k=varlen is not None and varlen.seqused_k is not None,
+            fp8_block_scales=block_scales,  # (lazy_rescale stays at its default: the FP8 kernel never rescales lazily)
         )
 
     def forward_fp8(
@@ -316,6 +319,15 @@ class FwdSm90(FwdLauncher):
         bias = bias.to(device=q.device, dtype=torch.float32).contiguous()
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
+
+
+def _fp8_problem(hdim: int) -> AttnProblem:
+    """A causal e4m3 problem with unpacked heads (``all_keys``' FP8 representatives)."""
+    return AttnProblem(
+        batch=1, seqlen_q=4096, seqlen_k=4096, nheads=8, nheads_k=8, head_dim=hdim, head_dim_v=hdim,
+        dtype=torch.float8_e4m3fn, softmax_scale=1.0, causal=True, window_left=-1, window_right=0, softcap=0.0,
+        is_varlen=False,
+    )
 
 
 def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:
