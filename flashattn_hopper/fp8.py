@@ -233,13 +233,18 @@ def kernel_tiles(head_dim: int) -> tuple[int, int]:
     return tile.tile_m, tile.tile_n
 
 
-def descales(extras: dict[str, object], p: validate.AttnProblem, device: torch.device) -> torch.Tensor:
+def descales(
+    extras: dict[str, object], p: validate.AttnProblem, device: torch.device,
+    max_seqlens: tuple[object, object] | None = None,
+) -> torch.Tensor:
     """The kernel's fp32 descales from the call's ``q_descale``, ``k_descale``, ``v_descale`` (None: 1).
 
     Per tensor (FA3's): each ``(batch, nheads_k)`` (q's indexed by kv head too) -> ``(3, batch, nheads_k)``.
     Per block (the FA3 paper's block quantization): q's ``(batch, nheads, ceil(seqlen_q / tile_m))``, k's
     and v's ``(batch, nheads_k, ceil(seqlen_k / tile_n))`` with the kernel's tiles (``kernel_tiles``, what
-    ``quantize_qkv(block=True)`` uses) -> ``(3, batch, nheads, blocks)``. A wrong shape, dtype or device
+    ``quantize_qkv(block=True)`` uses) -> ``(3, batch, nheads, blocks)``; varlen (``max_seqlens``: the call's
+    ``max_seqlen_q``/``max_seqlen_k``, ints here): blocks per sequence, ``ceil(max_seqlen / tile)`` of them
+    (a sequence's rows from its start, as the kernel tiles it). A wrong shape, dtype or device
     raises, naming the argument: a silently dropped descale gives wrong output. Values must be positive
     and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction)."""
     given = {name: extras.get(name) for name in DESCALE_NAMES}
@@ -264,10 +269,13 @@ def descales(extras: dict[str, object], p: validate.AttnProblem, device: torch.d
                     )
                 out[i] = value
         return out
+    seqlen_q, seqlen_k = p.seqlen_q, p.seqlen_k
     if p.is_varlen:
-        raise NotImplementedError("per-block descales are implemented for flash_attn_func (dense q, k, v) only")
+        if max_seqlens is None or any(type(n) is not int for n in max_seqlens):
+            raise TypeError("per-block descales with varlen inputs need max_seqlen_q and max_seqlen_k as Python ints")
+        seqlen_q, seqlen_k = max_seqlens
     tile_m, tile_n = kernel_tiles(max(p.head_dim, p.head_dim_v))
-    q_blocks, k_blocks = -(-p.seqlen_q // tile_m), -(-p.seqlen_k // tile_n)
+    q_blocks, k_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     shapes = {"q_descale": (p.batch, p.nheads, q_blocks), "k_descale": (p.batch, p.nheads_k, k_blocks),
               "v_descale": (p.batch, p.nheads_k, k_blocks)}
     out = torch.ones(3, p.batch, p.nheads, max(q_blocks, k_blocks), dtype=torch.float32, device=device)
@@ -314,7 +322,7 @@ def attention(
             "FP8 (float8_e4m3fn) attention needs a Hopper GPU (compute capability 9.0, backend 'sm90'): "
             "its e4m3 tensor-core MMA has no sm80 form; cast q, k, v to bfloat16 there"
         )
-    descale = descales(scales, p, q.device)
+    descale = descales(scales, p, q.device, None if varlen is None else (varlen[2], varlen[3]))
     if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
         out, lse = empty_result(q, p)
         return out.to(torch.bfloat16), lse

@@ -368,3 +368,50 @@ def test_fp8_byte_views_get_16_byte_strides():
     assert kernel_ready(even).data_ptr() == even.data_ptr() or even.data_ptr() % 16
     half = torch.empty(2, 8, 3, 72, dtype=torch.bfloat16)[..., :64]  # 144 bytes: kept
     assert kernel_ready(half).data_ptr() == half.data_ptr() or half.data_ptr() % 16
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_block_scales_varlen(causal):
+    """Per-block descales with packed sequences: blocks counted from each sequence's start, ``ceil(max_seqlen /
+    tile)`` per sequence (unused ones ignored); each sequence quantized on its own here."""
+    from flashattn_hopper import fp8
+
+    lens = [300, 17, 0, 1, 450]
+    heads, heads_k, d = 4, 2, 128
+    tile_m, tile_n = fp8.kernel_tiles(d)
+    gen = torch.Generator(device="cuda").manual_seed(7 + causal)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    max_len = max(lens)
+    q, k, v = (_rows_varied(sum(lens), h, d, gen=gen) for h in (heads, heads_k, heads_k))
+    parts = {name: ([], [], []) for name in "qkv"}  # (x8, descale, dequantized) per sequence
+    for i, n in enumerate(lens):
+        a = int(cu[i])
+        for name, x, rows in (("q", q, tile_m), ("k", k, tile_n), ("v", v, tile_n)):
+            if n == 0:
+                parts[name][0].append(x[a:a].to(E4M3))
+                parts[name][1].append(torch.ones(1, x.shape[1], -(-max_len // rows), device="cuda"))
+                parts[name][2].append(x[a:a].float())
+                continue
+            x8, scale = fp8._per_block(x[None, a:a + n], rows)
+            blocks = -(-max_len // rows)
+            parts[name][0].append(x8[0])
+            parts[name][1].append(torch.nn.functional.pad(scale, (0, blocks - scale.shape[-1]), value=1.0))
+            parts[name][2].append(fp8.dequantize(x8, scale, rows)[0])
+    (q8, qd, qf), (k8, kd, kf), (v8, vd, vf) = (
+        (torch.cat(parts[n][0]), torch.cat(parts[n][1]).contiguous(), torch.cat(parts[n][2])) for n in "qkv"
+    )
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out_emul = torch.zeros_like(out_ref, dtype=torch.bfloat16)
+    for i, n in enumerate(lens):
+        if n:
+            a = int(cu[i])
+            out_emul[a:a + n] = _emulated(qf[None, a:a + n], kf[None, a:a + n], vf[None, a:a + n], causal,
+                                          (-1, 0 if causal else -1), 1.0 / math.sqrt(d))[0]
+    out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, max_len, max_len, causal=causal, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"varlen block scales causal={causal}",
+           _score_magnitude(qf[None], kf[None], 1.0 / math.sqrt(d)), d)
+    with pytest.raises(TypeError, match="max_seqlen_q and max_seqlen_k as Python ints"):
+        flash_attn_varlen_func(q8, k8, v8, cu, cu, None, None, q_descale=qd, k_descale=kd, v_descale=vd)
