@@ -161,7 +161,8 @@ def _triton_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: tuple
         d = t.shape[-1]
         if d < 16 or d > 256 or d & (d - 1):
             return f"{name}'s head dim must be a power of two in [16, 256], got {d}"
-    if tiles is not None and any(rows % (32 if t.shape[-1] > 128 else 64) for rows, t in ((tiles[0], q), (tiles[1], k))):
+    if tiles is not None and any(rows % (32 if t.shape[-1] > 128 else 64)
+                                 for rows, t in ((tiles[0], q), (tiles[1], k), (tiles[1], v))):
         return f"block rows {tiles} must be multiples of 64 (32 above head dim 128)"
     return None
 
@@ -244,7 +245,8 @@ def descales(
     and v's ``(batch, nheads_k, ceil(seqlen_k / tile_n))`` with the kernel's tiles (``kernel_tiles``, what
     ``quantize_qkv(block=True)`` uses) -> ``(3, batch, nheads, blocks)``; varlen (``max_seqlens``: the call's
     ``max_seqlen_q``/``max_seqlen_k``, ints here): blocks per sequence, ``ceil(max_seqlen / tile)`` of them
-    (a sequence's rows from its start, as the kernel tiles it). A wrong shape, dtype or device
+    (a sequence's rows from its start, as the kernel tiles it; ``max_seqlen_k`` must bound every sequence's
+    key count, or the kernel reads past a sequence's scales). A wrong shape, dtype or device
     raises, naming the argument: a silently dropped descale gives wrong output. Values must be positive
     and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction)."""
     given = {name: extras.get(name) for name in DESCALE_NAMES}

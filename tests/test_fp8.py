@@ -136,6 +136,13 @@ for d in (64, 256):
             worst = max(worst, ((deq - ref_deq).abs() / step)[~carry].max().item())
 print(worst)
 assert worst <= 1.0 + 1e-6, worst
+# a NaN input makes its scale group's descale NaN (the torch path's behaviour), per block and per group
+# (the values: the interpreter casts NaN to 384; the GPU's cvt keeps NaN)
+x = torch.randn(1, 64, 2, 64).to(torch.bfloat16)
+x[0, 3, 1, 5] = float("nan")
+for block in (None, 64):
+    x8, scale = fp8.quantize_triton(x, 1, block, None)
+    assert torch.isnan(scale).any(), (block, scale)
 """
 
 

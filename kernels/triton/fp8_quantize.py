@@ -57,7 +57,9 @@ def _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d,
 @triton.jit
 def _store_half(out_ptr, y, out_base, rows, seqlen, nheads, col0, scale, D: tl.constexpr, HD: tl.constexpr):
     cols = col0 + tl.arange(0, HD)
-    q = tl.minimum(tl.maximum(y / scale, -E4M3_MAX), E4M3_MAX).to(tl.float8e4nv)
+    clamp = tl.PropagateNan.ALL  # (a NaN stays NaN, as in the torch path)
+    q = tl.minimum(tl.maximum(y / scale, -E4M3_MAX, propagate_nan=clamp), E4M3_MAX, propagate_nan=clamp)
+    q = q.to(tl.float8e4nv)
     tl.store(out_ptr + out_base + rows[:, None] * (nheads * D) + cols[None, :], q, mask=(rows < seqlen)[:, None])
 
 
@@ -81,19 +83,23 @@ def quantize_kernel(
     amax = tl.zeros((), dtype=tl.float32)
     if PER_BLOCK or PASS == 1:
         for c in tl.static_range(0, ROWS, CHUNK):
-            rows = row0 + c + tl.arange(0, CHUNK)
+            rows = (row0 + c + tl.arange(0, CHUNK)).to(tl.int64)  # (64-bit offsets past 2**31 elements)
             lo, hi = _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d, D, HADAMARD)
-            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(lo)), tl.max(tl.abs(hi))))
+            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(lo)), tl.max(tl.abs(hi))), propagate_nan=tl.PropagateNan.ALL)
+            # a NaN input makes the group's amax (so its scale and values) NaN, as in the torch path
+            nans = tl.sum((lo != lo).to(tl.int32)) + tl.sum((hi != hi).to(tl.int32))
+            amax = tl.where(nans > 0, float("nan"), amax)
     if PER_BLOCK:
-        scale = tl.maximum(amax, 1e-12) / E4M3_MAX
+        scale = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) / E4M3_MAX
         tl.store(scale_ptr + (b * nheads + head) * tl.cdiv(seqlen, ROWS) + blk, scale)
     elif PASS == 1:
         tl.atomic_max(scale_ptr + b * (nheads // GROUP) + head // GROUP, amax)
     if PER_BLOCK or PASS == 2:
         if not PER_BLOCK:
-            scale = tl.maximum(tl.load(scale_ptr + b * (nheads // GROUP) + head // GROUP), 1e-12) / E4M3_MAX
+            group_amax = tl.load(scale_ptr + b * (nheads // GROUP) + head // GROUP)
+            scale = tl.maximum(group_amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) / E4M3_MAX
         for c in tl.static_range(0, ROWS, CHUNK):
-            rows = row0 + c + tl.arange(0, CHUNK)
+            rows = (row0 + c + tl.arange(0, CHUNK)).to(tl.int64)
             lo, hi = _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d, D, HADAMARD)
             _store_half(out_ptr, lo, out_base, rows, seqlen, nheads, 0, scale, D, HD)
             if D > 128:
