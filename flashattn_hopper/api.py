@@ -156,7 +156,8 @@ def _fp8_call(
     window_size: Any, softcap: Any, attention_chunk: Any, learnable_sink: Any, log_decay: Any, deterministic: Any,
     return_lse: Any, return_attn_probs: Any, backend: Any, varlen: tuple[Any, ...] | None = None,
 ) -> Any:
-    """FP8 inputs (``fp8.py``): the plain forward only, eager only; the options that need more say so."""
+    """FP8 inputs (``fp8.py``): the plain forward only (under torch.compile as the ``fwd_fp8`` custom op);
+    the options that need more say so."""
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
@@ -164,11 +165,14 @@ def _fp8_call(
                              ("log_decay", log_decay, None)):
         if value is not off and not (off == 0 and value == 0 and type(value) is int):
             raise NotImplementedError(f"{name} is not implemented for FP8 (float8_e4m3fn) inputs")
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("FP8 (float8_e4m3fn) inputs run eagerly only: call outside torch.compile")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("FP8 attention is a forward only: no gradient flows to q, k, v")
-    out, lse = fp8.attention(q, k, v, dict(extras), softmax_scale, causal, window_size, softcap, backend, varlen)
+    if torch.compiler.is_compiling():  # one opaque graph node (ops.fwd_fp8)
+        if validate.check_softcap(softcap) > 0.0:
+            raise NotImplementedError("softcap is not implemented for FP8 inputs")
+        out, lse = ops.attention_fp8(q, k, v, varlen, dict(extras), softmax_scale, causal, window_size, backend)
+    else:
+        out, lse = fp8.attention(q, k, v, dict(extras), softmax_scale, causal, window_size, softcap, backend, varlen)
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 

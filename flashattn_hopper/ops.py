@@ -149,6 +149,58 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::fwd_fp8", mutates_args=())
+def fwd_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    max_seqlen_q: int | None, max_seqlen_k: int | None, q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, softmax_scale: float | None, causal: bool,
+    window_left: int, window_right: int, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward (``fp8.attention``): ``(out, lse)``, out bf16; no backward (forward only).
+    ``max_seqlen_*`` (ints or None) size varlen per-block descales only."""
+    from . import fp8
+
+    extras = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    varlen = None if cu_seqlens_q is None else (
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k
+    )
+    out, lse = fp8.attention(q, k, v, extras, softmax_scale, causal, (window_left, window_right), 0.0, backend, varlen)
+    return out.contiguous(), lse.contiguous()
+
+
+@fwd_fp8.register_fake
+def _fwd_fp8_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+    max_seqlen_q: int | None, max_seqlen_k: int | None, q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, softmax_scale: float | None, causal: bool,
+    window_left: int, window_right: int, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal,
+                         window_left, window_right, 0.0, False, backend)
+    return out.to(torch.bfloat16), lse
+
+
+def attention_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: tuple[Any, ...] | None, extras: dict[str, Any],
+    softmax_scale: float | None, causal: bool, window_size: Any, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled path of ``api.py`` for e4m3 inputs: one ``fwd_fp8`` node. ``varlen``: ``(cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)``; a tensor ``max_seqlen_*`` is dropped
+    (only per-block descales read it, and they need ints)."""
+    left, right = validate.check_window(window_size, causal)
+    scales = {name: extras.pop(name, None) for name in ("q_descale", "k_descale", "v_descale")}
+    validate.check_flash_attn_extras("flash_attn_varlen_func" if varlen else "flash_attn_func", extras)
+    cu_q, cu_k, max_q, max_k, used_q, used_k = varlen if varlen is not None else (None,) * 6
+    max_q, max_k = (n if type(n) is int else None for n in (max_q, max_k))
+    return torch.ops.flashattn_hopper.fwd_fp8(
+        q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scales["q_descale"], scales["k_descale"],
+        scales["v_descale"], None if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
+        backend,
+    )
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: tuple[Any, ...] | None, softmax_scale: float | None,
     causal: bool, window_size: Any, softcap: float, deterministic: bool, backend: str | None,

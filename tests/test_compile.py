@@ -176,3 +176,32 @@ def test_compiled_attention_matches_eager_bitwise(varlen):
     assert not torch.isnan(out_eager).any() and not torch.isnan(dx_eager).any()
     assert torch.equal(out_compiled, out_eager), "out: compiled differs from eager"
     assert torch.equal(dx_compiled, dx_eager), "dqkv: compiled differs from eager"
+
+
+def test_compile_traces_fp8_calls_as_one_op():
+    """e4m3 inputs (the FP8 forward, fp8.py) trace to one ``flashattn_hopper.fwd_fp8`` node, dense and varlen,
+    and its fake gives bf16 out and the fp32 LSE in the API's layouts."""
+    e4m3 = torch.float8_e4m3fn
+    q, k, v = (t.to(e4m3) for t in _dense())
+    scale = torch.ones(2, 2)
+
+    def dense(q, k, v, scale):
+        return flash_attn_func(q, k, v, causal=True, q_descale=scale, k_descale=scale, v_descale=scale).float().sum()
+
+    assert _traced_ops(dense, q, k, v, scale).count("flashattn_hopper.fwd_fp8") == 1
+    qv, kv, vv = (t.flatten(0, 1) for t in (q, k, v))
+    cu_q = torch.tensor([0, 10, 34], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 66], dtype=torch.int32)
+
+    def packed(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 24, 36).float().sum()
+
+    assert _traced_ops(packed, qv, kv, vv, cu_q, cu_k).count("flashattn_hopper.fwd_fp8") == 1
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fq, fk, fv = (torch.empty(t.shape, dtype=e4m3) for t in (q, k, v))
+        out, lse = torch.ops.flashattn_hopper.fwd_fp8(fq, fk, fv, None, None, None, None, None, None, None, None,
+                                                      None, None, False, -1, -1, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (*q.shape[:-1], v.shape[-1])
+        assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])

@@ -415,3 +415,21 @@ def test_fp8_block_scales_varlen(causal):
            _score_magnitude(qf[None], kf[None], 1.0 / math.sqrt(d)), d)
     with pytest.raises(TypeError, match="max_seqlen_q and max_seqlen_k as Python ints"):
         flash_attn_varlen_func(q8, k8, v8, cu, cu, None, None, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_compiled_call_matches_eager_bitwise():
+    """torch.compile(fullgraph=True) of an FP8 call (the ``fwd_fp8`` custom op) runs the same kernel as eager."""
+    from flashattn_hopper import fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(2, 300, h, 128, generator=gen, device="cuda").bfloat16() for h in (4, 2, 2))
+    quant = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=True)
+
+    def call(q8, k8, v8, qd, kd, vd):
+        return flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    args = (quant.q, quant.k, quant.v, quant.q_descale, quant.k_descale, quant.v_descale)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(call, fullgraph=True)(*args), call(*args))
