@@ -217,6 +217,14 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, rows: int | None = None)
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
+def split_descales(extras: dict[str, object], varlen: bool) -> dict[str, object]:
+    """The call's ``q/k/v_descale`` taken out of its other flash-attn keywords, which are checked as
+    for 16-bit inputs (``validate.check_flash_attn_extras``)."""
+    scales = {name: extras.pop(name, None) for name in DESCALE_NAMES}
+    validate.check_flash_attn_extras("flash_attn_varlen_func" if varlen else "flash_attn_func", extras)
+    return scales
+
+
 def is_fp8(t: object) -> bool:
     """Whether ``t`` is a tensor of an 8-bit float dtype (the API routes those here)."""
     return isinstance(t, torch.Tensor) and t.dtype in validate.FP8_DTYPES
@@ -306,8 +314,7 @@ def attention(
     from . import dispatch
     from .backends.common import VarlenArgs, empty_result
 
-    scales = {name: extras.pop(name, None) for name in DESCALE_NAMES}
-    validate.check_flash_attn_extras("flash_attn_varlen_func" if varlen else "flash_attn_func", extras)
+    scales = split_descales(extras, varlen is not None)
     if validate.check_softcap(softcap) > 0.0:
         raise NotImplementedError("softcap is not implemented for FP8 inputs")
     if varlen is None:

@@ -190,8 +190,9 @@ def attention_fp8(
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)``; a tensor ``max_seqlen_*`` is dropped
     (only per-block descales read it, and they need ints)."""
     left, right = validate.check_window(window_size, causal)
-    scales = {name: extras.pop(name, None) for name in ("q_descale", "k_descale", "v_descale")}
-    validate.check_flash_attn_extras("flash_attn_varlen_func" if varlen else "flash_attn_func", extras)
+    from . import fp8
+
+    scales = fp8.split_descales(extras, varlen is not None)
     cu_q, cu_k, max_q, max_k, used_q, used_k = varlen if varlen is not None else (None,) * 6
     max_q, max_k = (n if type(n) is int else None for n in (max_q, max_k))
     return torch.ops.flashattn_hopper.fwd_fp8(

@@ -79,6 +79,17 @@ def _score_magnitude(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
     return scale * torch.einsum("bqhd,bkhd->bhqk", q.abs(), k.abs()).max().item()
 
 
+def _emulated_varlen(q, k, v, lens, cu, causal: bool, scale: float) -> torch.Tensor:
+    """``_emulated`` per packed sequence ((total, h, d) inputs, the same offsets for q and k)."""
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    for i, n in enumerate(lens):
+        if n:
+            a = int(cu[i])
+            out[a:a + n] = _emulated(q[None, a:a + n], k[None, a:a + n], v[None, a:a + n], causal,
+                                     (-1, 0 if causal else -1), scale)[0]
+    return out
+
+
 def _check(out, lse, out_ref, lse_ref, out_emul, name, score_magnitude=0.0, head_dim=32):
     """``score_magnitude`` (``_score_magnitude``): Hopper's e4m3 WGMMA adds its products with about 14
     mantissa bits, not fp32's 23 (DeepSeek-V3 report, section 3.3.2), so S, and with it the LSE, is off
@@ -165,12 +176,7 @@ def test_fp8_forward_varlen(causal):
     (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
     qf, kf, vf = (_dequantize(t, dd, batch_of_row) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    out_emul = torch.zeros_like(out_ref, dtype=torch.bfloat16)
-    for i, n in enumerate(lens):
-        if n:
-            a = int(cu[i])
-            out_emul[a:a + n] = _emulated(qf[None, a:a + n], kf[None, a:a + n], vf[None, a:a + n], causal,
-                                          (-1, 0 if causal else -1), 1.0 / math.sqrt(d))[0]
+    out_emul = _emulated_varlen(qf, kf, vf, lens, cu, causal, 1.0 / math.sqrt(d))
     _poison_allocator()
     out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, max(lens), max(lens), causal=causal, q_descale=qd,
                                       k_descale=kd, v_descale=vd, return_lse=True)
@@ -403,12 +409,7 @@ def test_fp8_block_scales_varlen(causal):
         (torch.cat(parts[n][0]), torch.cat(parts[n][1]).contiguous(), torch.cat(parts[n][2])) for n in "qkv"
     )
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    out_emul = torch.zeros_like(out_ref, dtype=torch.bfloat16)
-    for i, n in enumerate(lens):
-        if n:
-            a = int(cu[i])
-            out_emul[a:a + n] = _emulated(qf[None, a:a + n], kf[None, a:a + n], vf[None, a:a + n], causal,
-                                          (-1, 0 if causal else -1), 1.0 / math.sqrt(d))[0]
+    out_emul = _emulated_varlen(qf, kf, vf, lens, cu, causal, 1.0 / math.sqrt(d))
     out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, max_len, max_len, causal=causal, q_descale=qd,
                                       k_descale=kd, v_descale=vd, return_lse=True)
     _check(out, lse, out_ref, lse_ref, out_emul, f"varlen block scales causal={causal}",
