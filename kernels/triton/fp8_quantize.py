@@ -22,7 +22,7 @@ compile-key plumbing is needed (timed against the torch path by ``perf/bench_fp8
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)  # compiled Triton reads only constexpr globals (its CPU interpreter reads any)
 
 
 @triton.jit
