@@ -158,3 +158,23 @@ def test_triton_quantizer_matches_the_torch_path_in_the_interpreter():
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_triton_quantizer_compiles_for_sm90():
+    """The interpreter accepts code compiled Triton refuses (a plain float global, an enum bound to a
+    name: both reached the GPU once): compile every variant's code path for sm_90 here, no GPU needed.
+    Head dim 256 with the Hadamard transform covers the two-half path; per block, and per tensor's
+    two passes."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashattn_hopper.kernels.triton.fp8_quantize import quantize_kernel
+
+    sig = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "signs_ptr": "*bf16",
+           "hadamard_ptr": "*bf16", "seqlen": "i32", "nheads": "i32", "stride_b": "i64", "stride_s": "i64",
+           "stride_h": "i64", "inv_sqrt_d": "fp32"}
+    sig.update({name: "constexpr" for name in ("D", "ROWS", "CHUNK", "HADAMARD", "PER_BLOCK", "GROUP", "PASS")})
+    for per_block, step in ((True, 0), (False, 1), (False, 2)):
+        const = dict(D=256, ROWS=128, CHUNK=32, HADAMARD=True, PER_BLOCK=per_block, GROUP=2, PASS=step)
+        triton.compile(ASTSource(quantize_kernel, sig, const), target=GPUTarget("cuda", 90, 32))

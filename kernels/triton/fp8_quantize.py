@@ -57,8 +57,9 @@ def _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d,
 @triton.jit
 def _store_half(out_ptr, y, out_base, rows, seqlen, nheads, col0, scale, D: tl.constexpr, HD: tl.constexpr):
     cols = col0 + tl.arange(0, HD)
-    clamp = tl.PropagateNan.ALL  # (a NaN stays NaN, as in the torch path)
-    q = tl.minimum(tl.maximum(y / scale, -E4M3_MAX, propagate_nan=clamp), E4M3_MAX, propagate_nan=clamp)
+    # (a NaN stays NaN, as in the torch path; the enum is spelled inline: compiled Triton cannot bind it to a name)
+    q = tl.minimum(tl.maximum(y / scale, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
     q = q.to(tl.float8e4nv)
     tl.store(out_ptr + out_base + rows[:, None] * (nheads * D) + cols[None, :], q, mask=(rows < seqlen)[:, None])
 
