@@ -92,9 +92,9 @@ class FlashBwdSm90:
         wait Q; issue S^T = K Q^T; wait dO; issue dP^T = V dO^T; wait S; softcap, mask,
         P^T = exp2(S^T * scale_log2 - LSE); wait dP; dS^T = P^T (dP^T - dPsum) [* tanh'];
         issue dV += P^T dO (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
-        issue dK += dS^T Q (A = dS^T registers); barrier DS_READY (both warpgroups' dS);
-        issue dQ = dS K (this warpgroup's half of head_dim, or of the rows); wait all;
-        release Q, dO; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL
+        barrier DS_READY (both warpgroups' dS); issue dQ = dS K (this warpgroup's half of
+        head_dim, or of the rows); issue dK += dS^T Q (A = dS^T registers); wait dV, dQ;
+        release dO; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL; wait dK; release Q
 
     At tile_m 128 (``dp_after_p``; softcap refused) the first line is instead: wait Q; S^T = K Q^T;
     wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
@@ -637,13 +637,7 @@ class FlashBwdSm90:
             if const_expr(self.dp_after_p):
                 # S^T -> P^T (16-bit) first; only then dP^T, so the two fp32 tiles are never live together.
                 warpgroup.wait_group(0)  # S^T has landed
-                if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
-                    mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-                acc_S_mn = acc_rows_cols(acc_S)
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                    lse = sLSE[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
-                        acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
@@ -662,26 +656,38 @@ class FlashBwdSm90:
                 pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
                 acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                 wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-                self.probs_and_ds(
-                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
-                    softcap_scale,
-                )
-                # dV += P^T dO with P^T straight from registers.
-                tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+                if const_expr(self.has_softcap):
+                    self.probs_and_ds(
+                        acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                        softcap_scale,
+                    )
+                    # dV += P^T dO with P^T straight from registers.
+                    tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+                else:
+                    warpgroup.wait_group(1)  # S^T has landed
+                    self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
+                    # dV is issued before dP^T is waited for: ptxas keeps WGMMA issues and waits in
+                    # order, so every exp2 stays ahead of the dP^T wait and runs under that GEMM
+                    # (with the wait first, it moved most of them below it).
+                    tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=1)
+                    self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA).
+            # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=0)
-            pipe_q.consumer_release(state)
-            pipe_do.consumer_release(state)
-            state.advance()
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+            pipe_do.consumer_release(state)  # dP^T and dV have read dO
             self.dq_to_smem(acc_dQ, r2s_dQ, tdQsdQ, m_block > m_block_min)
+            warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+            pipe_q.consumer_release(state)
+            state.advance()
         return acc_dK, acc_dV, tiled_mma_dkv
 
     @cute.jit
@@ -729,8 +735,6 @@ class FlashBwdSm90:
         num_rows = cute.size(acc_S_mn.shape[0])
         num_cols = cute.size(acc_S_mn.shape[1])
         warpgroup.wait_group(1)  # S^T has landed
-        # LSE and dPsum of a column (query) are read from smem where they are used, not held in
-        # registers across the block (16 + 16 values per thread at tile_m 64).
         acc_dP_mn = acc_rows_cols(acc_dP)
         if const_expr(softcap_scale is not None):
             # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
@@ -743,21 +747,36 @@ class FlashBwdSm90:
                 for r in cutlass.range_constexpr(num_rows):
                     t = acc_S_mn[r, c]
                     acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
-        if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
-            mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
-        for c in cutlass.range_constexpr(num_cols):
-            lse = sLSE[tScS_mn[0, c][1], stage]
-            for r in cutlass.range_constexpr(num_rows):
-                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+        self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
         if const_expr(softcap_scale is None):
             warpgroup.wait_group(0)  # dP^T has landed
-            for c in cutlass.range_constexpr(num_cols):
-                dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(num_rows):
-                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
+            self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
         else:
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[i] = acc_dP[i] * acc_S[i]
+
+    @cute.jit
+    def probs(self, acc_S, sLSE, tScS_mn, stage: Int32, mask: AttentionMask, thr_sdp, m_block: Int32,
+              n_block: Int32, scale_log2: Float32):
+        """S^T (landed) -> P^T = exp2(S^T * scale_log2 - LSE) in place, masked. LSE and dPsum of a
+        column (query) are read from smem where they are used, not held in registers across the
+        block (16 + 16 values per thread at tile_m 64)."""
+        if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+            mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+        acc_S_mn = acc_rows_cols(acc_S)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+            lse = sLSE[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+
+    @cute.jit
+    def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
+        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T)."""
+        acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
 
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQ_sem: cute.Tensor,
