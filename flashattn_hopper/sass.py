@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "SYNCS", "STSM", "LDL", "STL")
+OPCODES = (
+    "HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKRED", "USETMAXREG", "SYNCS", "STSM",
+    "LDL", "STL",
+)
 # Opcodes with a modifier counted apart as well (also counted under their opcode).
 MODIFIED_OPCODES = ("UTMALDG.MULTICAST",)
 HGMMA_GROUP_ENDS = "HGMMA.gsb0"

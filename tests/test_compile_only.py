@@ -27,8 +27,8 @@ EXPECTED_OPCODES = {
     "fwd_sm90": ("HGMMA", "UTMALDG", "USETMAXREG"),
     # bwd_pre_sm80 / bwd_post_sm80 use plain loads and stores only (nothing in sass.OPCODES to require).
     "bwd_sm80": ("HMMA", "LDSM", "LDGSTS"),
-    # the dQ writer warp's TMA reduce-adds (UTMAREDG), the score/gradient GEMMs, TMA loads
-    "bwd_sm90": ("HGMMA", "UTMALDG", "UTMAREDG", "USETMAXREG", "STSM"),
+    # the dQ writer warp's bulk reduce-add of the tile (UBLKRED), the score/gradient GEMMs, TMA loads
+    "bwd_sm90": ("HGMMA", "UTMALDG", "UBLKRED", "USETMAXREG", "STSM"),
 }
 
 

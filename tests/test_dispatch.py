@@ -355,6 +355,19 @@ def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
     assert {k.dq_red_vec for k in main_keys} == {k.dq_red_vec for k in post_keys} == {expected}
 
 
+def test_sm90_backward_dq_order_agrees_between_main_and_postprocess():
+    """The sm90 main kernels add dQ in the fragment order of their dQ WGMMA (warpgroups splitting the
+    tile by rows at tile_m 128, by columns at 64); the dQ postprocess rebuilds that WGMMA from its key.
+    Every call's pair must agree, also where a flag changes the main tile (softcap at hdim 64)."""
+    family = dispatch.BWD_KERNELS["sm90"]
+    for head_dim in family.tiles:
+        for flags in ({}, {"causal": True, "nheads_k": 1}, {"softcap": 5.0}):
+            _, main, post_dq, post_kv = family.keys(problem(head_dim=head_dim, head_dim_v=head_dim, **flags), "sm_90a")
+            assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, "rows" if main.dq_split_rows else "cols"), main.name
+            assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
+            assert post_kv.dq_wgmma == "" and post_kv.dq_red_vec == 1  # row-major GQA dK/dV sums
+
+
 def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
     """The split tail (kernels/sm80/bwd.py): a dense, unmasked, non-deterministic backward whose key
     blocks leave a short last wave on the GPU's SMs splits that wave's blocks into segments; causal,

@@ -67,6 +67,9 @@ class BwdPostKey(KernelKey):
     varlen: bool = False
     seqused: bool = False  # seqused_q (dQ) or seqused_k (dK/dV) given (varlen only)
     dq_red_vec: int = 1  # fragment mode: the main kernel's dQ reduce-add width (the dQaccum order)
+    # "rows" / "cols": dQaccum in the fragment order of the sm90 kernels' dQ WGMMA, its warpgroups
+    # splitting the tile by rows or by head-dim columns (kernels/common/bwd_utils.tiled_mma_dq_sm90)
+    dq_wgmma: str = ""
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,7 @@ class BwdSm80:
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
             if plan[0] > 0:
                 main = dataclasses.replace(main, tail_split=True)
-        post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k)
+        post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k, main=main)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
                       varlen=is_varlen, seqused=su_q),
@@ -254,8 +257,10 @@ class BwdSm80:
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
-                   seqused_q: bool = False, seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
-        """(dQ postprocess, GQA dK postprocess; the dV one is this with ``head_dim_v``)."""
+                   seqused_q: bool = False, seqused_k: bool = False,
+                   main: KernelKey | None = None) -> tuple[BwdPostKey, BwdPostKey]:
+        """(dQ postprocess, GQA dK postprocess; the dV one is this with ``head_dim_v``). ``main``: the
+        call's main key (the table's tile here either way)."""
         t = configs.bwd_sm80_tile(arch, hdim, hdim_v)
         return (
             BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
@@ -339,7 +344,8 @@ class BwdSm80:
 
             pk: BwdPostKey = key  # type: ignore[assignment]
             kernel = FlashBwdPostprocess(
-                dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec
+                dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec,
+                wgmma_split=pk.dq_wgmma or None,
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))

@@ -63,6 +63,9 @@ class BwdSm90Key(KernelKey):
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
 
 
+_DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
+
+
 class BwdSm90(BwdSm80):
     """FA3 backward on sm90: parallel over key blocks, dQ by fp32 reduce-adds, dK/dV in registers."""
 
@@ -97,22 +100,30 @@ class BwdSm90(BwdSm80):
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
-                   seqused_q: bool = False, seqused_k: bool = False) -> tuple[BwdPostKey, BwdPostKey]:
-        """(dQ postprocess, GQA dK/dV postprocess): both row-major."""
-        def post(seqused: bool) -> BwdPostKey:
-            return BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
-                              num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused)
-
-        return post(seqused_q), post(seqused_k)
+                   seqused_q: bool = False, seqused_k: bool = False,
+                   main: KernelKey | None = None) -> tuple[BwdPostKey, BwdPostKey]:
+        """(dQ postprocess: dQaccum in the fragment order of the main kernel's dQ WGMMA, whose tile
+        ``main`` gives (None: the table's); GQA dK/dV postprocess: row-major)."""
+        t = self.tiles[hdim] if main is None else main
+        dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
+                        num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,
+                        dq_wgmma="rows" if t.dq_split_rows else "cols")
+        kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
+                        num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k)
+        return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
-        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA.
-        (The pre/post keys are the sm80 family's.)"""
+        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
+        the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
+        unswizzled staging tile). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
         return [
+            self._post_keys(arch, "bf16", 128, 128)[0],
+            self._post_keys(arch, "bf16", 64, 64)[0],
+            self._post_keys(arch, "bf16", 192, 128)[0],
             main(arch, "bf16", 128, 128, False, False),
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),

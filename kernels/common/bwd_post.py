@@ -9,9 +9,11 @@ Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp
 (``common/bwd_utils.py``); the output has 16-byte rows and strides. Two layouts:
 - row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums; ``atom_m`` None): an
   elementwise kernel, 128-bit fp32 loads, one FMUL and a paired cvt per two values, 64-bit stores;
-- MMA-fragment order per ``tile_m`` rows (dQ; ``atom_m`` given): the CTA rebuilds the main
-  kernel's dQ tiled MMA (same ``tile_m``, ``num_threads``, ``atom_m``), loads its fragment with
-  coalesced 32-bit loads, and writes 16-bit rows through a swizzled smem tile (128-bit stores).
+- MMA-fragment order per ``tile_m`` rows (dQ; ``atom_m`` given, or ``wgmma_split``): the CTA
+  rebuilds the main kernel's dQ tiled MMA (sm80: same ``tile_m``, ``num_threads``, ``atom_m``;
+  sm90: ``bwd_utils.tiled_mma_dq_sm90`` over 256 threads, warpgroups splitting ``"rows"`` or
+  ``"cols"``), loads its fragment with coalesced loads, and writes 16-bit rows through a swizzled
+  smem tile (128-bit stores).
 
 Varlen (``cu_seqlens`` given): the output is ``(total, nheads, head_dim)``, the accumulator
 ``(1, nheads, rows * head_dim)`` at the per-sequence padded offsets (``bwd_utils``); the grid
@@ -31,7 +33,7 @@ from cutlass.memory import SmemAllocator
 
 from .bwd_utils import (
     accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, select_head, tiled_copy_16b,
-    tiled_mma_sm80,
+    tiled_mma_dq_sm90, tiled_mma_sm80,
 )
 from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .utils import (
@@ -48,10 +50,17 @@ class FlashBwdPostprocess:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
-                 num_threads: int = 128, atom_m: int | None = None, vec: int = 1):
+                 num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
-        if vec not in (1, 4) or (vec != 1 and atom_m is None):
-            reason = f"vec must be 1, or 4 in fragment mode (atom_m given), got {vec}"
+        fragment = atom_m is not None or wgmma_split is not None
+        if vec not in (1, 4) or (vec != 1 and not fragment):
+            reason = f"vec must be 1, or 4 in fragment mode (atom_m or wgmma_split given), got {vec}"
+        if wgmma_split is not None and (
+            atom_m is not None or wgmma_split not in ("rows", "cols") or num_threads != 256
+            or tile_m != (128 if wgmma_split == "rows" else 64)
+        ):
+            reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128) or 'cols' (tile_m 64), with 256 "
+                      f"threads and no atom_m; got tile_m {tile_m}, {num_threads} threads, atom_m {atom_m}")
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype
@@ -60,6 +69,8 @@ class FlashBwdPostprocess:
         self.num_threads = num_threads
         self.atom_m = atom_m
         self.vec = vec  # fp32 values per dQ reduce-add of the main kernel (its dq_red_vec)
+        self.wgmma_split = wgmma_split  # sm90 main kernel's dQ WGMMA: warpgroups along "rows" or "cols"
+        self.fragment = fragment
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
@@ -95,11 +106,15 @@ class FlashBwdPostprocess:
 
         self.kernel(mAccum, mOut, scale, num_batch, mCuSeqlens, mSeqUsed, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes() if const_expr(self.atom_m is not None) else 0,
+            smem=SharedStorage.size_in_bytes() if const_expr(self.fragment) else 0,
             stream=stream,
         )
 
     def _smem_layout(self):
+        if const_expr(self.wgmma_split is not None and self.head_dim % 128 != 0):
+            # (the WGMMA C layout's 96-column halves of a 192-wide row across 64-column swizzle atoms
+            # abort the DSL's copy partitioning, DSL 4.8.1: plain rows there; a minor kernel)
+            return cute.make_ordered_layout((self.tile_m, self.head_dim), order=(1, 0))
         atom = smem_layout_atom_sm80(self.dtype, self.head_dim)
         return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
 
@@ -146,7 +161,7 @@ class FlashBwdPostprocess:
         mAccum_cur = mAccum[Int32(0) if const_expr(varlen) else batch_idx, head_idx, None]
         mOut_cur = seqlen_info.q_view(select_head(mOut, head_idx, 2), batch_idx)
         block = pad_offset // self.tile_m + m_block
-        if const_expr(self.atom_m is None):
+        if const_expr(not self.fragment):
             self.tile_row_major(mAccum_cur, mOut_cur, scale, m_block, block, seqlen_info.seqlen_q)
         else:
             self.tile_fragment(
@@ -201,7 +216,10 @@ class FlashBwdPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
 
-        tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
+        if const_expr(self.wgmma_split is not None):
+            tiled_mma = tiled_mma_dq_sm90(self.dtype, self.head_dim, self.wgmma_split == "rows")
+        else:
+            tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
         gAcc = fragment_accum(
             mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx, self.vec,

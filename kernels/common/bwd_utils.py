@@ -9,7 +9,9 @@ through fp32 scratch buffers; they must agree on one padding rule and one layout
   main kernel's dQ tiled MMA (``fragment_accum``), ``vec`` values per thread side by side (4 on
   sm_90: ``red.add.v4.f32``; 1 on sm_80): the per-m_block ``red.add`` of a warp then covers
   ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order; the
-  postprocess rebuilds the same tiled MMA and ``vec`` to undo the order;
+  postprocess rebuilds the same tiled MMA and ``vec`` to undo the order. The sm90 kernels use
+  the same order for their WGMMA dQ (``tiled_mma_dq_sm90``, vec 4): the MMA threads store it to
+  smem with conflict-free 128-bit stores and one ``bulk_reduce_add_f32`` adds the whole tile;
 - GQA ``dKaccum``/``dVaccum``: ``(batch, nheads_k, seqlen_k_padded * head_dim)``, row-major
   ``(seqlen_k_padded, head_dim)`` per head (added once per CTA, so order matters little);
 with ``*_padded = round_up(seqlen, SEQ_PAD)`` (design doc pitfall 22). Varlen: the batch mode
@@ -32,7 +34,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cutlass_dsl import dsl_user_op
 
 # Every scratch buffer pads its sequence length to a multiple of this; tiles must divide it.
 SEQ_PAD = 128
@@ -156,6 +159,39 @@ def tiled_mma_sm80(dtype: type[cutlass.Numeric], num_warps: int, atom_m: int) ->
         warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
         (atom_m, atom_n, 1),
         permutation_mnk=(atom_m * 16, atom_n * 16, 16),
+    )
+
+
+def tiled_mma_dq_sm90(dtype: type[cutlass.Numeric], head_dim: int, split_rows: bool, num_wg: int = 2) -> cute.TiledMma:
+    """The sm90 backward's dQ WGMMA (A = dS from smem, M-major; B = K^T, MN-major): the warpgroups
+    split the dQ tile by rows (64 each: ``tile_m = 64 * num_wg``) or by head-dim columns (``tile_m``
+    64). Shared by the main kernels (sm90/bwd.py, bwd_wide.py) and the postprocess that undoes its
+    fragment order."""
+    import cutlass.utils.hopper_helpers as hopper_helpers
+
+    mn_major = cute.nvgpu.OperandMajorMode.MN
+    atom, cols = ((num_wg, 1, 1), head_dim) if split_rows else ((1, num_wg, 1), head_dim // num_wg)
+    return hopper_helpers.make_trivial_tiled_mma(
+        dtype, dtype, mn_major, mn_major, cutlass.Float32, atom_layout_mnk=atom, tiler_mn=(64, cols),
+    )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None, ip=None) -> None:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: the TMA unit adds ``num_bytes``
+    of contiguous fp32 from smem ``src`` into gmem ``dst`` (16-byte aligned, ``num_bytes`` a multiple
+    of 16). One thread issues it and owns its bulk group (commit / wait as for a TMA store); the DSL
+    has the tensor form only (``CopyReduceBulkTensorTileS2GOp``), which needs a row-major box."""
+    llvm.inline_asm(
+        None,
+        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {num_bytes};",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 

@@ -16,8 +16,9 @@ Constraints: bf16/fp16; Q/K/V/dO ``(batch, seqlen, nheads, head_dim)`` (varlen: 
 nheads, head_dim)`` with ``cu_seqlens_q/k`` and optional ``seqused_q/k``), unit last stride, other
 strides multiples of 8 elements, 16-byte aligned bases (TMA); ``head_dim == head_dim_v`` in
 {64, 96, 128} (the launcher pads); ``nheads % nheads_k == 0``. Scratch buffers as in
-``common/bwd_utils.py`` (``dQaccum`` and GQA's ``dKaccum``/``dVaccum`` row-major per head; the
-postprocess converts them in its row-major mode). Causal (bottom-right), sliding window,
+``common/bwd_utils.py`` (``dQaccum`` per m_block in the fragment order of the dQ WGMMA,
+``tiled_mma_dq_sm90``; GQA's ``dKaccum``/``dVaccum`` row-major per head; the postprocess undoes
+both). Causal (bottom-right), sliding window,
 softcap (``dS_x = dS_s * (1 - tanh^2)``, as ``sm80/bwd.py``), GQA/MQA, deterministic dQ and
 GQA dK/dV sums (semaphores, ``common/bwd_utils.py``).
 
@@ -38,7 +39,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from ..common.bwd_utils import (
-    accum_tile, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal, semaphore_wait,
+    accum_tile, bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
+    semaphore_wait, tiled_mma_dq_sm90,
 )
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
@@ -75,7 +77,7 @@ class FlashBwdSm90:
 
         | warpgroup | warps | registers | role                                                |
         | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m |
-        | WG0       | 1     | 24        | dQ writer: TMA reduce-add sdQ -> dQaccum per m      |
+        | WG0       | 1     | 24        | dQ writer: bulk reduce-add sdQ -> dQaccum per m     |
         | WG0       | 2-3   | 24        | idle (exit after setmaxnreg)                        |
         | WG1, WG2  | 4 each| 240       | MMA: 64 keys each; S^T, dP^T, dV, dK, dQ; epilogue  |
 
@@ -94,19 +96,20 @@ class FlashBwdSm90:
         issue dV += P^T dO (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
         barrier DS_READY (both warpgroups' dS); issue dQ = dS K (this warpgroup's half of
         head_dim, or of the rows); issue dK += dS^T Q (A = dS^T registers); wait dV, dQ;
-        release dO; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL; wait dK; release Q
+        release dO; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL; wait dK; release Q
 
     At tile_m 128 (``dp_after_p``; softcap refused) the first line is instead: wait Q; S^T = K Q^T;
     wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
     both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
 
-    dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; an elected lane
-    issues the TMA reduce-adds (``cp.reduce.async.bulk.tensor``; 32-column boxes of the 128-byte
-    swizzle, two per warpgroup chunk at hdim 128) of each sdQ chunk into the fp32 accumulator;
-    waits until they have read sdQ; arrive DQ_EMPTY [deterministic: then waits until they are
-    done in L2 and passes the turn]. The MMA warpgroups never wait on global memory for dQ, nor
-    on the turns: with one sdQ buffer they wait only for the TMA unit to have read the previous
-    block's chunk (and for the writer to have reached that block's turn).
+    dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; lane 0 issues one
+    bulk reduce-add (``cp.reduce.async.bulk ... add.f32``) of the whole sdQ tile into the fp32
+    accumulator's tile, both in the dQ MMA's fragment order (4 values per thread side by side: the
+    MMA threads store it with conflict-free 128-bit stores; the postprocess undoes the order);
+    waits until it has read sdQ; arrive DQ_EMPTY [deterministic: then waits until it is done in L2
+    and passes the turn]. The MMA warpgroups never wait on global memory for dQ, nor on the
+    turns: with one sdQ buffer they wait only for the TMA unit to have read the previous block's
+    tile (and for the writer to have reached that block's turn).
 
     sdS has two stages: a warpgroup writes block j+1's dS while the other may still read block
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
@@ -157,8 +160,6 @@ class FlashBwdSm90:
         self.dp_after_p = tile_m == 128
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
-        self.dq_rows = 64 if dq_split_rows else tile_m  # one warpgroup's chunk of the dQ tile
-        self.dq_cols = head_dim if dq_split_rows else head_dim // self.num_mma_wg
         self.dq_sync_threads = self.num_mma_wg * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
         self.pds_stages = 2  # sdSt buffers (bwd_wide.py adds two for P^T)
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
@@ -185,8 +186,8 @@ class FlashBwdSm90:
             return "the dQ GEMM splits rows exactly when tile_m is 128"
         if tile_m == 128 and has_softcap:
             return "tile_m 128 issues dP^T after P^T is formed and frees S^T: the softcap derivative needs it"
-        if not dq_split_rows and (head_dim // 2) % 32 != 0:
-            return f"head_dim {head_dim} does not split into two dQ column halves of whole 64-byte swizzle atoms"
+        if not dq_split_rows and (head_dim // 2) % 8 != 0:
+            return f"head_dim {head_dim} does not split into two dQ column halves a WGMMA takes (N a multiple of 8)"
         if is_causal and is_local:
             return "is_causal and is_local are exclusive"
         if num_stages not in (1, 2):
@@ -212,8 +213,6 @@ class FlashBwdSm90:
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
-            # fp32 dQ staging, one (dq_rows, dq_cols) chunk per MMA warpgroup, for the TMA reduce-add.
-            "sdQ": make_smem_layout_sm90(Float32, self.dq_rows, self.dq_cols, self.num_mma_wg),
         }
 
     def _shared_storage(self, layouts):
@@ -234,7 +233,8 @@ class FlashBwdSm90:
             sQ: buffer(layouts["sQ"])
             sdO: buffer(layouts["sdO"])
             sdSt: buffer(layouts["sdSt"])
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layouts["sdQ"])], _SMEM_ALIGN]
+            # fp32 dQ staging: the m_block's tile in the dQ MMA's fragment order (``dq_staging``).
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
 
         return SharedStorage
 
@@ -251,16 +251,7 @@ class FlashBwdSm90:
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(wg, 1, 1),
             tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
         )
-        if const_expr(self.dq_split_rows):
-            dq = hopper_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(wg, 1, 1), tiler_mn=(64, self.head_dim),
-            )
-        else:
-            dq = hopper_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wg, 1),
-                tiler_mn=(64, self.head_dim // wg),
-            )
-        return sdp, dkv, dq
+        return sdp, dkv, tiled_mma_dq_sm90(self.dtype, self.head_dim, self.dq_split_rows, wg)
 
     # ------------------------------------------------------------------ host entry point
 
@@ -273,7 +264,7 @@ class FlashBwdSm90:
         mdO: cute.Tensor,  # like mQ
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
         mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
-        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed, row-major
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed, fragment order
         mdK: cute.Tensor,  # MHA: like mK, 16-bit output;
         mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
         mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed
@@ -326,19 +317,7 @@ class FlashBwdSm90:
         stat_layout = cute.make_layout(self.tile_m)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_load, mLSE_t, stat_layout, (self.tile_m,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_load, mdPsum_t, stat_layout, (self.tile_m,))
-        # dQaccum (b, h, s_pad * d) viewed as row-major (s_pad, d, h, b): each warpgroup's chunk goes
-        # out as one TMA reduce-add (the postprocess reads it row-major).
-        mdQ_rows = cute.make_tensor(
-            mdQaccum.iterator,
-            cute.make_layout(
-                (mdQaccum.shape[2] // d, d, mdQaccum.shape[1], mdQaccum.shape[0]),
-                stride=(d, 1, mdQaccum.stride[1], mdQaccum.stride[0]),
-            ),
-        )
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_rows, cute.select(layouts["sdQ"], mode=[0, 1]),
-            (self.dq_rows, self.dq_cols),
-        )
+        mdQaccum = assume_strides_aligned(mdQaccum)  # (whole tiles go out by 16-byte-aligned bulk adds)
         SharedStorage = self._shared_storage(layouts)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         if const_expr(self.has_softcap):
@@ -354,7 +333,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
-            tma_atom_dQ, tma_dQ, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
+            mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
             mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
         ).launch(
@@ -382,8 +361,7 @@ class FlashBwdSm90:
         tma_atom_dO: cute.CopyAtom,
         tma_atom_LSE: cute.CopyAtom,
         tma_atom_dPsum: cute.CopyAtom,
-        tma_atom_dQ: cute.CopyAtom,
-        mdQaccum: cute.Tensor,  # TMA coordinates of (seqlen_q_padded, head_dim, nheads, batch | 1)
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQ_sem: cute.Tensor,
@@ -408,7 +386,7 @@ class FlashBwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum)
         if warp_idx == 0:
-            for atom in (*atoms, tma_atom_dQ):
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -434,7 +412,7 @@ class FlashBwdSm90:
         sQ, sdO = smem(storage.sQ, "sQ"), smem(storage.sdO, "sdO")
         sK, sV = smem(storage.sK, "sK"), smem(storage.sV, "sV")
         sdSt = smem(storage.sdSt, "sdSt")
-        sdQ = smem(storage.sdQ, "sdQ")
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
@@ -474,7 +452,7 @@ class FlashBwdSm90:
                     )
                 if warp_idx == 1:
                     self.store_dq(
-                        sdQ, mdQaccum[None, None, head_idx, scratch_b], tma_atom_dQ,
+                        sdQ, mdQaccum[scratch_b, head_idx, None],
                         mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
                         row_offset_q // self.tile_m, window_left, window_right,
                     )
@@ -622,7 +600,7 @@ class FlashBwdSm90:
         ).get_slice(tidx)
         tdSsdS = r2s_dS.partition_D(sdSt)
         tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
-        r2s_dQ, tdQsdQ = self.dq_staging(sdQ, tidx, wg_idx)
+        tdQsdQ = self.dq_staging(sdQ, tidx)
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -684,7 +662,7 @@ class FlashBwdSm90:
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
             wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
-            self.dq_to_smem(acc_dQ, r2s_dQ, tdQsdQ, m_block > m_block_min)
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
             warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
             pipe_q.consumer_release(state)
             state.advance()
@@ -701,26 +679,21 @@ class FlashBwdSm90:
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
         return tScS_mn, mask
 
-    def dq_staging(self, sdQ, tidx: Int32, wg_idx: Int32):
-        """``(r2s_dQ, tdQsdQ)``: this warpgroup's dQ chunk, registers -> sdQ[wg] (64-bit stores
-        through the swizzle); the dQ writer warp reduce-adds it (``store_dq``). A one-warpgroup tiled
-        MMA of the chunk's shape has exactly this warpgroup's C layout."""
-        MN = cute.nvgpu.OperandMajorMode.MN
-        mma_dq_chunk = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
-        )
-        r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq_chunk,
-        ).get_slice(tidx % _WG_THREADS)
-        return r2s_dQ, r2s_dQ.partition_D(sdQ[None, None, wg_idx])
+    def dq_staging(self, sdQ, tidx: Int32):
+        """This thread's view of sdQ: its dQ fragment in the MMA-fragment order of ``bwd_utils``
+        (``fragment_accum``, 4 values side by side), which the postprocess undoes. A warp's 128-bit
+        store covers 512 contiguous bytes (4 wavefronts, no bank conflicts; the C layout's 64-bit
+        stores into a swizzled row-major tile took 4 wavefronts for 256 bytes), and the writer adds
+        the whole tile with one bulk reduce."""
+        return fragment_accum(sdQ, self.tile_m * self.head_dim, self.num_mma_threads, Int32(0), tidx, 4)
 
     @cute.jit
-    def dq_to_smem(self, acc_dQ, r2s_dQ, tdQsdQ, after_first: cutlass.Boolean):
-        """This block's dQ -> sdQ once the writer's last reduce-adds have read it (``after_first``:
-        there were some), then tell the writer."""
+    def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean):
+        """This block's dQ -> sdQ once the writer's last reduce-add has read it (``after_first``:
+        there was one), then tell the writer."""
         if after_first:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
-        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
 
@@ -779,19 +752,19 @@ class FlashBwdSm90:
                 acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
 
     @cute.jit
-    def store_dq(self, sdQ, mdQaccum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQ_sem: cute.Tensor,
-                 seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32, m_block_max: Int32, block_offset: Int32,
-                 window_left: Int32, window_right: Int32):
-        """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ chunks in sdQ, reduce-add each
-        into the row-major fp32 accumulator by TMA (an elected lane), and hand sdQ back once the TMA
-        unit has read it. Deterministic: the adds of a query block go in key-block turns (ascending n_block,
-        descending for causal/local), each turn's adds complete in L2 before the next may start; only
-        this warp waits, the MMA warpgroups run on into the next block.
+    def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
+                 m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
+                 window_right: Int32):
+        """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
+        the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
+        has read it. Deterministic: the adds of a query block go in key-block turns (ascending
+        n_block, descending for causal/local), each turn's add complete in L2 before the next may
+        start; only this warp waits, the MMA warpgroups run on into the next block.
 
-        ``mdQaccum``: TMA coordinates of (seqlen_q_padded, head_dim) of this (batch, head);
-        ``mdQ_sem``: (num_m_blocks_padded,) of this (batch, head)."""
+        ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
+        (num_m_blocks_padded,) of this (batch, head)."""
         lane = cute.arch.lane_idx()
-        gdQ = cute.local_tile(mdQaccum, (self.dq_rows, self.dq_cols), (None, None))
+        tile_elems = self.tile_m * self.head_dim
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
@@ -804,29 +777,20 @@ class FlashBwdSm90:
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
-            # The whole warp calls the TMA copy: the DSL elects the issuing lane itself (an
-            # elect.sync inside `if lane == 0` would wait for lanes that never come). The bulk
-            # async-groups are per thread: the elected lane's commit and wait are the ones that count.
-            for wg in cutlass.range_constexpr(self.num_mma_wg):
-                if const_expr(self.dq_split_rows):
-                    row, col = q_block * (self.tile_m // 64) + wg, 0
-                else:
-                    row, col = q_block, wg
-                tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                    tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, wg], 0, 2),
-                    cute.group_modes(gdQ, 0, 2),
-                )
-                cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, row, col])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
+            # One lane issues the add and owns its bulk group (commit and waits are per thread).
+            if lane == 0:
+                bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems, sdQ.iterator, tile_elems * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
             cute.arch.sync_warp()
             if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
             if const_expr(self.deterministic):
                 # sdQ is handed back first: the MMA warpgroups store their next dQ while this warp
-                # waits for the adds to land and for the next block's turn.
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in L2
-                cute.arch.fence_proxy("async.global")
+                # waits for the add to land and for the next block's turn.
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the add is done in L2
+                    cute.arch.fence_proxy("async.global")
                 cute.arch.sync_warp()
                 semaphore_signal(
                     mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True

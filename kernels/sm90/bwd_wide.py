@@ -27,7 +27,7 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
-from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semaphore_wait
+from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semaphore_wait, tiled_mma_dq_sm90
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, store_rows_predicated, wgmma
 from ..common.utils import convert_to_16bit, transpose_view
@@ -39,7 +39,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
         | warpgroup | warps | registers | role                                                   |
         | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m    |
-        | WG0       | 1     | 24        | dQ writer: TMA reduce-add sdQ -> dQaccum per m         |
+        | WG0       | 1     | 24        | dQ writer: bulk reduce-add sdQ -> dQaccum per m        |
         | WG1, WG2  | 4 each| 240       | MMA: S^T/dP^T for 32 queries each; dK, dV, dQ for d/2  |
 
     Pipelines as ``FlashBwdSm90`` (``num_stages`` Q / dO stages: 1 at d = 256, where two would not
@@ -51,7 +51,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         P^T = exp2(...); wait dP; dS^T = P^T (dP^T - dPsum) [* tanh'];
         P^T -> sdSt[2 + s], dS^T -> sdSt[s] (s = block parity); fence; barrier DS_READY;
         issue dK += dS^T Q, dV += P^T dO, dQ = dS K (all SS); wait dK, dV: release Q, dO;
-        wait dQ; [bar DQ_EMPTY]; dQ -> sdQ[wg]; fence; arrive DQ_FULL
+        wait dQ; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL
 
     sdSt holds two dS^T and two P^T buffers: a warpgroup writes block j+1's while the other may
     still read block j's, and cannot reach block j+2 before the other passed DS_READY of j+1, by
@@ -126,10 +126,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             )
             for width in (self.head_dim, self.head_dim_v)
         )
-        dq = hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wg, 1), tiler_mn=(64, self.head_dim // wg),
-        )
-        return sdp, (dk, dv), dq
+        return sdp, (dk, dv), tiled_mma_dq_sm90(self.dtype, self.head_dim, False, wg)
 
     # ------------------------------------------------------------------ MMA warpgroups
 
@@ -181,7 +178,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         ).get_slice(tidx)
         tXsX = r2s_PdS.partition_D(sdSt)
         tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
-        r2s_dQ, tdQsdQ = self.dq_staging(sdQ, tidx, wg_idx)
+        tdQsdQ = self.dq_staging(sdQ, tidx)
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -219,7 +216,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             pipe_do.consumer_release(state)
             state.advance()
             warpgroup.wait_group(0)
-            self.dq_to_smem(acc_dQ, r2s_dQ, tdQsdQ, m_block > m_block_min)
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
         return acc_dK, acc_dV, tiled_mma_dkv
 
     # ------------------------------------------------------------------ epilogue
