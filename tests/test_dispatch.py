@@ -358,26 +358,14 @@ def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
 def test_sm90_backward_dq_order_agrees_between_main_and_postprocess():
     """The sm90 main kernels add dQ in the fragment order of their dQ WGMMA (warpgroups splitting the
     tile by rows at tile_m 128, by columns at 64); the dQ postprocess rebuilds that WGMMA from its key.
-    Every call's pair must agree, also where a flag changes the main tile (softcap at hdim 64).
-    The GQA dK/dV sums of the tile_n 128 kernel likewise (their MMA's C layout is the dQ WGMMA's split by
-    rows), except when gate.py asks for dK in fp32 (it reads the sums back row-major); bwd_wide.py's
-    sums are row-major."""
+    Every call's pair must agree, also where a flag changes the main tile (softcap at hdim 64)."""
     family = dispatch.BWD_KERNELS["sm90"]
     for head_dim in family.tiles:
         for flags in ({}, {"causal": True, "nheads_k": 1}, {"softcap": 5.0}):
-            for dk_fp32 in (False, True):
-                p = problem(head_dim=head_dim, head_dim_v=head_dim, **flags)
-                _, main, post_dq, post_kv = family.keys(p, "sm_90a", dk_fp32=dk_fp32)
-                split = "rows" if main.dq_split_rows else "cols"
-                assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, split), main.name
-                assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
-                fragment = main.gqa and main.tile_n == 128 and not dk_fp32
-                assert main.dkv_row_major == (main.gqa and main.tile_n == 128 and dk_fp32), main.name
-                if fragment:
-                    assert (post_kv.tile_m, post_kv.dq_wgmma, post_kv.num_threads, post_kv.dq_red_vec) == (
-                        main.tile_n, "rows", 256, 4), main.name
-                else:
-                    assert post_kv.dq_wgmma == "" and post_kv.dq_red_vec == 1, main.name  # row-major sums
+            _, main, post_dq, post_kv = family.keys(problem(head_dim=head_dim, head_dim_v=head_dim, **flags), "sm_90a")
+            assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, "rows" if main.dq_split_rows else "cols"), main.name
+            assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
+            assert post_kv.dq_wgmma == "" and post_kv.dq_red_vec == 1  # row-major GQA dK/dV sums
 
 
 def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():

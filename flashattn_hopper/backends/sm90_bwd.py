@@ -11,16 +11,15 @@ falls back when this family cannot implement them).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
-from .common import VarlenArgs, cutlass_dtype, fake_bshd, ffi_compile
+from .common import cutlass_dtype, fake_bshd, ffi_compile
 from .sm80_bwd import (
-    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
+    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
 
 
@@ -61,9 +60,6 @@ class BwdSm90Key(KernelKey):
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
-    # GQA dK/dV sums row-major by per-thread reduce-adds (gate.py's fp32 dK read back), else (tile_n 128)
-    # in the dK/dV MMA's fragment order by bulk reduce-adds, undone by their postprocess
-    dkv_row_major: bool = False
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
 
 
@@ -103,25 +99,6 @@ class BwdSm90(BwdSm80):
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows, **flags,
         )
 
-    def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
-             sms: int | None = None, dk_fp32: bool = False) -> tuple[BwdPreKey, BwdSm90Key, BwdPostKey, BwdPostKey]:
-        """``BwdSm80.keys``, with the GQA dK/dV sums of the tile_n 128 kernel in fragment order (their
-        postprocess rebuilds the dK/dV MMA), except with ``dk_fp32`` (gate.py reads dK's sums row-major)."""
-        pre, main, post_dq, post_kv = super().keys(p, arch, varlen, deterministic, sms, dk_fp32)
-        if main.gqa and main.tile_n == 128:  # type: ignore[attr-defined]
-            if dk_fp32:
-                main = dataclasses.replace(main, dkv_row_major=True)
-            else:
-                post_kv = self._post_kv_fragment(post_kv, main)
-        return pre, main, post_dq, post_kv  # type: ignore[return-value]
-
-    @staticmethod
-    def _post_kv_fragment(post_kv: BwdPostKey, main: KernelKey) -> BwdPostKey:
-        """The GQA dK/dV postprocess of fragment-order sums: the dK/dV MMA's C layout is that of the dQ
-        WGMMA split by rows (two warpgroups of 64 keys, head_dim wide)."""
-        return dataclasses.replace(post_kv, tile_m=main.tile_n, num_threads=_DQ_POST_THREADS,  # type: ignore[attr-defined]
-                                   dq_red_vec=4, dq_wgmma="rows")
-
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
                    seqused_q: bool = False, seqused_k: bool = False,
                    main: KernelKey | None = None) -> tuple[BwdPostKey, BwdPostKey]:
@@ -139,7 +116,7 @@ class BwdSm90(BwdSm80):
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the d128 GQA dK/dV postprocess (fragment order). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        unswizzled staging tile). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -147,7 +124,6 @@ class BwdSm90(BwdSm80):
             self._post_keys(arch, "bf16", 128, 128)[0],
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],
-            self._post_kv_fragment(self._post_keys(arch, "bf16", 128, 128)[1], main(arch, "bf16", 128, 128, True, True)),
             main(arch, "bf16", 128, 128, False, False),
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
@@ -182,7 +158,7 @@ class BwdSm90(BwdSm80):
         kernel = kernel_class(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
-            head_dim_v=k.head_dim_v, **({} if kernel_class is FlashBwdSm90Wide else {"dkv_row_major": k.dkv_row_major}),
+            head_dim_v=k.head_dim_v,
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

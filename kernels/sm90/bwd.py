@@ -131,7 +131,6 @@ class FlashBwdSm90:
         dq_split_rows: bool = False,
         deterministic: bool = False,
         head_dim_v: int | None = None,
-        dkv_row_major: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -151,12 +150,6 @@ class FlashBwdSm90:
         # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
         # (the turn bookkeeping costs registers the main loop does not have to spare).
         self.deterministic = deterministic
-        # GQA dK/dV sums: row-major by per-thread reduce-adds (dkv_row_major: gate.py reads dK's sums
-        # back itself; bwd_wide.py), else in the dK/dV MMA's fragment order by two bulk reduce-adds.
-        self.dkv_row_major = dkv_row_major
-        if is_gqa and not dkv_row_major and tile_n > num_stages * tile_m:
-            raise ValueError("FlashBwdSm90: the GQA dK/dV staging (8 * tile_n * head_dim bytes over sK, sV, sQ, sdO) "
-                             f"needs tile_n <= num_stages * tile_m, got {tile_n} > {num_stages} * {tile_m}")
         # The dQ GEMM (tile_m x head_dim) is split between the two MMA warpgroups by columns
         # (head_dim halves) or, with tile_m = 128, by rows (64 queries each).
         self.dq_split_rows = dq_split_rows
@@ -477,7 +470,7 @@ class FlashBwdSm90:
                     self.epilogue_gqa(
                         acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
                         mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
-                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic, storage.sK.data_ptr(),
+                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic,
                     )
                 else:
                     self.epilogue_mha(
@@ -833,47 +826,14 @@ class FlashBwdSm90:
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, smem_ptr):
-        """Add this query head's fp32 dK (unscaled) and dV into its KV head's sums: both tiles to
-        smem in the MMA's fragment order (``fragment_accum``, 4 values side by side: 128-bit stores),
-        over sK, sV, sQ and sdO (``smem_ptr``: sK's start; no GEMM reads them any more), then one bulk
-        reduce-add per tile from thread 0 (FA3's GQA epilogue), which the postprocess undoes; 64
-        ``red.v2`` per thread and tile before. ``dkv_row_major``: per-thread reduce-adds into
-        row-major sums."""
-        if const_expr(not self.dkv_row_major):
-            tile_elems = self.tile_n * self.head_dim
-            staging = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout(2 * tile_elems))
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-            for i, acc in enumerate((acc_dK, acc_dV)):
-                dst = fragment_accum(staging, tile_elems, self.num_mma_threads, Int32(i), tidx, 4)
-                cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(dst.shape)), dst)
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-            if const_expr(self.deterministic):
-                semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE),
-                               self.num_mma_threads)
-            else:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-            if tidx == 0:
-                for i, mAccum in enumerate((mdKaccum, mdVaccum)):
-                    bulk_reduce_add_f32(mAccum.iterator + k_block * tile_elems, staging.iterator + i * tile_elems,
-                                        tile_elems * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                # smem must outlive the reads (the CTA exits next); deterministic: the adds are in L2
-                # before the turn passes.
-                cute.arch.cp_async_bulk_wait_group(0, read=not self.deterministic)
-                if const_expr(self.deterministic):
-                    cute.arch.fence_proxy("async.global")
-            if const_expr(self.deterministic):
-                semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads,
-                                 fence_after_barrier=True)
-        else:
-            thr_dkv = tiled_mma_dkv.get_slice(tidx)
-            gdK = thr_dkv.partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
-            gdV = thr_dkv.partition_C(accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block))
-            if const_expr(self.deterministic):
-                semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE),
-                               self.num_mma_threads)
-            red_add_tile(acc_dV, gdV, 2)
-            red_add_tile(acc_dK, gdK, 2)
-            if const_expr(self.deterministic):
-                semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
+        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums."""
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        gdK = thr_dkv.partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
+        gdV = thr_dkv.partition_C(accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block))
+        if const_expr(self.deterministic):
+            semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+        red_add_tile(acc_dV, gdV, 2)
+        red_add_tile(acc_dK, gdK, 2)
+        if const_expr(self.deterministic):
+            semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)

@@ -64,7 +64,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                  num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None):
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
-                         deterministic=deterministic, head_dim_v=head_dim_v, dkv_row_major=True)
+                         deterministic=deterministic, head_dim_v=head_dim_v)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
 
     @staticmethod
@@ -249,9 +249,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: tuple,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, smem_ptr):
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
         """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums (each at
-        its own width; row-major: ``smem_ptr`` unused)."""
+        its own width)."""
         gdK = tiled_mma_dkv[0].get_slice(tidx).partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
         gdV = tiled_mma_dkv[1].get_slice(tidx).partition_C(
             accum_tile(mdVaccum, self.tile_n, self.head_dim_v, k_block)
