@@ -151,13 +151,42 @@ def _autocast(*tensors: Any) -> tuple[Any, ...]:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
 
 
+def _fp8_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, Any], softmax_scale: Any,
+                   causal: Any, window_size: Any, softcap: Any, backend: Any) -> tuple[Any, ...] | None:
+    """The ``_PLANS`` signature of a dense FP8 call whose options passed the fast path's type checks and
+    whose only extras are per-tensor descales (``(batch, nheads_k)`` tensors or None); else None."""
+    scales = []
+    for name in fp8.DESCALE_NAMES:
+        value = extras.get(name)
+        if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
+            return None
+        scales.append(None if value is None else (value.shape, value.dtype, value.get_device()))
+    if len(extras) != sum(s is not None for s in scales) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
+    return ("e4m3", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+            v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend, *scales)
+
+
 def _fp8_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, Any], softmax_scale: Any, causal: Any,
     window_size: Any, softcap: Any, attention_chunk: Any, learnable_sink: Any, log_decay: Any, deterministic: Any,
     return_lse: Any, return_attn_probs: Any, backend: Any, varlen: tuple[Any, ...] | None = None,
+    plain_options: bool = False,
 ) -> Any:
     """FP8 inputs (``fp8.py``): the plain forward only (under torch.compile as the ``fwd_fp8`` custom op);
-    the options that need more say so."""
+    the options that need more say so. ``plain_options`` (dense calls whose options passed the fast
+    path's type checks): a call with per-tensor descales is cached like a 16-bit call (``Fp8Plan``:
+    no validation, key building or descale assembly beyond one stack)."""
+    signature = None
+    if plain_options and varlen is None:
+        signature = _fp8_signature(q, k, v, extras, softmax_scale, causal, window_size, softcap, backend)
+        plan = _PLANS.get(signature) if signature is not None else None
+        if plan is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            try:
+                out, lse = plan(q, k, v, tuple(extras.get(name) for name in fp8.DESCALE_NAMES))
+                return (out, lse) if (return_lse or return_attn_probs) else out
+            except (ValueError, TypeError):  # strides TVM-FFI turns down: the general path copies
+                pass
     validate.check_common_options(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
@@ -173,6 +202,11 @@ def _fp8_call(
         out, lse = ops.attention_fp8(q, k, v, varlen, dict(extras), softmax_scale, causal, window_size, backend)
     else:
         out, lse = fp8.attention(q, k, v, dict(extras), softmax_scale, causal, window_size, softcap, backend, varlen)
+        if signature is not None and signature not in _PLANS:
+            p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, fp8=True)
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[signature] = dispatch.FWD_KERNELS["sm90"].plan_fp8(q, p)
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 
@@ -215,14 +249,17 @@ def flash_attn_func(
     # Cached calls first: plain option types only (a bool and an int, or an int and a float, compare
     # equal as dictionary keys, and the general path must see the others to reject them).
     signature = None
-    if (not positional_options and not flash_attn_extras and (causal is False or causal is True)
-            and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
-            and log_decay is None
-            and (deterministic is False or deterministic is True) and type(softcap) is float
-            and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
-            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
-            and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
-            and not torch.compiler.is_compiling()):
+    plain_options = (
+        not positional_options and (causal is False or causal is True)
+        and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
+        and log_decay is None
+        and (deterministic is False or deterministic is True) and type(softcap) is float
+        and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
+        and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+        and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
+        and not torch.compiler.is_compiling()
+    )
+    if plain_options and not flash_attn_extras:
         try:
             signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
                          v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend)
@@ -236,7 +273,8 @@ def flash_attn_func(
         raise validate.too_many_positional("flash_attn_func", "q, k, v", positional_options, "dropout_p", "softmax_scale")
     if fp8.is_fp8(q):  # e4m3 inference forward with FA3's descales (fp8.py)
         return _fp8_call(q, k, v, flash_attn_extras, softmax_scale, causal, window_size, softcap, attention_chunk,
-                         learnable_sink, log_decay, deterministic, return_lse, return_attn_probs, backend)
+                         learnable_sink, log_decay, deterministic, return_lse, return_attn_probs, backend,
+                         plain_options=plain_options)
     q, k, v = _autocast(q, k, v)
     validate.check_flash_attn_extras("flash_attn_func", flash_attn_extras)
     validate.check_common_options(

@@ -6,7 +6,9 @@ Per system: ``--calls`` back-to-back calls of a tiny attention (batch 1, seqlen 
 bf16, causal) after a warm-up, one CUDA event pair around them; us per call = elapsed / calls,
 which is the host's time per call whenever it exceeds the kernel's (a few us here). Forward alone
 and forward + backward (``torch.autograd.grad``). Systems: ours (default backend), ours
-``backend="sm80"``, and PyTorch SDPA with each backend it has (flash, cuDNN, efficient). Also: the
+``backend="sm80"``, and PyTorch SDPA with each backend it has (flash, cuDNN, efficient); on Hopper,
+ours on e4m3 inputs with per-tensor descales (forward only), cached and through the general route
+(``fp8.attention``, what every FP8 call did before its plans). Also: the
 time ``import flashattn_hopper`` adds to ``import torch``, and a new process's time from start to
 its first result with a warm disk cache.
 """
@@ -100,6 +102,17 @@ def main() -> None:
         both = per_call_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), args.calls // 4)
         lines.append(f"| {name} | {fwd:.1f} | {both:.1f} |")
         print(lines[-1], flush=True)
+    if torch.cuda.get_device_capability() == (9, 0):
+        from flashattn_hopper import flash_attn_func, fp8
+
+        q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
+        scales = {name: torch.ones(SHAPE[0], SHAPE[2], device="cuda") for name in fp8.DESCALE_NAMES}
+        for name, fn in (
+            ("ours e4m3 (cached plan)", lambda: flash_attn_func(q8, k8, v8, causal=True, **scales)),
+            ("ours e4m3 (general route)", lambda: fp8.attention(q8, k8, v8, dict(scales), None, True, (-1, -1), 0.0, None)),
+        ):
+            lines.append(f"| {name} | {per_call_us(fn, args.calls):.1f} | - |")
+            print(lines[-1], flush=True)
     imported, first, split = startup_seconds()
     lines += ["", f"import flashattn_hopper on top of import torch: {imported:.3f} s; "
               f"new process to first result (warm disk cache): {first:.2f} s", f"({split})"]

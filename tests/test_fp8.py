@@ -178,3 +178,23 @@ def test_triton_quantizer_compiles_for_sm90():
     for per_block, step in ((True, 0), (False, 1), (False, 2)):
         const = dict(D=256, ROWS=128, CHUNK=32, HADAMARD=True, PER_BLOCK=per_block, GROUP=2, PASS=step)
         triton.compile(ASTSource(quantize_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+
+
+def test_fp8_call_signatures_cover_per_tensor_descales_only():
+    """``api._fp8_signature``: dense calls whose extras are per-tensor descales get a plan signature that
+    records each descale's shape, dtype and device (or its absence); per-block descales, other extras or
+    non-tensor descales go the general way (None)."""
+    from flashattn_hopper import api
+
+    q8 = torch.zeros(1, 8, 4, 64).to(torch.float8_e4m3fn)
+    k8 = torch.zeros(1, 8, 2, 64).to(torch.float8_e4m3fn)
+    d = torch.ones(1, 2)
+
+    def sig(**extras):
+        return api._fp8_signature(q8, k8, k8, extras, None, True, (-1, -1), 0.0, None)
+
+    assert sig() is not None and sig(q_descale=d, k_descale=d, v_descale=d) is not None
+    assert sig(q_descale=d) != sig(k_descale=d) != sig()  # which descales are given is part of it
+    assert sig(q_descale=d) != sig(q_descale=d.double())
+    assert sig(q_descale=torch.ones(1, 4, 1)) is None  # per block
+    assert sig(q_descale=1.0) is None and sig(dropout_p=0.0) is None

@@ -95,7 +95,7 @@ def _check(out, lse, out_ref, lse_ref, out_emul, name, score_magnitude=0.0, head
     mantissa bits, not fp32's 23 (DeepSeek-V3 report, section 3.3.2), so S, and with it the LSE, is off
     by ~2^-14 of the partial sums' size per 32-deep k step; the LSE bound is 2e-3 plus twice that.
     (Measured on an H200 with scores up to ~50: LSE errors 0.008 / 0.017 / 0.025 at head dim 64 / 128 /
-    256, in proportion to the k steps; this bound was set from those figures and not yet rerun.)"""
+    256, in proportion to the k steps; this bound was set from those figures and passed on the H200.)"""
     assert out.dtype == torch.bfloat16, out.dtype
     atol = rounding_atol(out_ref, torch.bfloat16)
     assert_close_to_ref(f"{name} out", out, out_ref, out_emul, atol=atol)
@@ -228,6 +228,37 @@ def test_fp8_descales_are_checked():
     # no descale: 1 (FA3's default), the result of the inputs as they are
     out = flash_attn_func(q8, k8, k8)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fp8_cached_calls_take_their_plan(monkeypatch):
+    """A dense FP8 call with per-tensor descales and plain options is cached like a 16-bit call
+    (``api._PLANS``, ``Fp8Plan``): after the first call the same bits without the general path (patched
+    to fail), also with a descale left out (its own signature, planned after one general call) and with
+    other descale values of the same shape; a causal GQA shape (the dynamic tile schedule's counter)."""
+    from flashattn_hopper import api, fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, s, h, 128, generator=gen, device="cuda") for s, h in ((300, 4), (300, 2), (300, 2)))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, 2, 2, gen) for t in (q, k, v))
+    api.clear_plans()
+    general = fp8.attention
+    first = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    no_v = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd)
+    kd2 = kd * 0.5
+    other = general(q8, k8, v8, {"q_descale": qd, "k_descale": kd2, "v_descale": vd}, None, True, (-1, -1), 0.0, None)[0]
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("the call took the general path, not its plan")
+
+    monkeypatch.setattr(fp8, "attention", general_path)
+    for _ in range(2):
+        assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd), first)
+        assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd), no_v)
+        assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd2, v_descale=vd), other)
+    with pytest.raises(AssertionError, match="general path"):  # a new signature (non-causal) goes the general way
+        flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
 
 
 def _rows_varied(*shape, gen):

@@ -19,9 +19,9 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, VarlenArgs, compile_cache, compile_forward, current_stream_handle,
-    cutlass_dtype, cluster_ctas, device_index, fake_f32, launch_forward, mask_flags, num_sms, target_arch,
-    tile_counter,
+    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, compile_cache, compile_forward,
+    current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_f32, launch_forward, mask_flags, num_sms,
+    target_arch, tile_counter, window_args,
 )
 
 
@@ -244,6 +244,22 @@ class FwdSm90(FwdLauncher):
             compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale), out_dtype=torch.bfloat16
         )
 
+    def plan_fp8(self, q: torch.Tensor, p: AttnProblem) -> Fp8Plan | None:
+        """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales that the kernel takes without
+        padding, else None (the call's checks, ``fp8.attention``, passed first)."""
+        if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+            return None
+        key = self.fp8_key(p, target_arch())
+        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
+            return None
+        fn = compile_cache.get(key, self.compile)
+        index = device_index(q.device)
+        max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
+        window_left, window_right = window_args(p) if key.local else (0, 0)
+        head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
+        ones = torch.ones(p.batch, p.nheads_k, dtype=torch.float32, device=q.device)
+        return Fp8Plan(fn, key, p, self, head, None if counter is None else index, ones)
+
     def kernel(self, key: FwdSm90Key) -> Any:
         """The kernel object for ``key`` (its static configuration; not yet compiled)."""
         from ..kernels.sm90.fwd import FlashFwdSm90
@@ -348,3 +364,27 @@ def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:
 def _dynamic(key: FwdSm90Key) -> bool:
     """Persistent causal/local kernels take tiles from an atomic counter (costs differ per tile)."""
     return key.persistent and (key.causal or key.local)
+
+
+class Fp8Plan(FwdPlan):
+    """``FwdPlan`` of an e4m3 call (``FwdSm90.plan_fp8``): q, k, v go in as their bytes, O comes out
+    bf16, and the call's ``q/k/v_descale`` (``(batch, nheads_k)`` fp32 each, or None: 1; the
+    signature fixed their shapes, dtypes and device) are stacked into the kernel's ``(3, batch,
+    nheads_k)`` in one launch."""
+
+    __slots__ = ("ones",)
+
+    def __init__(self, fn: Any, key: Any, problem: AttnProblem, family: Any, head: tuple[Any, ...],
+                 counter_device: int | None, ones: torch.Tensor) -> None:
+        super().__init__(fn, key, problem, family, head, counter_device)
+        self.ones = ones  # the descale of a tensor the call gives none for
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 descales: tuple[torch.Tensor | None, ...] = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+        descale = torch.stack([self.ones if d is None else d for d in descales])
+        out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        counter = None if self.counter_device is None else tile_counter(self.counter_device)
+        self.fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, *self.head, counter, None,
+                descale, None, None, None, None)
+        return out, lse
