@@ -154,15 +154,16 @@ def _autocast(*tensors: Any) -> tuple[Any, ...]:
 def _fp8_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, Any], softmax_scale: Any,
                    causal: Any, window_size: Any, softcap: Any, backend: Any) -> tuple[Any, ...] | None:
     """The ``_PLANS`` signature of a dense FP8 call whose options passed the fast path's type checks and
-    whose only extras are per-tensor descales (``(batch, nheads_k)`` tensors or None); else None."""
+    whose only extras are per-tensor descales (``(batch, nheads_k)`` tensors, or None as if left out); else
+    None."""
+    if not set(extras).issubset(fp8.DESCALE_NAMES) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
     scales = []
     for name in fp8.DESCALE_NAMES:
         value = extras.get(name)
         if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
             return None
         scales.append(None if value is None else (value.shape, value.dtype, value.get_device()))
-    if len(extras) != sum(s is not None for s in scales) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-        return None
     return ("e4m3", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
             v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend, *scales)
 

@@ -194,6 +194,7 @@ def test_fp8_call_signatures_cover_per_tensor_descales_only():
         return api._fp8_signature(q8, k8, k8, extras, None, True, (-1, -1), 0.0, None)
 
     assert sig() is not None and sig(q_descale=d, k_descale=d, v_descale=d) is not None
+    assert sig(q_descale=None) == sig()  # None is "not given" (FA3-style wrappers pass it)
     assert sig(q_descale=d) != sig(k_descale=d) != sig()  # which descales are given is part of it
     assert sig(q_descale=d) != sig(q_descale=d.double())
     assert sig(q_descale=torch.ones(1, 4, 1)) is None  # per block

@@ -235,8 +235,9 @@ def test_fp8_descales_are_checked():
 def test_fp8_cached_calls_take_their_plan(monkeypatch):
     """A dense FP8 call with per-tensor descales and plain options is cached like a 16-bit call
     (``api._PLANS``, ``Fp8Plan``): after the first call the same bits without the general path (patched
-    to fail), also with a descale left out (its own signature, planned after one general call) and with
-    other descale values of the same shape; a causal GQA shape (the dynamic tile schedule's counter)."""
+    to fail), also with a descale left out (its own signature, planned after one general call), with none
+    (None given counts as left out) and with other descale values of the same shape; a causal GQA shape
+    (the dynamic tile schedule's counter)."""
     from flashattn_hopper import api, fp8
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -246,6 +247,7 @@ def test_fp8_cached_calls_take_their_plan(monkeypatch):
     general = fp8.attention
     first = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     no_v = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd)
+    none = flash_attn_func(q8, k8, v8, causal=True, q_descale=None)  # (None as if left out: the same plan)
     kd2 = kd * 0.5
     other = general(q8, k8, v8, {"q_descale": qd, "k_descale": kd2, "v_descale": vd}, None, True, (-1, -1), 0.0, None)[0]
 
@@ -256,6 +258,8 @@ def test_fp8_cached_calls_take_their_plan(monkeypatch):
     for _ in range(2):
         assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd), first)
         assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd), no_v)
+        assert torch.equal(flash_attn_func(q8, k8, v8, causal=True), none)
+        assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=None, v_descale=None), none)
         assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd2, v_descale=vd), other)
     with pytest.raises(AssertionError, match="general path"):  # a new signature (non-causal) goes the general way
         flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)

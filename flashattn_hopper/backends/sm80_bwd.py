@@ -56,14 +56,14 @@ class BwdPreKey(KernelKey):
 @dataclass(frozen=True)
 class BwdPostKey(KernelKey):
     """bwd_post_sm80: fp32 accumulator -> 16-bit. ``atom_m`` > 0: dQaccum in the fragment order of
-    the main kernel's dQ MMA (same tile_m, num_threads, atom_m, dq_red_vec); 0: row-major (GQA dK/dV
-    sums)."""
+    the sm80 main kernel's dQ MMA (same tile_m, num_threads, atom_m, dq_red_vec); ``dq_wgmma``: in the
+    fragment order of the sm90 kernels' dQ WGMMA; neither: row-major (GQA dK/dV sums)."""
 
     dtype: str
     head_dim: int
     tile_m: int
     num_threads: int
-    atom_m: int = 0  # 0: row-major (the GQA dK/dV sums); a default so display names show the fragment mode
+    atom_m: int = 0  # 0: not the sm80 fragment order; a default so display names show the fragment mode
     varlen: bool = False
     seqused: bool = False  # seqused_q (dQ) or seqused_k (dK/dV) given (varlen only)
     dq_red_vec: int = 1  # fragment mode: the main kernel's dQ reduce-add width (the dQaccum order)

@@ -7,7 +7,7 @@ bf16/fp16 in the user layout ``(batch, seqlen, nheads, head_dim)``.
 
 Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp32
 (``common/bwd_utils.py``); the output has 16-byte rows and strides. Two layouts:
-- row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums; ``atom_m`` None): an
+- row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums; no ``atom_m``, no ``wgmma_split``): an
   elementwise kernel, 128-bit fp32 loads, one FMUL and a paired cvt per two values, 64-bit stores;
 - MMA-fragment order per ``tile_m`` rows (dQ; ``atom_m`` given, or ``wgmma_split``): the CTA
   rebuilds the main kernel's dQ tiled MMA (sm80: same ``tile_m``, ``num_threads``, ``atom_m``;
@@ -44,7 +44,7 @@ from .utils import (
 class FlashBwdPostprocess:
     """Grid ``(ceil(seqlen / tile_m), nheads, batch)``.
 
-    Row-major mode: each thread converts 4 values per copy. Fragment mode (``atom_m``): each
+    Row-major mode: each thread converts 4 values per copy. Fragment mode (``atom_m`` or ``wgmma_split``): each
     thread converts its dQ-MMA fragment of the tile (laid out ``fragment_accum(..., vec)``, as
     the main kernel reduce-added it), stages it in smem, then stores rows.
     """
@@ -56,11 +56,12 @@ class FlashBwdPostprocess:
         if vec not in (1, 4) or (vec != 1 and not fragment):
             reason = f"vec must be 1, or 4 in fragment mode (atom_m or wgmma_split given), got {vec}"
         if wgmma_split is not None and (
-            atom_m is not None or wgmma_split not in ("rows", "cols") or num_threads != 256
+            atom_m is not None or wgmma_split not in ("rows", "cols") or num_threads != 256 or vec != 4
             or tile_m != (128 if wgmma_split == "rows" else 64)
         ):
             reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128) or 'cols' (tile_m 64), with 256 "
-                      f"threads and no atom_m; got tile_m {tile_m}, {num_threads} threads, atom_m {atom_m}")
+                      f"threads, vec 4 and no atom_m; got tile_m {tile_m}, {num_threads} threads, vec {vec}, "
+                      f"atom_m {atom_m}")
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype
@@ -113,7 +114,9 @@ class FlashBwdPostprocess:
     def _smem_layout(self):
         if const_expr(self.wgmma_split is not None and self.head_dim % 128 != 0):
             # (the WGMMA C layout's 96-column halves of a 192-wide row across 64-column swizzle atoms
-            # abort the DSL's copy partitioning, DSL 4.8.1: plain rows there; a minor kernel)
+            # abort the DSL's copy partitioning, DSL 4.8.1: plain rows there; a minor kernel. hdim 64's
+            # rows too, as verified on the GPU, though its 64 columns would take the swizzle (its 32-bit
+            # stores into plain rows conflict 8 ways; untested swizzled for lack of device time))
             return cute.make_ordered_layout((self.tile_m, self.head_dim), order=(1, 0))
         atom = smem_layout_atom_sm80(self.dtype, self.head_dim)
         return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))

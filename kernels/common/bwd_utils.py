@@ -139,7 +139,8 @@ def fragment_accum(m_accum_head: cute.Tensor, tile_elems: int, num_threads: int,
     values per thread side by side (one ``red.add.v{vec}``), and one instruction of a warp covers
     ``128 * vec`` contiguous bytes instead of 8 rows x 32 bytes in row-major order. Producer (main
     kernel) and consumer (postprocess) must enumerate the fragment of the same tiled MMA
-    (``tiled_mma_sm80``) with the same ``vec``.
+    (``tiled_mma_sm80``, or on sm90 ``tiled_mma_dq_sm90``) with the same ``vec``; the sm90 kernels also
+    stage their dQ in smem in this order (``m_accum_head`` an smem tensor, ``block`` 0).
     """
     if tile_elems % (num_threads * vec) != 0:
         raise ValueError(f"a {tile_elems}-value tile does not split into {vec}-value groups of {num_threads} threads")

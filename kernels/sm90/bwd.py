@@ -91,12 +91,15 @@ class FlashBwdSm90:
 
     Per m_block, each MMA warpgroup (its 64 keys)::
 
-        wait Q; issue S^T = K Q^T; wait dO; issue dP^T = V dO^T; wait S; softcap, mask,
-        P^T = exp2(S^T * scale_log2 - LSE); wait dP; dS^T = P^T (dP^T - dPsum) [* tanh'];
-        issue dV += P^T dO (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
+        wait Q; issue S^T = K Q^T; wait dO; issue dP^T = V dO^T; wait S; mask,
+        P^T = exp2(S^T * scale_log2 - LSE); issue dV += P^T dO (A = P^T registers); wait dP;
+        dS^T = P^T (dP^T - dPsum); dS^T -> sdS[stage] (stmatrix); fence;
         barrier DS_READY (both warpgroups' dS); issue dQ = dS K (this warpgroup's half of
         head_dim, or of the rows); issue dK += dS^T Q (A = dS^T registers); wait dV, dQ;
         release dO; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL; wait dK; release Q
+
+    With softcap the exp2 pass waits for dP^T first (its tanh' is folded into dP^T - dPsum while S^T
+    is live), and dV is issued after dS^T is formed.
 
     At tile_m 128 (``dp_after_p``; softcap refused) the first line is instead: wait Q; S^T = K Q^T;
     wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
