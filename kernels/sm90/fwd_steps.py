@@ -42,15 +42,9 @@ class FwdSm90Steps:
     @cute.jit
     def last_half_block(self, step: BlockStep, kv_state):
         """Intra-WG overlap epilogue: O += P V of the last block visited."""
-        mma = step.mma
         v_state = step.kv(kv_state)
-        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
-        wgmma(
-            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
-            zero_init=False, wg_wait=0,
-        )
-        step.pipeline_v.consumer_release(v_state)
-        self._pass_other_ring(step, step.pipeline_v, kv_state)
+        self._pv_gemm(step, v_state, wg_wait=0)
+        self._release_v(step, v_state, kv_state)
         kv_state.advance()
         return kv_state
 
@@ -76,11 +70,7 @@ class FwdSm90Steps:
             step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
             self._scheduler_sync(step.wg_idx)
             acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
-            step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
-            wgmma(
-                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
-                zero_init=False, wg_wait=-1,
-            )
+            self._pv_gemm(step, v_state, wg_wait=-1)
             self._scheduler_arrive(step.wg_idx)
             warpgroup.wait_group(1)  # S_j has landed; P.V may still run
             step.pipeline_k.consumer_release(k_state)
@@ -94,8 +84,7 @@ class FwdSm90Steps:
                 for r in cutlass.range_constexpr(cute.size(row_scale)):
                     row_scale[r] = row_scale[r] * ratio
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
-            step.pipeline_v.consumer_release(v_state)
-            self._pass_other_ring(step, step.pipeline_v, v_local)
+            self._release_v(step, v_state, v_local)
             self._store_p(mma, acc_S)
             step.softmax.rescale_O(mma.acc_O, row_scale)
         else:
@@ -109,15 +98,26 @@ class FwdSm90Steps:
             self._store_p(mma, acc_S)
             if const_expr(not is_first):
                 step.softmax.rescale_O(mma.acc_O, row_scale)
-            step.pipeline_v.consumer_wait(kv_cur, step.pipeline_v.consumer_try_wait(kv_cur))
-            wgmma(
-                mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, kv_cur.index],
-                zero_init=False, wg_wait=0,
-            )
-            step.pipeline_v.consumer_release(kv_cur)
-            self._pass_other_ring(step, step.pipeline_v, kv_state)
+            self._pv_gemm(step, kv_cur, wg_wait=0)
+            self._release_v(step, kv_cur, kv_state)
             kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _pv_gemm(self, step: BlockStep, v_state, wg_wait: cutlass.Constexpr[int]) -> None:
+        """O += P V of V's ring stage ``v_state``, once the TMA has filled it (``wg_wait``: as ``wgmma``)."""
+        mma = step.mma
+        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
+        wgmma(
+            mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
+            zero_init=False, wg_wait=wg_wait,
+        )
+
+    @cute.jit
+    def _release_v(self, step: BlockStep, v_state, ring_state) -> None:
+        """V's stage ``v_state`` read (its P.V done): release it, and the other ring's of ``ring_state``."""
+        step.pipeline_v.consumer_release(v_state)
+        self._pass_other_ring(step, step.pipeline_v, ring_state)
 
     @cute.jit
     def _pass_other_ring(self, step: BlockStep, pipe: pipeline.PipelineTmaAsync, state) -> None:
