@@ -199,6 +199,28 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bi
     return family.forward_with_gate(q, k, v, p, varlen, bias)
 
 
+def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, key_bias: torch.Tensor, cu_q: torch.Tensor | None,
+                        cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
+                        options: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
+    """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with ``key_bias`` in its scores and dG's
+    sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
+    None where that path does not serve the call (switched off, CPU, traced, empty, another family,
+    head dims over 128)."""
+    from . import ops
+
+    route = ops.eager_backward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
+    if route is None or not hasattr(route[0], "backward_with_gate") or not route[0].can_gate(route[1]):
+        return None
+    family, p, varlen = route
+    varlen_layout = cu_q is not None
+    bias = key_bias.t() if varlen_layout else key_bias.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
+    dq, dk, dv, key_sums, query_sums = family.backward_with_gate(dout, q, k, v, out, lse, p, varlen, options[5], bias)
+    if varlen_layout:  # back to the gate's (total, h) layouts
+        return dq, dk, dv, key_sums.t(), query_sums.t()
+    return dq, dk, dv, key_sums.transpose(1, 2), query_sums.transpose(1, 2)
+
+
 def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward op, called with ``dk_fp32`` (a seam: the CPU tests emulate the kernels here)."""
     return torch.ops.flashattn_hopper.bwd(*args)
@@ -253,7 +275,16 @@ class GatedAttnFunc(torch.autograd.Function):
         q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, key_bias = ctx.saved_tensors
         if dout is None:
             return (None,) * 11
-        if key_bias is not None:  # the forward ran the gate in the kernel: augment here
+        dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
+        if key_bias is not None:
+            # The forward ran the gate in the kernel: so does the backward where it can (k and v as
+            # given: q_aug, k_aug, v are the call's tensors here).
+            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, key_bias, cu_q, cu_k, used_q, used_k,
+                                        ctx.options)
+            if grads is not None:
+                dq, dk, dv, d_neg_G, d_G_q = grads
+                return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
+            # Else the augmented problem, built here.
             q_aug = _q_columns(q_aug)
             k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), key_bias)
             v = _per_query_head(v, ctx.group, ctx.head_axis)
@@ -266,7 +297,6 @@ class GatedAttnFunc(torch.autograd.Function):
         d_neg_G, d_G_q = dk32[..., d] / scale, dq[..., d + _PARTS].float() / scale
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
-        dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         return dq[..., :d], dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
 
 

@@ -67,7 +67,7 @@ def _varlen(backend: str | None, backward: bool = False, d: int = 128, **kwargs)
 
 def _gated() -> None:
     """The gate's bias in the sm90 forward (read per key from global memory), odd lengths, GQA, and
-    its backward (the augmented problem)."""
+    its backward (in the sm90 backward kernel: the bias per key, dG's sums)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s_q, s_k in ((113, 203), (256, 256)):
         q, k, v = _qkv(s_q, s_k, d=64, grad=True)

@@ -285,11 +285,12 @@ def test_gated_sink_matches_the_definition(emulated_ops, causal, window, s_q, s_
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
     """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16); on Hopper
-    without a backend the forward runs the gate in the sm90 kernel (``gate.IN_KERNEL``), on sm80 the
-    augmented problem."""
+    without a backend the forward and the backward run the gate in the sm90 kernels (``gate.IN_KERNEL``),
+    on sm80 the augmented problem."""
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
     taken = _record_in_kernel(monkeypatch)
+    taken_bwd = _record_in_kernel(monkeypatch, "_in_kernel_backward")
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -312,6 +313,7 @@ def test_gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_HOPPER_BACKEND") != "sm80"
     assert taken == [backend is None and sm90], taken
+    assert taken_bwd == ([True] if backend is None and sm90 else []), taken_bwd
 
 
 @pytest.mark.gpu
@@ -330,19 +332,48 @@ def test_zero_gate_is_the_plain_forward_bitwise(causal):
     assert torch.equal(out_g, out) and torch.equal(lse_g, lse)
 
 
-def _record_in_kernel(monkeypatch) -> list:
-    """A list that records, per gated forward, whether the gate ran in the sm90 kernel."""
+def _record_in_kernel(monkeypatch, route: str = "_in_kernel_forward") -> list:
+    """A list that records, per gated forward (or backward: ``route``), whether the gate ran in the
+    sm90 kernel (the backward tries only after an in-kernel forward)."""
     from flashattn_hopper import gate
 
-    taken, in_kernel = [], gate._in_kernel_forward
+    taken, in_kernel = [], getattr(gate, route)
 
     def spy(*args):
         result = in_kernel(*args)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(gate, "_in_kernel_forward", spy)
+    monkeypatch.setattr(gate, route, spy)
     return taken
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_gated_backward_deterministic_is_bitwise_stable(varlen):
+    """``deterministic=True`` with a gate: dq, dk, dv and dg bit for bit the same over repeated
+    calls (the sm90 kernel adds dG's per-query sums in the key blocks' turns, as dQ), causal GQA."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    s, h, h_k, d = 777, 8, 2, 128
+    q, dout = (torch.randn(2 * s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(2 * s, h_k, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(2 * s, h, device="cuda", generator=gen) * 2 + 3)
+    cu = torch.tensor([0, 300, 2 * s], dtype=torch.int32, device="cuda")
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+        if varlen:
+            out = flash_attn_varlen_func(*leaves[:3], cu, cu, 2 * s - 300, 2 * s - 300, causal=True,
+                                         log_decay=leaves[3], deterministic=True)
+            return torch.autograd.grad(out, leaves, dout)
+        dense = [t.view(2, s, *t.shape[1:]) for t in leaves]
+        out = flash_attn_func(*dense[:3], causal=True, log_decay=dense[3], deterministic=True)
+        return torch.autograd.grad(out, leaves, dout.view(2, s, h, d))
+
+    first = grads()
+    for _ in range(4):
+        for name, a, b in zip(("dq", "dk", "dv", "dg"), grads(), first):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -211,10 +211,12 @@ class BwdSm80:
     # ------------------------------------------------------------------ keys
 
     def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
-             sms: int | None = None, dk_fp32: bool = False) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
+             sms: int | None = None, dk_fp32: bool = False,
+             gate: bool = False) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
         """(pre, main, post for dQ, post for the GQA dK/dV sums). ``sms``: the GPU's SM count, for the
         split tail of dense unmasked non-deterministic calls (None: no split). ``dk_fp32``: the main
-        kernel sums dK in fp32 scratch as for GQA, whatever the head counts (``BwdPlan``)."""
+        kernel sums dK in fp32 scratch as for GQA, whatever the head counts (``BwdPlan``). ``gate``: the
+        main key's gate variant (families with ``gate_slots``)."""
         dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
@@ -226,6 +228,7 @@ class BwdSm80:
         main = self._main_key(
             arch, dtype, hdim, hdim_v, causal, dk_fp32 or p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
+            **({"gate": True} if gate else {}),
         )
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
@@ -240,6 +243,8 @@ class BwdSm80:
 
     # The split tail (a segments kernel for the last wave of dense unmasked calls): this family's.
     splits_tail = True
+    # Tensor slots after the main kernel's split-tail argument (sm90: the gate's bias and dG's sums).
+    gate_slots = 0
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """Main-key fields of the call's mode; here none (``deterministic`` is a runtime argument)."""
@@ -400,11 +405,13 @@ class BwdSm80:
         return plan(dout, q, k, v, out, lse, varlen, dq, dk, dv)
 
     def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
-             dk_fp32: bool = False) -> BwdPlan:
+             dk_fp32: bool = False, gate: bool = False) -> BwdPlan:
         """The compiled kernels and every static argument of a backward call of problem ``p`` (a
-        non-empty one) on ``device``; ``varlen``: only which of its tensors are given matters."""
+        non-empty one) on ``device``; ``varlen``: only which of its tensors are given matters.
+        ``gate``: the main kernel's gate variant (``gate_slots``)."""
         sms = num_sms(device_index(device))
-        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms, dk_fp32)
+        pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms, dk_fp32,
+                                                                gate)
         pre = compile_cache.get(pre_key, self.compile)
         # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
         main, segments = compile_cache.get(main_key, self.compile), None
@@ -421,7 +428,7 @@ class BwdSm80:
             tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
-                       tail_segments, dk_fp32)
+                       tail_segments, dk_fp32, self.gate_slots)
 
 
 class BwdPlan:
@@ -430,8 +437,9 @@ class BwdPlan:
     split tail) on the inputs' device and current stream."""
 
     def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
-                 tail_blocks: int, tail_segments: int, dk_fp32: bool = False) -> None:
+                 tail_blocks: int, tail_segments: int, dk_fp32: bool = False, gate_slots: int = 0) -> None:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
+        self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
         d = self.d = main_key.head_dim
@@ -457,9 +465,10 @@ class BwdPlan:
     def __call__(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, varlen: VarlenArgs | None = None, dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+        dk: torch.Tensor | None = None, dv: torch.Tensor | None = None, gate: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``backward`` of the plan's problem (see there); ``varlen``: the call's varlen tensors."""
+        """``backward`` of the plan's problem (see there); ``varlen``: the call's varlen tensors;
+        ``gate``: the main kernel's gate slots (a gate key's plan: ``BwdSm90.backward_with_gate``)."""
         p, key, d, d_v, dev = self.p, self.main_key, self.d, self.d_v, q.device
         if self.padded:
             q, k = (pad_head_dim(t, d) for t in (q, k))
@@ -507,7 +516,7 @@ class BwdPlan:
         self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q)
         main_args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk_main, dv_main, sem_q, sem_kv, *self.scalars,
                      cu_q, cu_k, su_q, su_k)
-        self.main(*main_args, None)
+        self.main(*main_args, None, *(self.no_gate if gate is None else gate))
         if self.segments is not None and self.tail_blocks > 0:
             self.segments(*main_args, tail_sums)
         self.post_dq(dq_accum, dq, self.scale, cu_q, su_q)

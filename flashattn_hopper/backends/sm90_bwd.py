@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
-from .common import cutlass_dtype, fake_bshd, ffi_compile
+from .common import VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 from .sm80_bwd import (
     _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
@@ -61,6 +63,7 @@ class BwdSm90Key(KernelKey):
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
+    gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -84,6 +87,34 @@ class BwdSm90(BwdSm80):
         return super().can_implement(p, deterministic)
 
     splits_tail = False  # (its key's tail_split stays False: the launcher shared with sm80 reads it)
+    gate_slots = 3  # the main kernel's mGate, mdGq, mdGk (None without a gate)
+
+    def can_gate(self, p: AttnProblem) -> bool:
+        """Whether ``backward_with_gate`` serves ``p`` (the gate is in ``kernels/sm90/bwd.py``, the
+        tiles of 64 keys per warpgroup: head dims up to 128, q's and v's equal; no softcap)."""
+        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        return (dims is not None and dims[0] == dims[1] and self.tiles[dims[0]].tile_n == 128 and p.softcap == 0.0
+                and self.can_implement(p, False) is None)
+
+    def backward_with_gate(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, bias: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """``(dq, dk, dv, dS's sums per key, dS's sums per query)`` of attention whose scores carry
+        ``bias`` per (query head, key) (``flashattn_hopper/gate.py``: ``-G_j / softmax_scale``, the
+        forward's ``forward_with_gate``; fp32, dense ``(batch, nheads, seqlen_k)``, varlen ``(nheads,
+        total_k)``), ``lse`` that forward's. The sums are of the gradient of the scaled scores, in the
+        bias's layout (per key) and the LSE's (per query), fp32. A non-empty problem ``can_gate`` accepts."""
+        plan = self.plan(p, varlen, deterministic, q.device, gate=True)
+        f32, dev = torch.float32, q.device
+        bias = bias.to(device=dev, dtype=f32).contiguous()
+        # Per query: reduce-added by the kernel. Per key: stored once by the CTA owning it, except varlen
+        # rows between seqused_k and the next sequence, which no CTA owns.
+        q_rows = (p.nheads, p.seqlen_q) if p.is_varlen else (p.batch, p.nheads, p.seqlen_q)
+        query_sums = torch.zeros(q_rows, dtype=f32, device=dev)
+        key_sums = (torch.zeros_like if p.is_varlen else torch.empty_like)(bias)
+        dq, dk, dv = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums))
+        return dq, dk, dv, key_sums, query_sums
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
@@ -115,6 +146,7 @@ class BwdSm90(BwdSm80):
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
+        the gate (d128 causal GQA);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
         unswizzled staging tile). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
@@ -133,6 +165,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, False, softcap=True),
             main(arch, "bf16", 256, 256, True, False),
             main(arch, "bf16", 192, 128, True, True),
+            main(arch, "bf16", 128, 128, True, True, gate=True),
         ]
 
     def compile(self, key: KernelKey, options: str | None = None) -> Any:
@@ -158,7 +191,7 @@ class BwdSm90(BwdSm80):
         kernel = kernel_class(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
-            head_dim_v=k.head_dim_v,
+            head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
@@ -174,4 +207,7 @@ class BwdSm90(BwdSm80):
             _fake_ints(nb) if k.seqused_q else None, _fake_ints(nb) if k.seqused_k else None,
         )
         scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0), i32(0), i32(0))
-        return ffi_compile(kernel, *fakes, *scalars, *ints, None, options=options)
+        gate = (None,) * 3
+        if k.gate:  # bias, per-query sums, per-key sums: (b, h, s) | varlen (h, total), fp32, contiguous
+            gate = tuple(fake_f32(tuple(cute.sym_int() for _ in range(2 if k.varlen else 3))) for _ in range(3))
+        return ffi_compile(kernel, *fakes, *scalars, *ints, None, *gate, options=options)

@@ -38,6 +38,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
+from . import bwd_gate
 from ..common.bwd_utils import (
     accum_tile, bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
     semaphore_wait, tiled_mma_dq_sm90,
@@ -134,10 +135,11 @@ class FlashBwdSm90:
         dq_split_rows: bool = False,
         deterministic: bool = False,
         head_dim_v: int | None = None,
+        has_gate: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
-                                    has_softcap, head_dim_v=head_dim_v)
+                                    has_softcap, head_dim_v=head_dim_v, has_gate=has_gate)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -149,6 +151,8 @@ class FlashBwdSm90:
         self.is_local = is_local
         self.is_gqa = is_gqa
         self.has_softcap = has_softcap
+        # Gated log-decay (bwd_gate.py): a bias per (query head, key) in P^T, dG's sums from dS^T.
+        self.has_gate = has_gate
         self.num_stages = num_stages
         # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
         # (the turn bookkeeping costs registers the main loop does not have to spare).
@@ -174,7 +178,7 @@ class FlashBwdSm90:
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
-                      dq_split_rows=False, has_softcap=False, head_dim_v=None) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -193,17 +197,20 @@ class FlashBwdSm90:
             return f"head_dim {head_dim} does not split into two dQ column halves a WGMMA takes (N a multiple of 8)"
         if is_causal and is_local:
             return "is_causal and is_local are exclusive"
+        if has_gate and has_softcap:
+            return "the gate's bias enters the raw score, which the softcap would pass through tanh"
         if num_stages not in (1, 2):
             return f"num_stages must be 1 or 2, got {num_stages}"
-        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) > _SMEM_CAPACITY:
+        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None
 
     @staticmethod
-    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) -> int:
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False) -> int:
         elem = dtype.width // 8
         operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
-        return operands + tile_m * head_dim * 4 + 2 * num_stages * tile_m * 4 + 1024 + 256
+        query_sums = 2 * bwd_gate.NUM_MMA_WARPS * tile_m * 4 if has_gate else 0
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * tile_m * 4 + query_sums + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -223,6 +230,7 @@ class FlashBwdSm90:
             return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
 
         stats = self.tile_m * self.num_stages
+        query_sums = 2 * bwd_gate.NUM_MMA_WARPS * self.tile_m if self.has_gate else 4
 
         @cute.struct
         class SharedStorage:
@@ -238,6 +246,8 @@ class FlashBwdSm90:
             sdSt: buffer(layouts["sdSt"])
             # fp32 dQ staging: the m_block's tile in the dQ MMA's fragment order (``dq_staging``).
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
+            # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
+            sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
 
         return SharedStorage
 
@@ -284,6 +294,9 @@ class FlashBwdSm90:
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mdKV_tail: cute.Tensor | None,  # unused: None
+        mGate: cute.Tensor | None,  # has_gate: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32 bias
+        mdGq: cute.Tensor | None,  # has_gate: like LSE, (batch, nheads, seqlen_q) | (nheads, total_q) fp32, zeroed
+        mdGk: cute.Tensor | None,  # has_gate: like mGate, fp32 (rows past seqused_k are not written)
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -297,7 +310,12 @@ class FlashBwdSm90:
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
         if const_expr(mdKV_tail is not None):
             raise TypeError("the Hopper backward has no split tail")
+        if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
+                      or (mdGk is not None) != self.has_gate):
+            raise TypeError("mGate, mdGq and mdGk must be given exactly when has_gate")
         varlen = const_expr(mCuSeqlensQ is not None)
+        if const_expr(self.has_gate):  # -> (s, h[, b]), as LSE in the forward
+            mGate, mdGq, mdGk = (select_modes(t, [1, 0] if varlen else [2, 1, 0]) for t in (mGate, mdGq, mdGk))
         modes = [0, 2, 1] if varlen else [1, 3, 2, 0]  # -> (s, d, h[, b])
         mQ, mK, mV, mdO = [select_modes(assume_strides_aligned(t), modes) for t in (mQ, mK, mV, mdO)]
         if const_expr(not self.is_gqa):
@@ -338,7 +356,8 @@ class FlashBwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
             mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
-            mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, SharedStorage,
+            mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mGate, mdGq, mdGk,
+            SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -383,6 +402,9 @@ class FlashBwdSm90:
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mGate: cute.Tensor | None,  # has_gate: (s_k | total_k, nheads[, batch]) fp32
+        mdGq: cute.Tensor | None,  # has_gate: (s_q | total_q, nheads[, batch]) fp32
+        mdGk: cute.Tensor | None,  # has_gate: like mGate
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
@@ -419,6 +441,7 @@ class FlashBwdSm90:
         stats_layout = cute.make_layout((self.tile_m, self.num_stages))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
+        sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
 
         # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
         block_x, head_idx, block_z = cute.arch.block_idx()
@@ -445,6 +468,12 @@ class FlashBwdSm90:
             scratch_b = Int32(0) if const_expr(varlen) else batch_idx
             row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
             head_idx_kv = head_idx // qhead_per_kvhead
+            # has_gate: this (sequence, query head)'s bias and sums, 1-D over its keys / queries.
+            gate = dgq = dgk = None
+            if const_expr(self.has_gate):
+                gate = seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx)
+                dgq = seqlen.q_view(select_head(mdGq, head_idx, 1), batch_idx)
+                dgk = seqlen.k_view(select_head(mdGk, head_idx, 1), batch_idx)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
                 if warp_idx == 0:
@@ -457,7 +486,7 @@ class FlashBwdSm90:
                     self.store_dq(
                         sdQ, mdQaccum[scratch_b, head_idx, None],
                         mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
-                        row_offset_q // self.tile_m, window_left, window_right,
+                        row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
                     )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
@@ -465,6 +494,7 @@ class FlashBwdSm90:
                     sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
                     seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
+                    sQuerySums, gate, dgk,
                 )
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
@@ -572,8 +602,12 @@ class FlashBwdSm90:
         softcap_scale: Float32 | None,
         window_left: Int32,
         window_right: Int32,
+        sQuerySums: cute.Tensor,
+        gate: cute.Tensor | None,
+        dgk: cute.Tensor | None,
     ):
-        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv)."""
+        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv). ``gate``
+        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -604,6 +638,11 @@ class FlashBwdSm90:
         tdSsdS = r2s_dS.partition_D(sdSt)
         tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
         tdQsdQ = self.dq_staging(sdQ, tidx)
+        key_bias = key_sums = None
+        if const_expr(self.has_gate):
+            key_bias = bwd_gate.load_key_bias(gate, tScS_mn, n_block, self.tile_n, seqlen.seqlen_k)
+            key_sums = cute.make_rmem_tensor(key_bias.shape, Float32)
+            key_sums.fill(0.0)
 
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -618,7 +657,7 @@ class FlashBwdSm90:
             if const_expr(self.dp_after_p):
                 # S^T -> P^T (16-bit) first; only then dP^T, so the two fp32 tiles are never live together.
                 warpgroup.wait_group(0)  # S^T has landed
-                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
@@ -647,7 +686,7 @@ class FlashBwdSm90:
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
                 else:
                     warpgroup.wait_group(1)  # S^T has landed
-                    self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
+                    self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                     # dV is issued before dP^T is waited for: ptxas keeps WGMMA issues and waits in
                     # order, so every exp2 stays ahead of the dP^T wait and runs under that GEMM
                     # (with the wait first, it moved most of them below it).
@@ -655,6 +694,11 @@ class FlashBwdSm90:
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=1)
                     self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
             rdS = convert_to_16bit(acc_dP, self.dtype)
+            if const_expr(self.has_gate):
+                # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
+                # staged at once; two slots by block parity, as sdSt: the writer read block j's
+                # before the DQ_EMPTY this block's dq_to_smem(j + 1) waited for.
+                bwd_gate.stage_sums(rdS, key_sums, sQuerySums, ds_stage, tidx // 32, self.tile_m)
             cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
             # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
@@ -669,6 +713,8 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
             pipe_q.consumer_release(state)
             state.advance()
+        if const_expr(self.has_gate):
+            bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
 
     @cute.jit
@@ -733,17 +779,21 @@ class FlashBwdSm90:
 
     @cute.jit
     def probs(self, acc_S, sLSE, tScS_mn, stage: Int32, mask: AttentionMask, thr_sdp, m_block: Int32,
-              n_block: Int32, scale_log2: Float32):
+              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None):
         """S^T (landed) -> P^T = exp2(S^T * scale_log2 - LSE) in place, masked. LSE and dPsum of a
         column (query) are read from smem where they are used, not held in registers across the
-        block (16 + 16 values per thread at tile_m 64)."""
+        block (16 + 16 values per thread at tile_m 64). ``key_bias`` (has_gate): added to each row's
+        scores before the scale, as the forward adds it."""
         if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
             mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
         acc_S_mn = acc_rows_cols(acc_S)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
             lse = sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
-                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse, fastmath=True)
+                score = acc_S_mn[r, c]
+                if const_expr(key_bias is not None):
+                    score = score + key_bias[r]
+                acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
 
     @cute.jit
     def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
@@ -757,7 +807,7 @@ class FlashBwdSm90:
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32):
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
         """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
@@ -765,7 +815,8 @@ class FlashBwdSm90:
         start; only this warp waits, the MMA warpgroups run on into the next block.
 
         ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
-        (num_m_blocks_padded,) of this (batch, head)."""
+        (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
+        per-query dS sums, which take the slot's sums in the same step (and turn)."""
         lane = cute.arch.lane_idx()
         tile_elems = self.tile_m * self.head_dim
         window_l = window_left if const_expr(self.is_local) else None
@@ -785,6 +836,9 @@ class FlashBwdSm90:
                 bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems, sdQ.iterator, tile_elems * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
+            if const_expr(self.has_gate):
+                bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
+                                        seqlen.seqlen_q)
             cute.arch.sync_warp()
             if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)

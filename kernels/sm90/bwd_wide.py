@@ -69,8 +69,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
-                      dq_split_rows=False, has_softcap=False, head_dim_v=None) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False) -> str | None:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if has_gate:
+            return "the gate's backward is in FlashBwdSm90 (head dims up to 128) only"
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (192, 256):
@@ -145,6 +147,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         softcap_scale: Float32 | None,
         window_left: Int32,
         window_right: Int32,
+        sQuerySums: cute.Tensor,
+        gate: None,  # (no gate here)
+        dgk: None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv)."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS

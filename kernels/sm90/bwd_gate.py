@@ -1,0 +1,121 @@
+"""The gate's pieces of the Hopper backward (``FlashBwdSm90(has_gate=True)``, ``flashattn_hopper/gate.py``).
+
+Gated log-decay adds ``G_i - G_j`` to every score. ``G_i`` is folded into the LSE the kernel is given,
+so the kernel sees a bias per (query head, key), ``-G_j / scale`` in the scores' units (the forward's
+``mGate``): ``P^T = exp2((S^T + bias_j) * scale_log2 - LSE)``. The gate's gradient needs two sums of
+the fp32 dS^T (the gradient of the scaled score): per key (``sum_i dS_ij``, d(-G_j)) and per query
+(``sum_j dS_ij``, dG_i). In the transposed score tile a thread holds two key rows and ``tile_m / 4``
+query columns (the WGMMA C layout: row ``16 * warp + lane / 4 (+ 8)``, column ``8 * g + 2 * (lane % 4)
++ e``):
+
+- key sums: each thread adds its columns into two registers over all m_blocks; the quad's four lanes
+  finish the row at the end (``store_key_sums``), one plain store per key (a CTA owns its keys).
+- query sums: each thread adds its two rows per column, then a butterfly over the 8 lanes that share
+  a column set (lane bits 4, 8, 16: each step sends half the values, ``tile_m / 32`` shuffles in all
+  per lane instead of ``3 * tile_m / 4``) leaves every warp's 64 keys summed, ``tile_m / 32`` columns per
+  lane (``query_sums``); each warp writes its row of the smem slot beside sdQ (``stage_query_sums``),
+  and the dQ writer warp adds the 8 rows in a fixed order and reduce-adds them into the fp32 per-query
+  sum (``add_query_sums``), under the same DQ_FULL / DQ_EMPTY handshake (and deterministic turns) as dQ.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..common.bwd_utils import elem_pointer
+from ..common.utils import acc_rows_cols
+
+NUM_MMA_WARPS = 8  # two MMA warpgroups: one smem row of query sums per warp
+_CHUNK = 4  # query columns reduced together
+
+
+@cute.jit
+def load_key_bias(mGate_cur: cute.Tensor, tScS_mn: cute.Tensor, n_block: Int32, tile_n: cutlass.Constexpr[int],
+                  seqlen_k: Int32) -> cute.Tensor:
+    """The bias of this thread's key rows (registers, one per row); rows past ``seqlen_k`` read the
+    last key's (their scores are masked to -inf first)."""
+    num_rows = cute.size(tScS_mn.shape[0])
+    key_bias = cute.make_rmem_tensor((num_rows,), Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        key = n_block * tile_n + tScS_mn[r, 0][0]
+        key_bias[r] = mGate_cur[cutlass.max(cutlass.min(key, seqlen_k - 1), 0)]
+    return key_bias
+
+
+@cute.jit
+def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor, sQuerySums: cute.Tensor, slot: Int32, mma_warp: Int32,
+               tile_m: cutlass.Constexpr[int]):
+    """From this block's fp32 dS^T: adds each key row's sum into ``key_sums``, and writes this warp's
+    query sums (its 64 keys) into its row of smem slot ``slot`` (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
+    acc_mn = acc_rows_cols(acc_dS)
+    num_rows = cute.size(acc_mn.shape[0])
+    num_cols = cute.size(acc_mn.shape[1])
+    for r in cutlass.range_constexpr(num_rows):
+        row = acc_mn[r, 0].to(Float32)
+        for c in cutlass.range_constexpr(1, num_cols):
+            row = row + acc_mn[r, c].to(Float32)
+        key_sums[r] = key_sums[r] + row
+    lane = cute.arch.lane_idx()
+    # Columns in chunks of 4 (8 partial sums live at once serialized every WGMMA at hdim 128: ptxas
+    # C7512): lane bits 4 and 8 split the chunk (each lane keeps one column), bit 16 adds the rest.
+    for chunk in cutlass.range_constexpr(num_cols // _CHUNK):
+        values = []
+        for i in cutlass.range_constexpr(_CHUNK):
+            c = chunk * _CHUNK + i
+            col = acc_mn[0, c].to(Float32)
+            for r in cutlass.range_constexpr(1, num_rows):
+                col = col + acc_mn[r, c].to(Float32)
+            values.append(col)
+        for offset in (4, 8):
+            # Lanes with this bit set keep the upper half of the list and send the lower half.
+            upper = (lane & offset) != 0
+            half = len(values) // 2
+            kept = []
+            for i in cutlass.range_constexpr(half):
+                send = Float32(cutlass.select_(upper, values[i], values[i + half]))
+                keep = Float32(cutlass.select_(upper, values[i + half], values[i]))
+                kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=offset))
+            values = kept
+        total = values[0] + cute.arch.shuffle_sync_bfly(values[0], offset=16)
+        if (lane & 16) == 0:
+            sQuerySums[mma_warp * tile_m + query_column(lane, chunk), slot] = total
+
+
+@cute.jit
+def query_column(lane: Int32, chunk: cutlass.Constexpr[int]) -> Int32:
+    """The query column a lane keeps of chunk ``chunk``: list index ``4 chunk + 2 b4 + b8`` (a thread's
+    columns are listed as ``e + 2 g``; ``b*``: the lane's bits), column ``8 g + 2 (lane % 4) + e``."""
+    group = 2 * chunk + ((lane >> 2) & 1)
+    return 8 * group + 2 * (lane & 3) + ((lane >> 3) & 1)
+
+
+@cute.jit
+def add_query_sums(sQuerySums: cute.Tensor, slot: Int32, mdGq_cur: cute.Tensor, m_block: Int32,
+                   tile_m: cutlass.Constexpr[int], seqlen_q: Int32):
+    """dQ writer warp: the slot's 8 warp rows summed in a fixed order, ``tile_m / 32`` columns per lane,
+    reduce-added into this sequence's per-query sums (rows below ``seqlen_q``)."""
+    lane = cute.arch.lane_idx()
+    per_lane = tile_m // 32
+    for j in cutlass.range_constexpr(per_lane):
+        col = lane * per_lane + j
+        total = sQuerySums[col, slot]
+        for w in cutlass.range_constexpr(1, NUM_MMA_WARPS):
+            total = total + sQuerySums[w * tile_m + col, slot]
+        row = m_block * tile_m + col
+        if row < seqlen_q:
+            cute.arch.red(elem_pointer(mdGq_cur, row), total, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def store_key_sums(key_sums: cute.Tensor, tScS_mn: cute.Tensor, mdGk_cur: cute.Tensor, n_block: Int32,
+                   tile_n: cutlass.Constexpr[int], seqlen_k: Int32):
+    """Each key row's sum over all query blocks (the quad's four lanes added) -> its key's slot (rows
+    below ``seqlen_k``; a key block no query sees stores zeros)."""
+    lane = cute.arch.lane_idx()
+    for r in cutlass.range_constexpr(cute.size(key_sums)):
+        total = key_sums[r]
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+        key = n_block * tile_n + tScS_mn[r, 0][0]
+        if (lane & 3) == 0 and key < seqlen_k:
+            mdGk_cur[key] = total
