@@ -1,6 +1,6 @@
 """Gated log-decay attention (``log_decay``; Forgetting Transformer, flash-linear-attention's
-``parallel_attn(q, k, v, g)``): the forward in the sm90 kernel's scores, the backward (and the other
-forwards) on the unchanged kernels.
+``parallel_attn(q, k, v, g)``): forward and backward in the sm90 kernels' scores (head dims up to 128
+for the backward), everything else on the unchanged kernels through an augmented problem.
 
 With ``g`` the log forget gates (<= 0) of every key position and query head and ``G = cumsum(g)``
 along each sequence, the score of query ``i`` and key ``j`` is ``q_i . k_j * scale + G_i - G_j``
@@ -8,9 +8,11 @@ along each sequence, the score of query ``i`` and key ``j`` is ``q_i . k_j * sca
 the first key). ``G_i`` is the same for a whole row, so the softmax, and the output, see only
 ``-G_j``: a bias per key, taken as ``-G_j / scale`` in the scores' units before the softmax scale
 (fp32), so that a zero gate leaves every score as the plain call's. On Hopper the forward kernel adds
-it to each score (``IN_KERNEL``: ``FwdSm90.forward_with_gate``, the bias read per (query head,
-key)). Otherwise, and for every backward, this module puts it into the QK^T product itself (the
-augmented problem): q gets three more columns of ones and k three more columns holding the bias
+it to each score (``IN_KERNEL``: ``FwdSm90.forward_with_gate``, the bias loaded by TMA beside each K
+block), and the backward kernel to each recomputed score, taking dG's sums from its dS
+(``BwdSm90.backward_with_gate``, ``kernels/sm90/bwd_gate.py``; k and v as given, 16-bit dK).
+Otherwise (sm80, torch.compile, the wide backward) this module puts it into the QK^T product itself
+(the augmented problem): q gets three more columns of ones and k three more columns holding the bias
 split into three bf16 parts (hi, mid, lo: 24 significant bits together, fp32's precision, where one
 bf16 value would be off by units at ``|G| ~ 1000``), at the call's ``softmax_scale``. The kernels
 then compute ``(q . k - G_j / scale) * scale`` in their fp32 accumulators; the returned LSE gets
@@ -32,9 +34,9 @@ on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
 
 Cost of the augmented problem: q/k head dims grow by 4 (64 -> 68 runs on the 96-wide rows with v at
 64; 128 -> 132 on 192 with v at 128): about 25 % more work than plain attention; k and v are expanded
-to one head per query head (a gate per query head). The in-kernel forward runs at the plain
-forward's width on k and v as given (one add per score and the bias loads: +36 % kernel time at
-hdim 64 on an H100). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
+to one head per query head (a gate per query head). The in-kernel forward and backward run at the
+plain kernels' width on k and v as given (one add per score; the backward's dG sums: perf/NOTES.md,
+session 22). bf16 inputs only (fp16's range cannot hold ``G`` of long sequences),
 q/k head dims up to 252, no softcap (the bias must not pass through tanh). A learnable sink joins
 after the kernels' forward, as in ``sinks.py``, on the gated LSE (``GatedAttnFunc``).
 """
@@ -182,29 +184,37 @@ def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 IN_KERNEL = True
 
 
-def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
+def _kernel_rows(key_bias: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The keys' bias ``(b, s_k, h)`` | ``(total_k, h)`` in the kernels' layout, ``(b, h, s_k)`` |
+    ``(h, total_k)``, rows 16-byte aligned (the sm90 forward reads them by TMA): one copy, made once
+    per call and kept for the backward."""
+    from .backends.common import aligned_rows
+
+    return aligned_rows(key_bias.t() if varlen else key_bias.transpose(1, 2))
+
+
+def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
                        cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                        used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse less G_i)`` from the sm90 forward with ``key_bias`` (``-G_j / softmax_scale``, the
-    scores' units before the scale) added in the kernel: with a zero gate, the plain forward's scores
-    bit for bit. None where that path does not serve the call (switched off, CPU, traced by
-    torch.compile, empty, another backend)."""
+    """``(out, lse less G_i)`` from the sm90 forward with the keys' bias (``-G_j / softmax_scale``, the
+    scores' units before the scale; ``bias_rows``: ``_kernel_rows``) added in the kernel: with a zero
+    gate, the plain forward's scores bit for bit. None where that path does not serve the call
+    (switched off, CPU, traced by torch.compile, empty, another backend)."""
     from . import ops
 
     route = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
     if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
     family, p, varlen = route
-    bias = key_bias.t() if cu_q is not None else key_bias.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
-    return family.forward_with_gate(q, k, v, p, varlen, bias)
+    return family.forward_with_gate(q, k, v, p, varlen, bias_rows)
 
 
 def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, key_bias: torch.Tensor, cu_q: torch.Tensor | None,
+                        lse: torch.Tensor, bias_rows: torch.Tensor, cu_q: torch.Tensor | None,
                         cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                         options: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
-    """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with ``key_bias`` in its scores and dG's
-    sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
+    """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with the keys' bias (``bias_rows``:
+    ``_kernel_rows``) in its scores and dG's sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
     None where that path does not serve the call (switched off, CPU, traced, empty, another family,
     head dims over 128)."""
     from . import ops
@@ -213,10 +223,9 @@ def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if route is None or not hasattr(route[0], "backward_with_gate") or not route[0].can_gate(route[1]):
         return None
     family, p, varlen = route
-    varlen_layout = cu_q is not None
-    bias = key_bias.t() if varlen_layout else key_bias.transpose(1, 2)  # (h, total_k) | (b, h, s_k)
-    dq, dk, dv, key_sums, query_sums = family.backward_with_gate(dout, q, k, v, out, lse, p, varlen, options[5], bias)
-    if varlen_layout:  # back to the gate's (total, h) layouts
+    dq, dk, dv, key_sums, query_sums = family.backward_with_gate(dout, q, k, v, out, lse, p, varlen, options[5],
+                                                                 bias_rows)
+    if cu_q is not None:  # back to the gate's (total, h) layouts
         return dq, dk, dv, key_sums.t(), query_sums.t()
     return dq, dk, dv, key_sums.transpose(1, 2), query_sums.transpose(1, 2)
 
@@ -232,7 +241,8 @@ class GatedAttnFunc(torch.autograd.Function):
     ``softmax_scale`` (``options[0]``), the keys' bias taken as ``-G_j / softmax_scale`` in the scores'
     units. Forward: the sm90 kernel with that bias (``IN_KERNEL``), else the augmented problem: q's
     columns of ones (``_q_columns``), k and v expanded to q's heads, the bias's parts and the row-sum
-    column appended to k. Backward (the augmented problem either way): dq', dk, dv from the kernels
+    column appended to k. Backward: after an in-kernel forward the sm90 kernel with the bias
+    (``_in_kernel_backward``) where it serves the call; else the augmented problem: dq', dk, dv from the kernels
     (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's gate column and
     ``dG_q`` dQ's row-sum column (the rows' sums of dS), both over ``softmax_scale`` (the kernels'
     dQ and dK carry it); dq dQ's first columns."""
@@ -246,7 +256,9 @@ class GatedAttnFunc(torch.autograd.Function):
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         key_bias = neg_G.float() / options[0]  # (fp32: the kernel adds it to its fp32 scores)
-        in_kernel = _in_kernel_forward(q, k, v, key_bias, cu_q, cu_k, used_q, used_k, options)
+        bias_rows = _kernel_rows(key_bias, varlen) if IN_KERNEL and q.is_cuda else None
+        in_kernel = None if bias_rows is None else _in_kernel_forward(q, k, v, bias_rows, cu_q, cu_k, used_q, used_k,
+                                                                      options)
         if in_kernel is not None:
             out, lse = in_kernel
             q_saved, k_saved, v_saved = q, k, v  # (augmented for the backward there)
@@ -264,7 +276,7 @@ class GatedAttnFunc(torch.autograd.Function):
             lse_full, out = join_sink(out, lse_full, sink, q, cu_q, used_q)
             lse = lse_full - G_rows
         ctx.save_for_backward(q_saved, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
-                              key_bias if in_kernel is not None else None)
+                              bias_rows if in_kernel is not None else None)
         ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
         ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
@@ -272,19 +284,20 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, key_bias = ctx.saved_tensors
+        q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, bias_rows = ctx.saved_tensors
         if dout is None:
             return (None,) * 11
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
-        if key_bias is not None:
+        if bias_rows is not None:
             # The forward ran the gate in the kernel: so does the backward where it can (k and v as
             # given: q_aug, k_aug, v are the call's tensors here).
-            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, key_bias, cu_q, cu_k, used_q, used_k,
+            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, bias_rows, cu_q, cu_k, used_q, used_k,
                                         ctx.options)
             if grads is not None:
                 dq, dk, dv, d_neg_G, d_G_q = grads
                 return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
             # Else the augmented problem, built here.
+            key_bias = bias_rows.t() if cu_q is not None else bias_rows.transpose(1, 2)
             q_aug = _q_columns(q_aug)
             k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), key_bias)
             v = _per_query_head(v, ctx.group, ctx.head_axis)

@@ -88,13 +88,14 @@ def fake_bshd(dtype: Any, batch: Any, seqlen: Any, heads: Any, dim: Any) -> Any:
     return make_fake_tensor(dtype, (batch, seqlen, heads, dim), stride=(*strides, 1), assumed_align=16)
 
 
-def fake_f32(shape: tuple[Any, ...]) -> Any:
-    """A fake fp32 tensor (LSE-like): dynamic shapes and strides, last stride 1."""
+def fake_f32(shape: tuple[Any, ...], stride_divisibility: int = 1) -> Any:
+    """A fake fp32 tensor (LSE-like): dynamic shapes and strides, last stride 1; the other strides
+    multiples of ``stride_divisibility`` (4: rows a TMA can read, ``aligned_rows``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    strides = tuple(cute.sym_int64() for _ in range(len(shape) - 1))
+    strides = tuple(cute.sym_int64(divisibility=stride_divisibility) for _ in range(len(shape) - 1))
     return make_fake_tensor(cutlass.Float32, shape, stride=(*strides, 1), assumed_align=16)
 
 
@@ -212,6 +213,19 @@ def current_stream(device: torch.device) -> Any:
 def current_stream_arg(handle: int) -> Any:
     """A CUstream handle (``torch.cuda.Stream.cuda_stream``) as a kernel argument."""
     return _ValueArg(ctypes.c_void_p(handle))
+
+
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``t`` (its last axis contiguous) as a TMA reads rows: every other stride a multiple of 4
+    elements (16 bytes) and a 16-byte aligned start; ``t`` itself if it is, else a copy into rows
+    padded to a multiple of 4 (a view of its first columns)."""
+    t = t.to(torch.float32)
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 4 == 0 for s in t.stride()[:-1]):
+        return t
+    n = t.shape[-1]
+    rows = t.new_empty(*t.shape[:-1], -(-n // 4) * 4)
+    rows[..., :n] = t
+    return rows[..., :n]
 
 
 def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -107,7 +107,7 @@ class BwdSm90(BwdSm80):
         bias's layout (per key) and the LSE's (per query), fp32. A non-empty problem ``can_gate`` accepts."""
         plan = self.plan(p, varlen, deterministic, q.device, gate=True)
         f32, dev = torch.float32, q.device
-        bias = bias.to(device=dev, dtype=f32).contiguous()
+        bias = bias.to(device=dev, dtype=f32)  # (rows as given: the kernel reads them by index)
         # Per query: reduce-added by the kernel. Per key: stored once by the CTA owning it, except varlen
         # rows between seqused_k and the next sequence, which no CTA owns.
         q_rows = (p.nheads, p.seqlen_q) if p.is_varlen else (p.batch, p.nheads, p.seqlen_q)

@@ -19,7 +19,7 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, compile_cache, compile_forward,
+    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_f32, launch_forward, mask_flags, num_sms,
     target_arch, tile_counter, window_args,
 )
@@ -299,10 +299,10 @@ class FwdSm90(FwdLauncher):
                 extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
             )
         gate = None
-        if key.gate:  # (batch, nheads, seqlen_k) | varlen (nheads, total_k), contiguous
+        if key.gate:  # (batch, nheads, seqlen_k) | varlen (nheads, total_k), rows a TMA reads (aligned_rows)
             import cutlass.cute as cute
 
-            gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)))
+            gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)), stride_divisibility=4)
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
             extra_args=(cutlass.Int32(1), counter, gate, None),
@@ -324,7 +324,8 @@ class FwdSm90(FwdLauncher):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
-        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``. No softcap; a non-empty problem.
+        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``, its rows read by TMA (copied into
+        ``aligned_rows`` unless they are already). No softcap; a non-empty problem.
         The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
         combinations the gate's tests run)."""
         key = dataclasses.replace(
@@ -332,7 +333,7 @@ class FwdSm90(FwdLauncher):
         )
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
-        bias = bias.to(device=q.device, dtype=torch.float32).contiguous()
+        bias = aligned_rows(bias.to(device=q.device))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 

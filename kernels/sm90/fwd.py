@@ -187,7 +187,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
         self.has_sink = has_sink
         # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) added to each score
-        # before the masks and the softmax, read from mGate (the host's -G_j in the scores' units).
+        # before the masks and the softmax, from mGate (the host's -G_j in the scores' units; rows 16-byte
+        # aligned: TMA boxes of each K block's keys land in K's stage, sGate).
         self.has_gate = has_gate
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
@@ -233,7 +234,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         self.o_aliases_q = not (
             (persistent or head_dim_v > head_dim or self.o_dtype is not dtype)
             and self._smem_bytes(
-                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages
+                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages, has_gate
             )
             <= _SMEM_CAPACITY
         )
@@ -269,7 +270,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             # Each warpgroup stores its own rows; the producer loads in the overlap order (V lags K).
             raise ValueError("FlashFwdSm90: span_heads needs wg_local_epilogue and intra_wg_overlap")
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
-        self.tx_bytes_k = tile_n * head_dim * elem_bytes
+        self.tx_bytes_k = tile_n * head_dim * elem_bytes + (tile_n * 4 if has_gate else 0)  # (+ the gate's bias)
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
 
     @staticmethod
@@ -305,9 +306,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         if has_sink and (pack_gqa > 1 or span_heads):
             # The sink is read per (batch, head) tile: every row of a tile must be of one head.
             return "has_sink needs no pack_gqa and no span_heads (a tile's rows of one head)"
-        if has_gate and (pack_gqa > 1 or span_heads or has_softcap):
-            # The gate's bias is per query head (a tile's rows of one head) and enters the raw score.
-            return "has_gate needs no pack_gqa, no span_heads and no softcap"
+        if has_gate and (pack_gqa > 1 or span_heads or has_softcap or cluster_m > 1):
+            # The gate's bias is per query head (a tile's rows of one head) and enters the raw score;
+            # it arrives with K's TMA (no multicast).
+            return "has_gate needs no pack_gqa, no span_heads, no softcap and no clusters"
         num_wg = tile_m // 64
         threads = num_wg * _WG_THREADS
         acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
@@ -318,7 +320,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             )
         rings = 2 if span_heads else 1
         own_sO = head_dim_v > head_dim  # sO cannot share sQ's buffer
-        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO)
+        smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO,
+                                        gate=has_gate)
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None
@@ -398,6 +401,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             (self._o_store_rows(), self.head_dim_v),
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        tma_atom_Gate = tma_Gate = None
+        if const_expr(self.has_gate):  # 1-D boxes of tile_n keys beside each K block
+            tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(
+                tma_load, mGate, cute.make_layout(self.tile_n), (self.tile_n,)
+            )
         if const_expr(self.has_softcap):
             softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
         else:
@@ -409,7 +417,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             tma_Q, tma_K, tma_V, mO if const_expr(varlen_q) else tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, mGate, mDescale, SharedStorage,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_Gate, tma_atom_Gate, mDescale,
+            SharedStorage,
         ).launch(
             grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -445,17 +454,18 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
-        mGate: cute.Tensor | None,  # (s_k | total_k, nheads[, batch]) fp32: has_gate only
+        mGate: cute.Tensor | None,  # has_gate only: TMA coordinates of (s_k | total_k, nheads[, batch]) fp32
+        tma_atom_Gate: cute.CopyAtom | None,
         mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
         this CTA's tiles in the scheduler's order."""
         varlen_q = const_expr(mCuSeqlensQ is not None)
-        atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O)
+        atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O, tma_atom_Gate)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (atoms.q, atoms.k, atoms.v, atoms.o):
+            for atom in (atoms.q, atoms.k, atoms.v, atoms.o, atoms.gate):
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
@@ -505,6 +515,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        # has_gate: (mGate's TMA coordinates, the bias of each K stage (tile_n, stages) in smem).
+        gate = None
+        if const_expr(self.has_gate):
+            gate = (mGate, storage.sGate.get_tensor(cute.make_layout((self.tile_n, self.num_stages * self.num_rings))))
 
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
@@ -526,7 +540,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, atoms, pipes, walk)
+                self.load(mQ, mK, mV, sQ, sK, sV, atoms, pipes, walk, gate)
             if const_expr(self.transposes_v):
                 if warp_idx > 0 and warp_idx <= self.num_transpose_warps:
                     self.transpose_v(storage, pipes, walk, warp_idx - 1)
@@ -534,7 +548,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(
                 mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
-                pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None, mGate, mDescale,
+                pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
+                gate[1] if const_expr(self.has_gate) else None, mDescale,
             )
 
     @cute.jit
@@ -552,7 +567,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
-        mGate: cute.Tensor | None = None,
+        sGate: cute.Tensor | None = None,  # has_gate: (tile_n, K stages) fp32, each K stage's bias
         mDescale: cute.Tensor | None = None,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
@@ -648,7 +663,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     mma, pipes.k, pipes.v if const_expr(pipes.vt is None) else pipes.vt, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
-                    gate=seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx) if const_expr(self.has_gate) else None,
+                    gate=sGate,
                     kv_scales=kv_scales,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min

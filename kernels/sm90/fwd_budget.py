@@ -12,15 +12,17 @@ SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 
 def smem_bytes(
     elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
-    own_sO: bool, q_stages: int = 1,
+    own_sO: bool, q_stages: int = 1, gate: bool = False,
 ) -> int:
-    """Bytes of the storage struct: Q (q_stages buffers), K/V stages, optionally O, mbarriers."""
+    """Bytes of the storage struct: Q (q_stages buffers), K/V stages, optionally O, mbarriers, the
+    gate's bias per K stage (fp32)."""
     return (
         _buffer(tile_m * head_dim * q_stages * elem_bytes)
         + (_buffer(tile_m * head_dim_v * elem_bytes) if own_sO else 0)
         + _buffer(tile_n * head_dim * kv_stages * elem_bytes)
         + _buffer(tile_n * head_dim_v * kv_stages * elem_bytes)
         + SMEM_ALIGN  # mbarriers
+        + (_buffer(tile_n * kv_stages * 4) if gate else 0)
     )
 
 

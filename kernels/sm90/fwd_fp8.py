@@ -143,7 +143,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         return None
 
     @staticmethod
-    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1) -> int:
+    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1,
+                    gate: bool = False) -> int:
         return fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
 
     # ------------------------------------------------------------------ smem, MMAs, pipelines

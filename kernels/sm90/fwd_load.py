@@ -30,9 +30,12 @@ class FwdSm90Load:
         atoms: TmaAtoms,
         pipes: Pipelines,
         walk: TileWalk,
+        gate: tuple[cute.Tensor, cute.Tensor] | None = None,
     ):
         """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
-        blocks in the consumers' order. The pipeline states run on across tiles."""
+        blocks in the consumers' order. The pipeline states run on across tiles. ``gate``
+        (has_gate): the bias's TMA coordinates ``(s_k | total_k, nheads[, batch])`` and its smem
+        stages; each K block's keys' bias goes into K's stage with K's barrier."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         if const_expr(self.release_q_before_next_q):
             # sQ is not free at the start: the consumers release it before each Q they need.
@@ -59,6 +62,9 @@ class FwdSm90Load:
                             seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx),
                             seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
                             sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
+                            None if const_expr(gate is None) else (
+                                seqlen.k_view(select_head(gate[0], head_idx, 1), batch_idx), gate[1]
+                            ),
                         )
             tile_idx, handoff_state = walk.scheduler.next_tile_producer(tile_idx, walk.handoff, handoff_state)
         if const_expr(self.cluster_m > 1):
@@ -82,8 +88,10 @@ class FwdSm90Load:
         tile: TileCoord,
         q_state: pipeline.PipelineState,
         kv_state: pipeline.PipelineState,
+        gate: tuple[cute.Tensor, cute.Tensor] | None = None,
     ):
-        """One tile's loads (at least one key block); returns both states advanced past them."""
+        """One tile's loads (at least one key block); returns both states advanced past them.
+        ``gate``: this (batch, head)'s bias ``(seqlen_k,)`` (TMA coordinates) and its smem stages."""
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             atoms.q, 0, cute.make_layout(1), cute.group_modes(self._q_buffer(sQ, q_state.index), 0, 2),
@@ -95,13 +103,20 @@ class FwdSm90Load:
         # owns sQ). A ring of Q buffers: Q first, its buffer is free while K's stage may not be yet.
         load_k = (atoms.k, tKgK, tKsK, pipes.k)
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
+        k_beside = None  # has_gate: the bias of K's keys, into K's stage
+        if const_expr(gate is not None):
+            tGsG, tGgG = cpasync.tma_partition(
+                atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 1),
+                cute.group_modes(cute.local_tile(gate[0], (self.tile_n,), (None,)), 0, 1),
+            )
+            k_beside = (atoms.gate, tGgG, tGsG)
         if const_expr(self.q_stages == 1):
-            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
+            self._load_kv(*load_k, tile.n_block_max - 1, kv_state, k_beside)
         pipes.q.producer_acquire(q_state)
         cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(self.q_stages > 1):
-            self._load_kv(*load_k, tile.n_block_max - 1, kv_state)
+            self._load_kv(*load_k, tile.n_block_max - 1, kv_state, k_beside)
         num_rest = tile.n_block_max - 1 - tile.n_block_min
         if const_expr(self.intra_wg_overlap):
             # V lags K by one block: the consumers issue QK^T of block j before P.V of j+1.
@@ -109,14 +124,14 @@ class FwdSm90Load:
                 n_block_prev = tile.n_block_max - 1 - i
                 state_prev = kv_state.clone()
                 kv_state.advance()
-                self._load_kv(*load_k, n_block_prev - 1, kv_state)
+                self._load_kv(*load_k, n_block_prev - 1, kv_state, k_beside)
                 self._load_kv(*load_v, n_block_prev, state_prev)
             self._load_kv(*load_v, tile.n_block_min, kv_state)
         else:
             self._load_kv(*load_v, tile.n_block_max - 1, kv_state)
             for i in cutlass.range(num_rest, unroll=1):
                 kv_state.advance()
-                self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state)
+                self._load_kv(*load_k, tile.n_block_max - 2 - i, kv_state, k_beside)
                 self._load_kv(*load_v, tile.n_block_max - 2 - i, kv_state)
         kv_state.advance()
         return q_state, kv_state
@@ -218,12 +233,16 @@ class FwdSm90Load:
             tma_atom, tXgX, tXsX, pipe, n_block, ring_state(state, ring_offset, self.num_stages * self.num_rings)
         )
 
-    def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state) -> None:
+    def _load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, beside=None) -> None:
         """Wait for a free stage, expect its bytes (the whole block, whichever CTA sends them),
-        issue the TMA of (this CTA's share of) key block ``n_block`` into it."""
+        issue the TMA of (this CTA's share of) key block ``n_block`` into it; ``beside``: another
+        ``(atom, gmem, smem)`` partition (the gate's bias) loaded into the same stage, same barrier."""
         pipe.producer_acquire(state)
         mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if const_expr(self.cluster_m > 1) else {}
         cute.copy(
             tma_atom, tXgX[None, n_block], tXsX[None, state.index],
             tma_bar_ptr=pipe.producer_get_barrier(state), **mcast,
         )
+        if const_expr(beside is not None):
+            cute.copy(beside[0], beside[1][None, n_block], beside[2][None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))

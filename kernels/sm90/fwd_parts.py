@@ -72,6 +72,7 @@ class TmaAtoms:
     k: cute.CopyAtom
     v: cute.CopyAtom
     o: cute.CopyAtom | None
+    gate: cute.CopyAtom | None = None  # has_gate: 1-D boxes of the bias, into K's stages
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class BlockStep:
     other_delta: Int32 | None = None
     # This tile's stage of the Q ring (None: one Q buffer, sQ has no stage mode).
     q_stage: Int32 | None = None
-    # has_gate: this (batch, head)'s bias per key (seqlen_k,), fp32 in the scores' units; else None.
+    # has_gate: the bias of each K stage's keys, (tile_n, K stages) fp32 in smem, in the scores'
+    # units (this (batch, head)'s: the producer loads it with K); else None.
     gate: cute.Tensor | None = None
     # FP8 block scales: this (batch, kv head)'s k and v descales per key block (each (n_blocks,)); else None.
     kv_scales: tuple[cute.Tensor, cute.Tensor] | None = None

@@ -3,7 +3,7 @@ scores between the QK^T GEMM and the online softmax.
 
 Split out of the kernel module by role (STYLE: files under ~900 lines). ``FwdSm90Scores`` is a mixin of
 ``FlashFwdSm90``; it reads ``tile_m`` and ``tile_n`` from ``self`` and the rest from the ``BlockStep``:
-the gate's bias per key (``has_gate``), the softcap, the masks.
+the gate's bias per key (``has_gate``, from K's stage), the softcap, the masks.
 """
 
 import cutlass
@@ -26,10 +26,8 @@ class FwdSm90Scores:
         mask_causal: cutlass.Constexpr[bool],
         mask_local: cutlass.Constexpr[bool],
     ) -> None:
-        """The gate's bias (if compiled in), softcap (if compiled in), then the element masks this
-        block needs (-inf)."""
-        if const_expr(step.gate is not None):
-            self._add_gate(step, acc_S, n_block, mask_seqlen)
+        """Softcap (if compiled in), then the element masks this block needs (-inf). (The gate's
+        bias is added before, ``_add_gate``, while K's stage is still held.)"""
         if const_expr(step.softcap_scale is not None):
             apply_softcap(acc_S, step.softcap_scale)
         if const_expr(mask_seqlen or mask_causal or mask_local):
@@ -39,17 +37,14 @@ class FwdSm90Scores:
             )
 
     @cute.jit
-    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, n_block: Int32, mask_seqlen: cutlass.Constexpr[bool]):
-        """acc_S[r, c] += gate[key of column c]: one add per score, the bias read from global memory
-        (each thread's columns; L1 serves the warpgroups' repeats). The block cut by seqlen_k reads
-        its last key's bias for the columns past it, which the mask then sets to -inf."""
-        acc_mn = acc_rows_cols(acc_S)
-        tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        col0 = n_block * self.tile_n
-        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-            key = col0 + tScS_mn[0, c][1]
-            if const_expr(mask_seqlen):
-                key = cutlass.min(key, step.mask.seqlen_k - 1)
-            bias = step.gate[key]
-            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                acc_mn[r, c] = acc_mn[r, c] + bias
+    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, k_stage: Int32):
+        """has_gate: acc_S[r, c] += the bias of column c's key, from K stage ``k_stage``'s copy in smem
+        (loaded with K, so it must run before that stage is released); one add per score. Keys past
+        seqlen_k read TMA's zero fill, and the mask sets their scores to -inf. No-op without a gate."""
+        if const_expr(step.gate is not None):
+            acc_mn = acc_rows_cols(acc_S)
+            tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                bias = step.gate[tScS_mn[0, c][1], k_stage]
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    acc_mn[r, c] = acc_mn[r, c] + bias

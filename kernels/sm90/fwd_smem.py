@@ -20,10 +20,10 @@ from .fwd_budget import SMEM_ALIGN, smem_bytes
 class FwdSm90Smem:
     @staticmethod
     def _smem_bytes(
-        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1, gate: bool = False
     ) -> int:
-        """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers."""
-        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages)
+        """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers, the gate."""
+        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate)
 
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
@@ -67,6 +67,8 @@ class FwdSm90Smem:
             if const_expr(self.transposes_v):  # FP8: V^T (K-major) stages and their barriers
                 mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
                 sVt: buffer(cute.cosize(self._vt_layout()))
+            if const_expr(self.has_gate):  # the gate's bias per key of each K stage (K's TMA barrier)
+                sGate: buffer(self.tile_n * self.num_stages * self.num_rings, cutlass.Float32)
 
         if const_expr(self.o_aliases_q):
             return SharedStorage

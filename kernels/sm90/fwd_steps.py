@@ -32,6 +32,7 @@ class FwdSm90Steps:
         acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
         self._scheduler_arrive(step.wg_idx)
         warpgroup.wait_group(0)
+        self._add_gate(step, acc_S, k_state.index)
         step.pipeline_k.consumer_release(k_state)
         self._pass_other_ring(step, step.pipeline_k, kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
@@ -73,6 +74,7 @@ class FwdSm90Steps:
             self._pv_gemm(step, v_state, wg_wait=-1)
             self._scheduler_arrive(step.wg_idx)
             warpgroup.wait_group(1)  # S_j has landed; P.V may still run
+            self._add_gate(step, acc_S, k_state.index)
             step.pipeline_k.consumer_release(k_state)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
@@ -91,6 +93,7 @@ class FwdSm90Steps:
             kv_cur = step.kv(kv_state)
             step.pipeline_k.consumer_wait(kv_cur, step.pipeline_k.consumer_try_wait(kv_cur))
             acc_S = self._qk_gemm(step, kv_cur.index, wg_wait=0)
+            self._add_gate(step, acc_S, kv_cur.index)
             step.pipeline_k.consumer_release(kv_cur)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
