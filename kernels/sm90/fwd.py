@@ -270,7 +270,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             # Each warpgroup stores its own rows; the producer loads in the overlap order (V lags K).
             raise ValueError("FlashFwdSm90: span_heads needs wg_local_epilogue and intra_wg_overlap")
         self.tx_bytes_q = tile_m * head_dim * elem_bytes
-        self.tx_bytes_k = tile_n * head_dim * elem_bytes + (tile_n * 4 if has_gate else 0)  # (+ the gate's bias)
+        self.tx_bytes_k = tile_n * head_dim * elem_bytes  # (+ 4 tile_n: the gate's bias, dense gated keys)
         self.tx_bytes_v = tile_n * head_dim_v * elem_bytes
 
     @staticmethod
@@ -401,8 +401,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             (self._o_store_rows(), self.head_dim_v),
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
-        tma_atom_Gate = tma_Gate = None
-        if const_expr(self.has_gate):  # 1-D boxes of tile_n keys beside each K block
+        tma_atom_Gate, tma_Gate = None, mGate
+        if const_expr(self.has_gate and not varlen_k):  # 1-D boxes of tile_n keys beside each K block
+            # (Varlen reads the bias from global memory per column: its TMA boxes, over a domain_offset
+            # view of the (total_k, nheads) rows, raised an illegal instruction on an H200; not resolved.)
             tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(
                 tma_load, mGate, cute.make_layout(self.tile_n), (self.tile_n,)
             )
@@ -454,8 +456,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
-        mGate: cute.Tensor | None,  # has_gate only: TMA coordinates of (s_k | total_k, nheads[, batch]) fp32
-        tma_atom_Gate: cute.CopyAtom | None,
+        mGate: cute.Tensor | None,  # has_gate only: dense TMA coordinates of (s_k, nheads, batch) fp32;
+        #                            varlen the tensor (total_k, nheads)
+        tma_atom_Gate: cute.CopyAtom | None,  # has_gate, dense only
         mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
         SharedStorage: cutlass.Constexpr,
     ):
@@ -492,7 +495,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 )
                 for stages, tx, mbar, ctas, warps in (
                     (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1, num_mma_warps),
-                    (self.num_stages * self.num_rings, self.tx_bytes_k, storage.mbar_k, self.cluster_m, num_mma_warps),
+                    (self.num_stages * self.num_rings, self.tx_bytes_k + (self.tile_n * 4 if const_expr(tma_atom_Gate is not None) else 0),
+                     storage.mbar_k, self.cluster_m, num_mma_warps),
                     (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m, v_consumer_warps),
                 )
             ),
@@ -517,7 +521,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # has_gate: (mGate's TMA coordinates, the bias of each K stage (tile_n, stages) in smem).
         gate = None
-        if const_expr(self.has_gate):
+        if const_expr(tma_atom_Gate is not None):
             gate = (mGate, storage.sGate.get_tensor(cute.make_layout((self.tile_n, self.num_stages * self.num_rings))))
 
         window_l = window_left if const_expr(self.is_local) else None
@@ -549,7 +553,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             self.mma(
                 mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
                 pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                gate[1] if const_expr(self.has_gate) else None, mDescale,
+                gate[1] if const_expr(gate is not None) else mGate, mDescale, gate is not None,
             )
 
     @cute.jit
@@ -567,8 +571,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
-        sGate: cute.Tensor | None = None,  # has_gate: (tile_n, K stages) fp32, each K stage's bias
+        gate: cute.Tensor | None = None,  # has_gate: dense (tile_n, K stages) smem, each K stage's bias; varlen mGate
         mDescale: cute.Tensor | None = None,
+        gate_in_smem: cutlass.Constexpr[bool] = False,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
         epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
@@ -663,7 +668,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     mma, pipes.k, pipes.v if const_expr(pipes.vt is None) else pipes.vt, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
-                    gate=sGate,
+                    gate=(gate if const_expr(gate_in_smem) else seqlen.k_view(select_head(gate, head_idx, 1), batch_idx))
+                    if const_expr(self.has_gate) else None,
                     kv_scales=kv_scales,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min
