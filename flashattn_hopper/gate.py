@@ -193,39 +193,68 @@ def _kernel_rows(key_bias: torch.Tensor, varlen: bool) -> torch.Tensor:
     return aligned_rows(key_bias.t() if varlen else key_bias.transpose(1, 2))
 
 
-def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
-                       cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
-                       used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse less G_i)`` from the sm90 forward with the keys' bias (``-G_j / softmax_scale``, the
-    scores' units before the scale; ``bias_rows``: ``_kernel_rows``) added in the kernel: with a zero
-    gate, the plain forward's scores bit for bit. None where that path does not serve the call
-    (switched off, CPU, traced by torch.compile, empty, another backend)."""
-    from . import ops
+# Routes of eager gated calls by signature (shapes, dtypes, devices, options): the validated problem and
+# both families, worked out once (each call validated twice and dispatched twice before: ~50 us).
+_ROUTES: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
+_MAX_ROUTES = 4096
 
-    route = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
+
+def _route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None, cu_k: torch.Tensor | None,
+           used_q: torch.Tensor | None, used_k: torch.Tensor | None,
+           options: tuple[Any, ...]) -> tuple[Any, Any, Any, Any] | None:
+    """``(forward family, backward family, problem, varlen args)`` of an eager call the kernels launch
+    themselves (``ops.eager_forward_family``: same validation, same errors, the first time a signature
+    is seen); None where the call must go through the ops (switched off, CPU, traced, empty)."""
+    from . import dispatch, ops
+    from .backends.common import VarlenArgs
+
+    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
+        return None
+    sides = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in (cu_q, cu_k, used_q, used_k))
+    signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sides, options)
+    hit = _ROUTES.get(signature, False)
+    if hit is False:
+        found = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options)
+        hit = None
+        if found is not None:
+            family, p, _ = found
+            hit = (family, dispatch.bwd_kernel_for(q.device, options[6], p, options[5]), p)
+        if len(_ROUTES) >= _MAX_ROUTES:
+            _ROUTES.clear()
+        _ROUTES[signature] = hit
+    if hit is None:
+        return None
+    varlen = None if cu_q is None else VarlenArgs(cu_q, cu_k, used_q, used_k, None, None)
+    return (*hit, varlen)
+
+
+def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
+                       route: tuple[Any, ...] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(out, lse less G_i, the bias rows)`` from the sm90 forward with the keys' bias ``key_bias``
+    (``-G_j / softmax_scale``, the scores' units before the scale; its rows in the kernels' layout,
+    ``_kernel_rows``, are returned for the backward) added in the kernel: with a zero gate, the plain
+    forward's scores bit for bit. None where that path does not serve the call (``route`` None, or
+    another forward family)."""
     if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
-    family, p, varlen = route
-    return family.forward_with_gate(q, k, v, p, varlen, bias_rows)
+    family, _, p, varlen = route
+    bias_rows = _kernel_rows(key_bias, varlen is not None)
+    return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows), bias_rows)
 
 
 def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, bias_rows: torch.Tensor, cu_q: torch.Tensor | None,
-                        cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
+                        lse: torch.Tensor, bias_rows: torch.Tensor, route: tuple[Any, ...] | None,
                         options: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
     """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with the keys' bias (``bias_rows``:
     ``_kernel_rows``) in its scores and dG's sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
-    None where that path does not serve the call (switched off, CPU, traced, empty, another family,
-    head dims over 128)."""
-    from . import ops
-
-    route = ops.eager_backward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
-    if route is None or not hasattr(route[0], "backward_with_gate") or not route[0].can_gate(route[1]):
+    None where that path does not serve the call (the forward's ``route`` None, another family, head
+    dims over 128)."""
+    if route is None or not hasattr(route[1], "backward_with_gate") or not route[1].can_gate(route[2]):
         return None
-    family, p, varlen = route
+    _, family, p, varlen = route
     dq, dk, dv, key_sums, query_sums = family.backward_with_gate(dout, q, k, v, out, lse, p, varlen, options[5],
                                                                  bias_rows)
-    if cu_q is not None:  # back to the gate's (total, h) layouts
+    if varlen is not None:  # back to the gate's (total, h) layouts
         return dq, dk, dv, key_sums.t(), query_sums.t()
     return dq, dk, dv, key_sums.transpose(1, 2), query_sums.transpose(1, 2)
 
@@ -256,11 +285,11 @@ class GatedAttnFunc(torch.autograd.Function):
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         key_bias = neg_G.float() / options[0]  # (fp32: the kernel adds it to its fp32 scores)
-        bias_rows = _kernel_rows(key_bias, varlen) if IN_KERNEL and q.is_cuda else None
-        in_kernel = None if bias_rows is None else _in_kernel_forward(q, k, v, bias_rows, cu_q, cu_k, used_q, used_k,
-                                                                      options)
+        route = _route(q, k, v, cu_q, cu_k, used_q, used_k, options)
+        in_kernel = _in_kernel_forward(q, k, v, key_bias, route)
+        bias_rows = None
         if in_kernel is not None:
-            out, lse = in_kernel
+            out, lse, bias_rows = in_kernel
             q_saved, k_saved, v_saved = q, k, v  # (augmented for the backward there)
         else:
             q_saved = q_aug = _q_columns(q)
@@ -276,8 +305,8 @@ class GatedAttnFunc(torch.autograd.Function):
             lse_full, out = join_sink(out, lse_full, sink, q, cu_q, used_q)
             lse = lse_full - G_rows
         ctx.save_for_backward(q_saved, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
-                              bias_rows if in_kernel is not None else None)
-        ctx.options, ctx.group, ctx.head_axis = options, group, head_axis
+                              bias_rows)
+        ctx.options, ctx.group, ctx.head_axis, ctx.route = options, group, head_axis, route
         ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
         return out, lse_full
@@ -291,8 +320,7 @@ class GatedAttnFunc(torch.autograd.Function):
         if bias_rows is not None:
             # The forward ran the gate in the kernel: so does the backward where it can (k and v as
             # given: q_aug, k_aug, v are the call's tensors here).
-            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, bias_rows, cu_q, cu_k, used_q, used_k,
-                                        ctx.options)
+            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, bias_rows, ctx.route, ctx.options)
             if grads is not None:
                 dq, dk, dv, d_neg_G, d_G_q = grads
                 return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None

@@ -57,21 +57,6 @@ def eager_forward_family(
     return dispatch.fwd_kernel_for(q.device, options[6], p), p, varlen
 
 
-def eager_backward_family(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
-    options: tuple[Any, ...],
-) -> tuple[Any, AttnProblem, VarlenArgs | None] | None:
-    """``eager_forward_family`` for the backward (the family ``bwd`` would run, for ``gate.py``'s
-    in-kernel gate); None where the call must go through the op."""
-    if not q.is_cuda or torch.compiler.is_compiling():
-        return None
-    p, varlen = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options[:5])
-    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
-        return None
-    return dispatch.bwd_kernel_for(q.device, options[6], p, options[5]), p, varlen
-
-
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
 def fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,

@@ -56,6 +56,10 @@ def systems():
 
     yield "ours", ours(None)
     yield "ours sm80", ours("sm80")
+    gates = torch.nn.functional.logsigmoid(torch.randn(SHAPE[0], SHAPE[1], SHAPE[2], device="cuda"))
+    sinks = torch.randn(SHAPE[2], device="cuda")
+    yield "ours log_decay", lambda q, k, v: flash_attn_func(q, k, v, causal=True, log_decay=gates)
+    yield "ours learnable_sink", lambda q, k, v: flash_attn_func(q, k, v, causal=True, learnable_sink=sinks)
     for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
                           ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
         yield name, sdpa(backend)
