@@ -193,41 +193,6 @@ def _kernel_rows(key_bias: torch.Tensor, varlen: bool) -> torch.Tensor:
     return aligned_rows(key_bias.t() if varlen else key_bias.transpose(1, 2))
 
 
-# Routes of eager gated calls by signature (shapes, dtypes, devices, options): the validated problem and
-# both families, worked out once (each call validated twice and dispatched twice before: ~50 us).
-_ROUTES: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
-_MAX_ROUTES = 4096
-
-
-def _route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None, cu_k: torch.Tensor | None,
-           used_q: torch.Tensor | None, used_k: torch.Tensor | None,
-           options: tuple[Any, ...]) -> tuple[Any, Any, Any, Any] | None:
-    """``(forward family, backward family, problem, varlen args)`` of an eager call the kernels launch
-    themselves (``ops.eager_forward_family``: same validation, same errors, the first time a signature
-    is seen); None where the call must go through the ops (switched off, CPU, traced, empty)."""
-    from . import dispatch, ops
-    from .backends.common import VarlenArgs
-
-    if not IN_KERNEL or not q.is_cuda or torch.compiler.is_compiling():
-        return None
-    sides = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in (cu_q, cu_k, used_q, used_k))
-    signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sides, options)
-    hit = _ROUTES.get(signature, False)
-    if hit is False:
-        found = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options)
-        hit = None
-        if found is not None:
-            family, p, _ = found
-            hit = (family, dispatch.bwd_kernel_for(q.device, options[6], p, options[5]), p)
-        if len(_ROUTES) >= _MAX_ROUTES:
-            _ROUTES.clear()
-        _ROUTES[signature] = hit
-    if hit is None:
-        return None
-    varlen = None if cu_q is None else VarlenArgs(cu_q, cu_k, used_q, used_k, None, None)
-    return (*hit, varlen)
-
-
 def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
                        route: tuple[Any, ...] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(out, lse less G_i, the bias rows)`` from the sm90 forward with the keys' bias ``key_bias``
@@ -285,7 +250,9 @@ class GatedAttnFunc(torch.autograd.Function):
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         key_bias = neg_G.float() / options[0]  # (fp32: the kernel adds it to its fp32 scores)
-        route = _route(q, k, v, cu_q, cu_k, used_q, used_k, options)
+        from . import ops
+
+        route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
         in_kernel = _in_kernel_forward(q, k, v, key_bias, route)
         bias_rows = None
         if in_kernel is not None:

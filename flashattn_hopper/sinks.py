@@ -50,17 +50,13 @@ IN_KERNEL_UNPACKED = False
 
 
 def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
-                       cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
-                       used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       route: tuple[Any, ...] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse')`` from the forward kernel with the sink in its finalize, or None where that path
-    does not serve the call (switched off, CPU tensors, traced by torch.compile, empty, or a call whose
-    plain kernel packs GQA heads or spans heads with its tiles)."""
-    from . import ops
-
-    route = ops.eager_forward_family(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
-    if route is None:
+    does not serve the call (switched off, no ``route`` (``ops.eager_route``: CPU tensors, traced by
+    torch.compile, empty), or a call whose plain kernel packs GQA heads or spans heads with its tiles)."""
+    if route is None or not IN_KERNEL:
         return None
-    family, p, varlen = route
+    family, _, p, varlen = route
     return family.forward_with_sink(q, k, v, p, varlen, sink, even_unpacked=IN_KERNEL_UNPACKED)
 
 
@@ -84,14 +80,17 @@ class SinkAttnFunc(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
                 cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, used_q: torch.Tensor | None,
                 used_k: torch.Tensor | None, options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        in_kernel = _in_kernel_forward(q, k, v, sink, cu_q, cu_k, used_q, used_k, options)
+        from . import ops
+
+        route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options)
+        in_kernel = _in_kernel_forward(q, k, v, sink, route)
         if in_kernel is not None:
             out, lse_sink = in_kernel
         else:
             out, lse = _fwd_op(q, k, v, cu_q, cu_k, used_q, used_k, *options)
             lse_sink, out = join_sink(out, lse, sink, q, cu_q, used_q)
         ctx.save_for_backward(q, k, v, sink, out, lse_sink, cu_q, cu_k, used_q, used_k)
-        ctx.options = options
+        ctx.options, ctx.route = options, route
         ctx.mark_non_differentiable(lse_sink)
         ctx.set_materialize_grads(False)
         return out, lse_sink
@@ -101,7 +100,15 @@ class SinkAttnFunc(torch.autograd.Function):
         q, k, v, sink, out, lse_sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
         if dout is None:
             return (None,) * 9
-        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
+        route = ctx.route
+        if route is not None and hasattr(route[1], "cached_plan"):
+            # Eager: the backward family's plan for this problem, launched directly (the op validated,
+            # dispatched and planned per call: ~600 of a sinked backward's ~785 us of host time).
+            _, family, p, varlen = route
+            plan = family.cached_plan(p, varlen, ctx.options[5], q.device)
+            dq, dk, dv = (t.contiguous() for t in plan(dout.contiguous(), q, k, v, out, lse_sink, varlen))
+        else:
+            dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
         return dq, dk, dv, sink_gradient(dout, out, sink, lse_sink, q, cu_q, used_q), None, None, None, None, None
 
 

@@ -27,7 +27,7 @@ from ..packed import sequence_of_rows
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, cutlass_dtype, device_index, fake_bshd, ffi_compile,
-    int_ready, mask_flags, num_sms, pad_head_dim, window_args,
+    int_ready, mask_flags, num_sms, pad_head_dim, varlen_flags, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
@@ -404,6 +404,18 @@ class BwdSm80:
         plan = self.plan(p, varlen, deterministic, q.device, dk_fp32)
         return plan(dout, q, k, v, out, lse, varlen, dq, dk, dv)
 
+    def cached_plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
+                    gate: bool = False) -> BwdPlan:
+        """``plan``, kept per (family, problem, varlen flags, deterministic, device, gate): a ``BwdPlan``
+        holds only what those fix (no tensors). For the gated and sinked routes, which made one per call."""
+        memo = (self.kind, p, varlen_flags(varlen), deterministic, device, gate)
+        plan = _PLAN_MEMO.get(memo)
+        if plan is None:
+            if len(_PLAN_MEMO) >= _MAX_PLAN_MEMO:
+                _PLAN_MEMO.clear()
+            plan = _PLAN_MEMO[memo] = self.plan(p, varlen, deterministic, device, gate=gate)
+        return plan
+
     def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
              dk_fp32: bool = False, gate: bool = False) -> BwdPlan:
         """The compiled kernels and every static argument of a backward call of problem ``p`` (a
@@ -429,6 +441,10 @@ class BwdSm80:
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
                        tail_segments, dk_fp32, self.gate_slots)
+
+
+_PLAN_MEMO: dict[tuple[Any, ...], BwdPlan] = {}  # (BwdSm80.cached_plan)
+_MAX_PLAN_MEMO = 1024
 
 
 class BwdPlan:

@@ -66,10 +66,6 @@ class BwdSm90Key(KernelKey):
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
 
 
-# Gated backward plans by (problem, varlen flags, deterministic, device), bounded like api's plans.
-_GATE_PLANS: dict[tuple[Any, ...], Any] = {}
-_MAX_GATE_PLANS = 256
-
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
 
 
@@ -110,14 +106,7 @@ class BwdSm90(BwdSm80):
         total_k)``), ``lse`` that forward's. The sums are of the gradient of the scaled scores, in the
         bias's layout (per key) and the LSE's (per query), fp32. A non-empty problem ``can_gate`` accepts."""
         f32, dev = torch.float32, q.device
-        flags = (varlen is not None, varlen is not None and varlen.seqused_q is not None,
-                 varlen is not None and varlen.seqused_k is not None)
-        memo = (p, flags, deterministic, dev)
-        plan = _GATE_PLANS.get(memo)
-        if plan is None:  # (a BwdPlan holds no tensors: only what the problem and flags fix)
-            if len(_GATE_PLANS) >= _MAX_GATE_PLANS:
-                _GATE_PLANS.clear()
-            plan = _GATE_PLANS[memo] = self.plan(p, varlen, deterministic, dev, gate=True)
+        plan = self.cached_plan(p, varlen, deterministic, dev, gate=True)
         bias = bias.to(device=dev, dtype=f32)  # (rows as given: the kernel reads them by index)
         # Per query: reduce-added by the kernel. Per key: stored once by the CTA owning it, except varlen
         # rows between seqused_k and the next sequence, which no CTA owns.

@@ -9,7 +9,6 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,26 +327,12 @@ class FwdSm90(FwdLauncher):
         ``aligned_rows`` unless they are already). No softcap; a non-empty problem.
         The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
         combinations the gate's tests run)."""
-        arch = target_arch()
-        flags = (varlen is not None, varlen is not None and varlen.seqused_q is not None,
-                 varlen is not None and varlen.seqused_k is not None)
-        key = _GATE_KEYS.get((p, arch, flags))
-        if key is None:  # (building a key and replacing its fields took ~60 of a gated call's ~190 us)
-            if len(_GATE_KEYS) >= _MAX_GATE_KEYS:
-                _GATE_KEYS.clear()
-            key = _GATE_KEYS[(p, arch, flags)] = dataclasses.replace(
-                self.key(p, arch, varlen), gate=True, pack_gqa=1, span_heads=False, cluster_m=1
-            )
+        _, key = self.variant_key(p, varlen, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         bias = aligned_rows(bias.to(device=q.device))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
-
-
-# Gate keys by (problem, arch, varlen flags): a gated call's key, worked out once (bounded like api's plans).
-_GATE_KEYS: dict[tuple[Any, ...], FwdSm90Key] = {}
-_MAX_GATE_KEYS = 256
 
 
 def _fp8_problem(hdim: int) -> AttnProblem:
