@@ -104,12 +104,18 @@ class SinkAttnFunc(torch.autograd.Function):
         if route is not None and hasattr(route[1], "cached_plan"):
             # Eager: the backward family's plan for this problem, launched directly (the op validated,
             # dispatched and planned per call: ~600 of a sinked backward's ~785 us of host time).
+            # Dense: the preprocess's rowsum(dout * out) serves the sink's gradient too (recomputed in
+            # fp32 by torch it read and wrote ~1 GB at 16k tokens x 2048).
             _, family, p, varlen = route
             plan = family.cached_plan(p, varlen, ctx.options[5], q.device)
-            dq, dk, dv = (t.contiguous() for t in plan(dout.contiguous(), q, k, v, out, lse_sink, varlen))
+            grads = plan(dout.contiguous(), q, k, v, out, lse_sink, varlen, rows_dpsum=varlen is None)
+            dq, dk, dv = (t.contiguous() for t in grads[:3])
+            rows = grads[3] if varlen is None else None
         else:
             dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
-        return dq, dk, dv, sink_gradient(dout, out, sink, lse_sink, q, cu_q, used_q), None, None, None, None, None
+            rows = None
+        dsink = sink_gradient(dout, out, sink, lse_sink, q, cu_q, used_q, rows)
+        return dq, dk, dv, dsink, None, None, None, None, None
 
 
 def join_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, q: torch.Tensor,
@@ -129,10 +135,15 @@ def join_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, q: torch
 
 
 def sink_gradient(dout: torch.Tensor, out: torch.Tensor, sink: torch.Tensor, lse_sink: torch.Tensor,
-                  q: torch.Tensor, cu_q: torch.Tensor | None, used_q: torch.Tensor | None) -> torch.Tensor:
+                  q: torch.Tensor, cu_q: torch.Tensor | None, used_q: torch.Tensor | None,
+                  rows_dpsum: torch.Tensor | None = None) -> torch.Tensor:
     """``d sink_h = -sum_rows exp(sink_h - lse'_i) * rowsum(dout * out)_i`` over the rows below
-    ``seqused_q`` (``out``: the sinked output, ``lse_sink``: the LSE with the sink)."""
+    ``seqused_q`` (``out``: the sinked output, ``lse_sink``: the LSE with the sink). ``rows_dpsum``
+    (dense): ``rowsum(dout * out)`` already taken, in the LSE's layout (the backward's preprocess)."""
     varlen = cu_q is not None
+    if rows_dpsum is not None:
+        p_sink = torch.exp(sink.float()[None, :, None] - lse_sink)  # (b, h, s_q)
+        return (-(p_sink * rows_dpsum).sum((0, 2))).to(sink.dtype)
     dpsum = (dout.float() * out.float()).sum(-1)  # (b, s_q, h) / (total_q, h)
     sink_rows = sink.float()[None, :] if varlen else sink.float()[None, None, :]
     p_sink = torch.exp(sink_rows - _per_row(lse_sink, varlen)[..., 0])

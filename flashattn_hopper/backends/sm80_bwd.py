@@ -482,9 +482,12 @@ class BwdPlan:
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, varlen: VarlenArgs | None = None, dq: torch.Tensor | None = None,
         dk: torch.Tensor | None = None, dv: torch.Tensor | None = None, gate: tuple[torch.Tensor, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows_dpsum: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """``backward`` of the plan's problem (see there); ``varlen``: the call's varlen tensors;
-        ``gate``: the main kernel's gate slots (a gate key's plan: ``BwdSm90.backward_with_gate``)."""
+        ``gate``: the main kernel's gate slots (a gate key's plan: ``BwdSm90.backward_with_gate``).
+        ``rows_dpsum`` (dense only): also the preprocess's ``rowsum(dout * out)`` in fp32, ``(batch,
+        nheads, seqlen_q)`` like the LSE (a view of its scratch; ``sinks.py``'s gradient reads it)."""
         p, key, d, d_v, dev = self.p, self.main_key, self.d, self.d_v, q.device
         if self.padded:
             q, k = (pad_head_dim(t, d) for t in (q, k))
@@ -546,6 +549,10 @@ class BwdPlan:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d_v != p.head_dim_v:
             dv = dv[..., : p.head_dim_v]
+        if rows_dpsum:
+            if p.is_varlen:
+                raise ValueError("rows_dpsum: dense problems only (varlen rows sit at padded scratch offsets)")
+            return dq, dk, dv, dpsum[:, :, : p.seqlen_q]
         return dq, dk, dv
 
     def _dk_from_scratch(self, dk_main: torch.Tensor, cu_k: torch.Tensor | None,
