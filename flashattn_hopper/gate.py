@@ -209,7 +209,7 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bi
 
 def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, bias_rows: torch.Tensor, route: tuple[Any, ...] | None,
-                        options: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
+                        options: tuple[Any, ...], rows_dpsum: bool = False) -> tuple[torch.Tensor, ...] | None:
     """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with the keys' bias (``bias_rows``:
     ``_kernel_rows``) in its scores and dG's sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
     None where that path does not serve the call (the forward's ``route`` None, another family, head
@@ -217,11 +217,12 @@ def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if route is None or not hasattr(route[1], "backward_with_gate") or not route[1].can_gate(route[2]):
         return None
     _, family, p, varlen = route
-    dq, dk, dv, key_sums, query_sums = family.backward_with_gate(dout, q, k, v, out, lse, p, varlen, options[5],
-                                                                 bias_rows)
+    dq, dk, dv, key_sums, query_sums, *rows = family.backward_with_gate(
+        dout, q, k, v, out, lse, p, varlen, options[5], bias_rows, rows_dpsum=rows_dpsum and varlen is None
+    )
     if varlen is not None:  # back to the gate's (total, h) layouts
-        return dq, dk, dv, key_sums.t(), query_sums.t()
-    return dq, dk, dv, key_sums.transpose(1, 2), query_sums.transpose(1, 2)
+        return dq, dk, dv, key_sums.t(), query_sums.t(), None
+    return dq, dk, dv, key_sums.transpose(1, 2), query_sums.transpose(1, 2), (rows[0] if rows else None)
 
 
 def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,15 +284,18 @@ class GatedAttnFunc(torch.autograd.Function):
         q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, bias_rows = ctx.saved_tensors
         if dout is None:
             return (None,) * 11
-        dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         if bias_rows is not None:
             # The forward ran the gate in the kernel: so does the backward where it can (k and v as
-            # given: q_aug, k_aug, v are the call's tensors here).
-            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, bias_rows, ctx.route, ctx.options)
+            # given: q_aug, k_aug, v are the call's tensors here); a sink's gradient then reads the
+            # preprocess's rowsum(dout * out) (dense).
+            grads = _in_kernel_backward(dout, q_aug, k_aug, v, out, lse, bias_rows, ctx.route, ctx.options,
+                                        rows_dpsum=sink is not None)
             if grads is not None:
-                dq, dk, dv, d_neg_G, d_G_q = grads
+                dq, dk, dv, d_neg_G, d_G_q, rows = grads
+                dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q, rows)
                 return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
-            # Else the augmented problem, built here.
+        dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
+        if bias_rows is not None:  # else the augmented problem, built here
             key_bias = bias_rows.t() if cu_q is not None else bias_rows.transpose(1, 2)
             q_aug = _q_columns(q_aug)
             k_aug = _k_columns(_per_query_head(k_aug, ctx.group, ctx.head_axis), key_bias)

@@ -339,8 +339,8 @@ def _record_in_kernel(monkeypatch, route: str = "_in_kernel_forward") -> list:
 
     taken, in_kernel = [], getattr(gate, route)
 
-    def spy(*args):
-        result = in_kernel(*args)
+    def spy(*args, **kwargs):
+        result = in_kernel(*args, **kwargs)
         taken.append(result is not None)
         return result
 

@@ -99,12 +99,14 @@ class BwdSm90(BwdSm80):
     def backward_with_gate(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, bias: torch.Tensor,
+        rows_dpsum: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """``(dq, dk, dv, dS's sums per key, dS's sums per query)`` of attention whose scores carry
         ``bias`` per (query head, key) (``flashattn_hopper/gate.py``: ``-G_j / softmax_scale``, the
         forward's ``forward_with_gate``; fp32, dense ``(batch, nheads, seqlen_k)``, varlen ``(nheads,
         total_k)``), ``lse`` that forward's. The sums are of the gradient of the scaled scores, in the
-        bias's layout (per key) and the LSE's (per query), fp32. A non-empty problem ``can_gate`` accepts."""
+        bias's layout (per key) and the LSE's (per query), fp32. A non-empty problem ``can_gate`` accepts.
+        ``rows_dpsum`` (dense): then also ``rowsum(dout * out)`` (``BwdPlan``'s, for a sink's gradient)."""
         f32, dev = torch.float32, q.device
         plan = self.cached_plan(p, varlen, deterministic, dev, gate=True)
         bias = bias.to(device=dev, dtype=f32)  # (rows as given: the kernel reads them by index)
@@ -113,8 +115,9 @@ class BwdSm90(BwdSm80):
         q_rows = (p.nheads, p.seqlen_q) if p.is_varlen else (p.batch, p.nheads, p.seqlen_q)
         query_sums = torch.zeros(q_rows, dtype=f32, device=dev)
         key_sums = (torch.zeros_like if p.is_varlen else torch.empty_like)(bias)
-        dq, dk, dv = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums))
-        return dq, dk, dv, key_sums, query_sums
+        grads = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums),
+                     rows_dpsum=rows_dpsum)
+        return (*grads[:3], key_sums, query_sums, *grads[3:])
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
