@@ -210,10 +210,11 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bi
 def _in_kernel_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, bias_rows: torch.Tensor, route: tuple[Any, ...] | None,
                         options: tuple[Any, ...], rows_dpsum: bool = False) -> tuple[torch.Tensor, ...] | None:
-    """``(dq, dk, dv, d(-G), dG_q)`` from the sm90 backward with the keys' bias (``bias_rows``:
-    ``_kernel_rows``) in its scores and dG's sums from its dS (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels.
-    None where that path does not serve the call (the forward's ``route`` None, another family, head
-    dims over 128)."""
+    """``(dq, dk, dv, d(-G), dG_q, rowsum(dout * out) or None)`` from the sm90 backward with the keys'
+    bias (``bias_rows``: ``_kernel_rows``) in its scores and dG's sums from its dS
+    (``BwdSm90.backward_with_gate``); dk and dv summed per kv head by the kernels; the last entry only
+    with ``rows_dpsum`` on a dense call. None where that path does not serve the call (the forward's
+    ``route`` None, another family, head dims over 128)."""
     if route is None or not hasattr(route[1], "backward_with_gate") or not route[1].can_gate(route[2]):
         return None
     _, family, p, varlen = route

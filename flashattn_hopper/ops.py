@@ -71,20 +71,27 @@ def eager_route(
 ) -> tuple[Any, Any, AttnProblem, VarlenArgs | None] | None:
     """``(forward family, backward family, problem, varlen)`` of an eager call a module launches
     itself: ``eager_forward_family`` (same validation, same errors) the first time a signature
-    (shapes, dtypes, devices, the varlen tensors' metadata, options) is seen; None where the call
-    must go through the ops (CPU, traced by torch.compile, an empty problem)."""
+    (shapes, strides, dtypes, devices, the varlen tensors' metadata, options) is seen; None where the
+    call must go through the ops (CPU, traced by torch.compile, an empty problem). The backward family
+    is None where none serves the problem (the backward then goes through the op, which raises)."""
     if not q.is_cuda or torch.compiler.is_compiling():
         return None
     sides = tuple(None if t is None else (t.shape, t.dtype, t.device)
                   for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
-    signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sides, options)
+    # Strides too: validation rejects a last axis that is not contiguous (the kernels assume it).
+    signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                 k.device, v.device, sides, options)
     hit = _ROUTES.get(signature, False)
     if hit is False:
         found = eager_forward_family(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options)
         hit = None
         if found is not None:
             family, p, _ = found
-            hit = (family, dispatch.bwd_kernel_for(q.device, options[6], p, options[5]), p)
+            try:  # (a forward-only call must not fail for want of a backward: None, the op path says why)
+                backward = dispatch.bwd_kernel_for(q.device, options[6], p, options[5])
+            except (NotImplementedError, ValueError):
+                backward = None
+            hit = (family, backward, p)
         if len(_ROUTES) >= _MAX_ROUTES:
             _ROUTES.clear()
         _ROUTES[signature] = hit

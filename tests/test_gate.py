@@ -284,6 +284,19 @@ def test_gated_sink_matches_the_definition(emulated_ops, causal, window, s_q, s_
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
+    _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_gate_api_parity_other_head_dims(monkeypatch, head_dim):
+    """The sm90 forward's other tiles with the gate's bias by TMA (hdim 192: 112 keys per block, each K
+    stage's bias row padded to 128 bytes), causal, with the backward in the kernel (96: on the 128
+    row) or on the augmented problem (192)."""
+    _gate_api_parity(monkeypatch, None, head_dim, True, (300, 333))
+
+
+def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
     """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16); on Hopper
     without a backend the forward and the backward run the gate in the sm90 kernels (``gate.IN_KERNEL``),
     on sm80 the augmented problem."""
@@ -313,7 +326,7 @@ def test_gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_HOPPER_BACKEND") != "sm80"
     assert taken == [backend is None and sm90], taken
-    assert taken_bwd == ([True] if backend is None and sm90 else []), taken_bwd
+    assert taken_bwd == ([head_dim <= 128] if backend is None and sm90 else []), taken_bwd
 
 
 @pytest.mark.gpu
@@ -515,3 +528,16 @@ def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
     scratch = torch.randn(2, h_k, 128 * d)
     want = scratch.view(2, h_k, 128, d)[:, :, :70].transpose(1, 2) * scale
     torch.testing.assert_close(dense._dk_from_scratch(scratch, None, None), want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gated_route_cache_still_checks_strides():
+    """A gated call whose q has the shape of an earlier one but a non-contiguous last axis gets the
+    validation error (``ops.eager_route`` keys its cache on strides too), not a launch on it."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 64, 2, device="cuda", generator=gen))
+    flash_attn_func(q, k, v, causal=True, log_decay=g)
+    q_strided = torch.randn(1, 64, 64, 2, dtype=torch.bfloat16, device="cuda", generator=gen).transpose(-1, -2)
+    with pytest.raises(ValueError, match="q"):
+        flash_attn_func(q_strided, k, v, causal=True, log_decay=g)

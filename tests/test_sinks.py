@@ -381,3 +381,18 @@ def test_sink_in_kernel_keeps_packed_gqa(monkeypatch, heads):
         assert result is not None and len(launched) == 1 and launched[0].sink
     else:
         assert result is None and not launched
+
+
+@pytest.mark.gpu
+def test_forward_only_sink_call_needs_no_backward_family():
+    """``backend="sm90"`` with v wider than q/k (64 / 256): the forward serves it, the sm90 backward does
+    not; a sinked call without gradients still runs (the route looks the backward up lazily: None)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU (backend='sm90')")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k = (torch.randn(1, 100, 2, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    v = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16, device="cuda", generator=gen)
+    sink = torch.randn(2, device="cuda", generator=gen)
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, backend="sm90")
+    assert out.shape == (1, 100, 2, 256) and bool(torch.isfinite(out).all())

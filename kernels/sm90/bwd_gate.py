@@ -3,19 +3,20 @@
 Gated log-decay adds ``G_i - G_j`` to every score. ``G_i`` is folded into the LSE the kernel is given,
 so the kernel sees a bias per (query head, key), ``-G_j / scale`` in the scores' units (the forward's
 ``mGate``): ``P^T = exp2((S^T + bias_j) * scale_log2 - LSE)``. The gate's gradient needs two sums of
-the fp32 dS^T (the gradient of the scaled score): per key (``sum_i dS_ij``, d(-G_j)) and per query
-(``sum_j dS_ij``, dG_i). In the transposed score tile a thread holds two key rows and ``tile_m / 4``
+dS^T (the gradient of the scaled score), taken from its 16-bit values (the dK / dQ GEMMs' operand; from
+the fp32 tile, live beside P^T and the in-flight dV, ptxas serialized every WGMMA), summed in fp32:
+per key (``sum_i dS_ij``, d(-G_j)) and per query (``sum_j dS_ij``, dG_i). In the transposed score tile a thread holds two key rows and ``tile_m / 4``
 query columns (the WGMMA C layout: row ``16 * warp + lane / 4 (+ 8)``, column ``8 * g + 2 * (lane % 4)
 + e``):
 
 - key sums: each thread adds its columns into two registers over all m_blocks; the quad's four lanes
   finish the row at the end (``store_key_sums``), one plain store per key (a CTA owns its keys).
-- query sums: each thread adds its two rows per column, then a butterfly over the 8 lanes that share
-  a column set (lane bits 4, 8, 16: each step sends half the values, ``tile_m / 32`` shuffles in all
-  per lane instead of ``3 * tile_m / 4``) leaves every warp's 64 keys summed, ``tile_m / 32`` columns per
-  lane (``query_sums``); each warp writes its row of the smem slot beside sdQ (``stage_query_sums``),
-  and the dQ writer warp adds the 8 rows in a fixed order and reduce-adds them into the fp32 per-query
-  sum (``add_query_sums``), under the same DQ_FULL / DQ_EMPTY handshake (and deterministic turns) as dQ.
+- query sums: each thread adds its two rows per column; then, in chunks of 4 columns, lane bits 4 and
+  8 split the chunk (each lane keeps one column) and bit 16 adds the rest: every warp's 16 key rows
+  summed, one column per chunk on half its lanes (``stage_sums``, 4 shuffles per chunk); each warp
+  writes its row of the block's smem slot beside sdQ (two slots by block parity), and the dQ writer
+  warp adds the 8 rows in a fixed order and reduce-adds them into the fp32 per-query sum
+  (``add_query_sums``), under the same DQ_FULL / DQ_EMPTY handshake (and deterministic turns) as dQ.
 """
 
 import cutlass
@@ -45,8 +46,9 @@ def load_key_bias(mGate_cur: cute.Tensor, tScS_mn: cute.Tensor, n_block: Int32, 
 @cute.jit
 def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor, sQuerySums: cute.Tensor, slot: Int32, mma_warp: Int32,
                tile_m: cutlass.Constexpr[int]):
-    """From this block's fp32 dS^T: adds each key row's sum into ``key_sums``, and writes this warp's
-    query sums (its 64 keys) into its row of smem slot ``slot`` (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
+    """From this block's dS^T (16-bit, summed in fp32): adds each key row's sum into ``key_sums``, and
+    writes this warp's query sums (its 16 key rows) into its row of smem slot ``slot``
+    (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
     acc_mn = acc_rows_cols(acc_dS)
     num_rows = cute.size(acc_mn.shape[0])
     num_cols = cute.size(acc_mn.shape[1])

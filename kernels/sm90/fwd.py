@@ -59,6 +59,7 @@ from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
+from .fwd_budget import gate_stage_floats
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
 from .fwd_steps import FwdSm90Steps
@@ -465,6 +466,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
         this CTA's tiles in the scheduler's order."""
         varlen_q = const_expr(mCuSeqlensQ is not None)
+        gate_tma = const_expr(tma_atom_Gate is not None)  # (K's stages then carry the gate's bias)
         atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O, tma_atom_Gate)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -495,7 +497,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 )
                 for stages, tx, mbar, ctas, warps in (
                     (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1, num_mma_warps),
-                    (self.num_stages * self.num_rings, self.tx_bytes_k + (self.tile_n * 4 if const_expr(tma_atom_Gate is not None) else 0),
+                    (self.num_stages * self.num_rings, self.tx_bytes_k + (self.tile_n * 4 if gate_tma else 0),
                      storage.mbar_k, self.cluster_m, num_mma_warps),
                     (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m, v_consumer_warps),
                 )
@@ -519,10 +521,13 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        # has_gate: (mGate's TMA coordinates, the bias of each K stage (tile_n, stages) in smem).
+        # has_gate: (mGate's TMA coordinates, the bias of each K stage (tile_n, stages) in smem, each
+        # stage's row 128-byte aligned).
         gate = None
         if const_expr(tma_atom_Gate is not None):
-            gate = (mGate, storage.sGate.get_tensor(cute.make_layout((self.tile_n, self.num_stages * self.num_rings))))
+            stages = self.num_stages * self.num_rings
+            gate_rows = cute.make_layout((self.tile_n, stages), stride=(1, gate_stage_floats(self.tile_n)))
+            gate = (mGate, storage.sGate.get_tensor(gate_rows))
 
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None

@@ -22,8 +22,14 @@ def smem_bytes(
         + _buffer(tile_n * head_dim * kv_stages * elem_bytes)
         + _buffer(tile_n * head_dim_v * kv_stages * elem_bytes)
         + SMEM_ALIGN  # mbarriers
-        + (_buffer(tile_n * kv_stages * 4) if gate else 0)
+        + (_buffer(gate_stage_floats(tile_n) * kv_stages * 4) if gate else 0)
     )
+
+
+def gate_stage_floats(tile_n: int) -> int:
+    """fp32 slots per K stage of the gate's smem rows: tile_n rounded up to 32, so each stage's row
+    starts on the 128 bytes a TMA destination needs (tile_n 112 or 80 would not)."""
+    return -(-tile_n // 32) * 32
 
 
 def _buffer(num_bytes: int) -> int:

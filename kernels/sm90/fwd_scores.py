@@ -46,7 +46,8 @@ class FwdSm90Scores:
         without a gate."""
         if const_expr(step.gate is not None):
             acc_mn = acc_rows_cols(acc_S)
-            tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(coords))
             for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
                 if const_expr(cute.rank(step.gate) == 2):
                     bias = step.gate[tScS_mn[0, c][1], k_stage]

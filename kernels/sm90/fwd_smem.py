@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import make_smem_layout_sm90
-from .fwd_budget import SMEM_ALIGN, smem_bytes
+from .fwd_budget import SMEM_ALIGN, gate_stage_floats, smem_bytes
 
 
 class FwdSm90Smem:
@@ -68,7 +68,7 @@ class FwdSm90Smem:
                 mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
                 sVt: buffer(cute.cosize(self._vt_layout()))
             if const_expr(self.has_gate):  # the gate's bias per key of each K stage (K's TMA barrier)
-                sGate: buffer(self.tile_n * self.num_stages * self.num_rings, cutlass.Float32)
+                sGate: buffer(gate_stage_floats(self.tile_n) * self.num_stages * self.num_rings, cutlass.Float32)
 
         if const_expr(self.o_aliases_q):
             return SharedStorage
