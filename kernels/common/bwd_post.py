@@ -32,12 +32,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 from .bwd_utils import (
-    accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, select_head, tiled_copy_16b,
+    accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, tiled_copy_16b,
     tiled_mma_dq_sm90, tiled_mma_sm80,
 )
 from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .utils import (
-    assume_strides_aligned, convert_to_16bit, select_modes, smem_layout_atom_sm80,
+    assume_strides_aligned, convert_to_16bit, select_head, select_modes, smem_layout_atom_sm80,
 )
 
 

@@ -27,11 +27,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .bwd_utils import (
-    SEQ_PAD, accum_tile, copy_threads_per_row, scratch_offset, scratch_tile_reason, select_head,
+    SEQ_PAD, accum_tile, copy_threads_per_row, scratch_offset, scratch_tile_reason,
     tiled_copy_16b,
 )
 from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
-from .utils import LOG2_E, assume_strides_aligned, select_modes
+from .utils import LOG2_E, assume_strides_aligned, select_head, select_modes
 
 
 class FlashBwdPreprocess:

@@ -75,11 +75,6 @@ def scratch_tile_reason(dtype, head_dim: int, tile_m: int, num_threads: int, ele
     return None
 
 
-def select_head(mX: cute.Tensor, head_idx: Int32, mode: int) -> cute.Tensor:
-    """Fix the head mode ``mode`` of a kernel-side view, keeping the other modes in order."""
-    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
-
-
 @cute.jit
 def m_block_min_max(
     tile_m: cutlass.Constexpr[int],

@@ -2,7 +2,7 @@
 an S accumulator as the register A operand of the P.V WGMMA.
 
 Purpose: the small pieces the sm90 kernels need and the DSL does not ship in this form (plus
-``select_head``, a kernel-side view of one head, and ``store_rows_predicated``, the varlen O store).
+``store_rows_predicated``, the varlen O store).
 - ``make_smem_layout_sm90``: a row-major (K-major) tile, optionally staged, built from the widest
   WGMMA swizzle atom (128/64/32 B) the row holds. The same layout is legal for TMA (the DSL splits
   a row wider than one swizzle span into several TMA boxes) and for WGMMA descriptors; the
@@ -113,13 +113,6 @@ def acc_to_frag_a_fp8(acc_layout: cute.Layout) -> cute.Layout:
         (((pairs, 2), rows, 2), mma_m, (groups[1], mma_n)),
         stride=(((pair_stride, group_stride[0]), row_stride, group_stride[0] * 2), m_stride, (group_stride[1], n_stride)),
     )
-
-
-def select_head(mX: cute.Tensor, head_idx, mode: int) -> cute.Tensor:
-    """Fix mode ``mode`` (the head) of a kernel-side view, keeping the others in order:
-    ``(s, d, h[, b])`` with ``mode=2`` or LSE's ``(s, h[, b])`` with ``mode=1``. Works on TMA
-    coordinate tensors too."""
-    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
 
 
 @cute.jit

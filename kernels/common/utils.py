@@ -46,6 +46,13 @@ def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
+def select_head(mX: cute.Tensor, head_idx, mode: int) -> cute.Tensor:
+    """Fix mode ``mode`` (the head) of a kernel-side view, keeping the others in order:
+    ``(s, d, h[, b])`` with ``mode=2`` or LSE's ``(s, h[, b])`` with ``mode=1``. Works on TMA
+    coordinate tensors too."""
+    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]
+
+
 def attention_kernel_views(
     mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
     dtype: type[cutlass.Numeric], varlen_q: bool, varlen_k: bool, o_dtype: type[cutlass.Numeric] | None = None,

@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator, get_smem_capacity_in_bytes
 from ..common.block_info import BlockInfo
 from ..common.bwd_utils import (
     SEQ_PAD, copy_threads_per_row, fragment_accum, m_block_min_max, red_add_tile, scratch_offset,
-    select_head, semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
+    semaphore_signal, semaphore_wait, tiled_copy_16b, tiled_mma_sm80,
 )
 from .bwd_epilogue import BwdSm80Epilogue
 from ..common.gemm_sm80 import gemm_ss
@@ -47,6 +47,7 @@ from ..common.utils import (
     assume_strides_aligned,
     convert_to_16bit,
     copy_predicate,
+    select_head,
     select_modes,
     smem_layout_atom_sm80,
     transpose_view,

@@ -43,6 +43,7 @@ from ..common.utils import (
     attention_kernel_views,
     convert_to_16bit,
     copy_predicate,
+    select_head,
     smem_layout_atom_sm80,
     transpose_view,
 )
@@ -452,11 +453,11 @@ class FlashFwdSm80:
         sO = cute.make_tensor(sQ.iterator, sO_layout)
 
         # This (batch, head)'s (seqlen, head_dim) views, then (tile, head_dim[, n_block]) tiles.
-        mQ_cur = seqlen.q_view(_select_head(mQ, head_idx), batch_idx)
-        mK_cur = seqlen.k_view(_select_head(mK, head_idx_kv), batch_idx)
-        mV_cur = seqlen.k_view(_select_head(mV, head_idx_kv), batch_idx)
-        mO_cur = seqlen.q_view(_select_head(mO, head_idx), batch_idx)
-        mLSE_cur = seqlen.q_view(_select_head(mLSE, head_idx, mode=1), batch_idx)
+        mQ_cur = seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx)
+        mK_cur = seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx)
+        mV_cur = seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx)
+        mO_cur = seqlen.q_view(select_head(mO, head_idx, 2), batch_idx)
+        mLSE_cur = seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx)
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.tile_hdim), (m_block, 0))
         gK = cute.local_tile(mK_cur, (self.tile_n, self.tile_hdim), (None, 0))
         gV = cute.local_tile(mV_cur, (self.tile_n, self.tile_hdimv), (None, 0))
@@ -771,9 +772,3 @@ class FlashFwdSm80:
                     tOgO[None, m, None],
                     pred=col_pred[None, m, None] if const_expr(self.check_hdim_v) else None,
                 )
-
-
-def _select_head(mX: cute.Tensor, head_idx: Int32, mode: int = 2) -> cute.Tensor:
-    """Fix the head mode of a kernel-side view (``(s, d, h[, b])`` or, with ``mode=1``, LSE's
-    ``(s, h[, b])``), keeping the sequence mode first and any batch mode last."""
-    return mX[tuple(head_idx if i == mode else None for i in range(cute.rank(mX)))]

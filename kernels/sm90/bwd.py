@@ -47,11 +47,11 @@ from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from ..common.sm90_utils import (
-    acc_to_frag_a_sm90, make_smem_layout_sm90, select_head, store_rows_predicated, wgmma,
+    acc_to_frag_a_sm90, make_smem_layout_sm90, store_rows_predicated, wgmma,
 )
 from ..common.softmax import apply_softcap, softcap_scale_log2
 from ..common.utils import (
-    LOG2_E, acc_rows_cols, assume_strides_aligned, convert_to_16bit, select_modes, transpose_view,
+    LOG2_E, acc_rows_cols, assume_strides_aligned, convert_to_16bit, select_head, select_modes, transpose_view,
 )
 
 _WG_THREADS = 128

@@ -52,10 +52,10 @@ from cutlass.memory import SmemAllocator
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.pack_gqa import pack_gqa_view
-from ..common.sm90_utils import same_smem_atom, select_head
+from ..common.sm90_utils import same_smem_atom
 from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
-from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select_modes
+from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select_head, select_modes
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY

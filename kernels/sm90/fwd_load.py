@@ -13,7 +13,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ..common.seqlen import SeqlenInfo
-from ..common.sm90_utils import select_head
+from ..common.utils import select_head
 from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
