@@ -2,7 +2,7 @@
 
     python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
                              [--repeat N] [--deterministic] [--sm80] [--tiles 64:128x128:1:rows ...]
-                             [--hdim-v DV]
+                             [--hdim-v DV] [--group G]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
@@ -14,7 +14,7 @@ launcher with that tile at that head dim (``BwdSm90Tile``: tile_m x tile_n, Q/dO
 rows), called directly on our forward's out/lse (A/B of tiles in one interleaved run). Before timing, every column's gradients are checked against cuDNN's on the same inputs
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
-* h * s^2 * d (x 1/2 causal); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer.
+* h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sm80", action="store_true", help="also time our Ampere backward")
     ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
     ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
+    ap.add_argument("--group", type=int, default=1, help="GQA: query heads per kv head (default 1: MHA)")
     args = ap.parse_args(argv)
     if args.tiles and args.hdim_v:
         ap.error("--tiles times q/k's row only: with --hdim-v v would run padded to it (not supported)")
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
     fa4 = fa4_func()
     timer = make_timer()
     print(f"# bwd, bf16, 16k tokens, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"deterministic={args.deterministic}, repeat={args.repeat}\n")
+          f"deterministic={args.deterministic}, repeat={args.repeat}, query heads per kv head={args.group}\n")
     ours_cols = ["sm90", *(["sm80"] if args.sm80 else [])]
     cols = [*ours_cols, *tile_cols, "cudnn", "fa4"]
     print("| hdim | seqlen | causal | " + " | ".join(cols) + " | sm90/cudnn | sm90/fa4 | sm90/best |")
@@ -94,8 +95,10 @@ def main(argv: list[str]) -> int:
                 batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 hdim_v = args.hdim_v or hdim
-                q, k, v, dout = (torch.randn(batch, seqlen, nheads, width, dtype=torch.bfloat16, device="cuda",
-                                             generator=gen) for width in (hdim, hdim, hdim_v, hdim_v))
+                q, k, v, dout = (torch.randn(batch, seqlen, heads, width, dtype=torch.bfloat16, device="cuda",
+                                             generator=gen)
+                                 for heads, width in ((nheads, hdim), (nheads // args.group, hdim),
+                                                      (nheads // args.group, hdim_v), (nheads, hdim_v)))
                 flops = 2.5 * 2 * batch * nheads * seqlen * seqlen * (hdim + hdim_v) * (0.5 if causal else 1.0)
                 fns, layouts = {}, {}
                 for col in ours_cols:
@@ -110,7 +113,7 @@ def main(argv: list[str]) -> int:
                 bhsd = tuple(t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 dout_bhsd = dout.transpose(1, 2).contiguous()
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    o = sdpa(*bhsd, is_causal=causal)
+                    o = sdpa(*bhsd, is_causal=causal, enable_gqa=args.group > 1)
                 fns["cudnn"] = lambda o=o: torch.autograd.grad(o, bhsd, dout_bhsd, retain_graph=True)
                 layouts["cudnn"] = "bhsd"
                 if fa4 is not None:

@@ -358,14 +358,66 @@ def test_sm80_backward_dq_order_agrees_between_main_and_postprocess(arch):
 def test_sm90_backward_dq_order_agrees_between_main_and_postprocess():
     """The sm90 main kernels add dQ in the fragment order of their dQ WGMMA (warpgroups splitting the
     tile by rows at tile_m 128, by columns at 64); the dQ postprocess rebuilds that WGMMA from its key.
-    Every call's pair must agree, also where a flag changes the main tile (softcap at hdim 64)."""
+    Every call's pair must agree, also where a flag changes the main tile (softcap at hdim 64). GQA dK/dV
+    sums: per-warpgroup fragment order of the dK/dV WGMMA (the "rows" C layout) from the tile_n 128
+    kernel, row-major from the wide one (tile_n 64)."""
     family = dispatch.BWD_KERNELS["sm90"]
     for head_dim in family.tiles:
         for flags in ({}, {"causal": True, "nheads_k": 1}, {"softcap": 5.0}):
             _, main, post_dq, post_kv = family.keys(problem(head_dim=head_dim, head_dim_v=head_dim, **flags), "sm_90a")
             assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, "rows" if main.dq_split_rows else "cols"), main.name
             assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
-            assert post_kv.dq_wgmma == "" and post_kv.dq_red_vec == 1  # row-major GQA dK/dV sums
+            if main.tile_n == 128:
+                assert (post_kv.tile_m, post_kv.dq_wgmma, post_kv.wg_blocks, post_kv.dq_red_vec) == (128, "rows", True, 4)
+            else:
+                assert (post_kv.dq_wgmma, post_kv.wg_blocks, post_kv.dq_red_vec) == ("", False, 1)
+
+
+_C_LAYOUT_SCRIPT = """
+import json, sys
+import cutlass, cutlass.cute as cute
+from flashattn_hopper.kernels.common.bwd_utils import tiled_mma_dq_sm90
+head_dim, coords = int(sys.argv[1]), []
+
+@cute.jit
+def c_layout():
+    tv = tiled_mma_dq_sm90(cutlass.BFloat16, head_dim, True).tv_layout_C
+    for t in cutlass.range_constexpr(128):
+        for i in cutlass.range_constexpr(head_dim // 2):
+            coords.append(cute.crd2idx((t, i), tv))
+
+c_layout()
+print(json.dumps(coords))
+"""
+
+
+def test_sm90_gqa_sums_order_matches_the_wgmma_layout(tmp_path):
+    """``wgmma_rows_order`` (the gate's fp32 dK read back from the GQA sums on the host) agrees with the
+    DSL's C layout of the dK/dV WGMMA: value ``i`` of thread ``t`` sits at flat position
+    ``((i // 4) * 128 + t) * 4 + i % 4`` of its warpgroup's tile (``fragment_accum``, vec 4). The
+    layout is read in a subprocess: the DSL takes its target arch at import."""
+    pytest.importorskip("cutlass")
+    import json
+    import subprocess
+    import sys
+
+    from flashattn_hopper.backends.sm80_bwd import wgmma_rows_order
+
+    from ._subprocess import subprocess_env
+
+    head_dim = 64
+    script = tmp_path / "c_layout.py"  # (the DSL compiles functions from their source file)
+    script.write_text(_C_LAYOUT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(head_dim)], capture_output=True, text=True,
+                         env=subprocess_env(CUTE_DSL_ARCH="sm_90a"), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    coords = json.loads(run.stdout.strip().splitlines()[-1])  # (row + 64 * col) of value i of thread t
+    order = wgmma_rows_order(head_dim)
+    for t in range(128):
+        for i in range(head_dim // 2):
+            row, col = coords[t * (head_dim // 2) + i] % 64, coords[t * (head_dim // 2) + i] // 64
+            assert int(order[row * head_dim + col]) == ((i // 4) * 128 + t) * 4 + i % 4, (t, i)
+    assert sorted(order.tolist()) == list(range(64 * head_dim))
 
 
 def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():

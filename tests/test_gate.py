@@ -511,7 +511,7 @@ def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
     used = torch.tensor([100, 0, 7, 1], dtype=torch.int32) if seqused else None
     plan = object.__new__(BwdPlan)
     plan.p = AttnProblem(len(lens), total, total, h_k, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, True)
-    plan.d, plan.b_scr, plan.scale = d, 1, scale
+    plan.d, plan.b_scr, plan.scale, plan.kv_fragment = d, 1, scale, False
     plan.s_k_pad = -(-(total + len(lens) * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
     scratch = torch.randn(1, h_k, plan.s_k_pad * d)
     got = plan._dk_from_scratch(scratch, cu, used)
@@ -524,7 +524,7 @@ def test_fp32_dk_is_read_back_from_the_scratch_layout(seqused):
     assert bool((got[int(cu[-1]):] == 0).all())
     dense = object.__new__(BwdPlan)
     dense.p = AttnProblem(2, 50, 70, 3, h_k, d, d, torch.bfloat16, scale, False, -1, -1, 0.0, False)
-    dense.d, dense.b_scr, dense.scale, dense.s_k_pad = d, 2, scale, 128
+    dense.d, dense.b_scr, dense.scale, dense.s_k_pad, dense.kv_fragment = d, 2, scale, 128, False
     scratch = torch.randn(2, h_k, 128 * d)
     want = scratch.view(2, h_k, 128, d)[:, :, :70].transpose(1, 2) * scale
     torch.testing.assert_close(dense._dk_from_scratch(scratch, None, None), want, rtol=0, atol=0)

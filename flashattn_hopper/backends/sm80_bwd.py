@@ -70,6 +70,9 @@ class BwdPostKey(KernelKey):
     # "rows" / "cols": dQaccum in the fragment order of the sm90 kernels' dQ WGMMA, its warpgroups
     # splitting the tile by rows or by head-dim columns (kernels/common/bwd_utils.tiled_mma_dq_sm90)
     dq_wgmma: str = ""
+    # with dq_wgmma "rows": each warpgroup's 64 rows are a fragment block of their own (the sm90
+    # kernel's GQA dK/dV sums, kernels/sm90/bwd.py epilogue_gqa)
+    wg_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ class BwdSm80:
             pk: BwdPostKey = key  # type: ignore[assignment]
             kernel = FlashBwdPostprocess(
                 dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec,
-                wgmma_split=pk.dq_wgmma or None,
+                wgmma_split=pk.dq_wgmma or None, wg_blocks=pk.wg_blocks,
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))
@@ -440,7 +443,22 @@ class BwdSm80:
             tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
-                       tail_segments, dk_fp32, self.gate_slots)
+                       tail_segments, dk_fp32, self.gate_slots, kv_fragment=post_kv_key.wg_blocks)
+
+
+def wgmma_rows_order(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Gather index of one warpgroup's 64 x ``head_dim`` fp32 tile from the sm90 kernel's GQA-sum
+    order (kernels/sm90/bwd.py ``epilogue_gqa``: ``fragment_accum`` over 128 threads, 4 values side
+    by side) to row-major: ``row_major = tile[order]``. Value ``i`` of thread ``t`` of the m64nNk16
+    WGMMA's C fragment is at row ``16 (t // 32) + (t % 32) // 4 + 8 ((i // 2) % 2)``, column
+    ``2 (t % 4) + i % 2 + 8 (i // 4)`` (checked against the DSL's layout by a CPU test)."""
+    pos = torch.arange(64 * head_dim, device=device)
+    group, t, e = pos // 512, (pos % 512) // 4, pos % 4  # value i = 4 * group + e of thread t
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * (e // 2)
+    col = 2 * (t % 4) + e % 2 + 8 * group
+    order = torch.empty_like(pos)
+    order[row * head_dim + col] = pos
+    return order
 
 
 _PLAN_MEMO: dict[tuple[Any, ...], BwdPlan] = {}  # (BwdSm80.cached_plan)
@@ -453,8 +471,10 @@ class BwdPlan:
     split tail) on the inputs' device and current stream."""
 
     def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
-                 tail_blocks: int, tail_segments: int, dk_fp32: bool = False, gate_slots: int = 0) -> None:
+                 tail_blocks: int, tail_segments: int, dk_fp32: bool = False, gate_slots: int = 0,
+                 kv_fragment: bool = False) -> None:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
+        self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
@@ -561,7 +581,9 @@ class BwdPlan:
         sequence i from its padded start, ``kernels/common/bwd_utils.scratch_offset``); rows past
         ``seqused_k`` read 0, as the 16-bit path's."""
         p, d = self.p, self.d
-        rows = dk_main.view(self.b_scr, p.nheads_k, self.s_k_pad, d)
+        if self.kv_fragment:
+            dk_main = dk_main.view(self.b_scr, p.nheads_k, -1, 64 * d)[..., wgmma_rows_order(d, dk_main.device)]
+        rows = dk_main.reshape(self.b_scr, p.nheads_k, self.s_k_pad, d)
         if cu_k is None:
             dk = rows[:, :, : p.seqlen_k].transpose(1, 2) * self.scale
             return dk.contiguous()

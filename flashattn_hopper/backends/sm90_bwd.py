@@ -2,8 +2,9 @@
 (kernels/sm90/bwd.py: TMA + WGMMA, warp-specialised) and postprocess (kernels/common/bwd_post.py).
 
 The pre and post kernels, the scratch buffers, the deterministic semaphores and the launch sequence
-are the Ampere family's (``BwdSm80.backward``); only the main kernel and its key differ, and the
-dQ accumulator is row-major (the postprocess runs in its row-major mode, as for GQA's dK/dV sums).
+are the Ampere family's (``BwdSm80.backward``); the main kernel, its key and the postprocess's modes
+differ: dQaccum is in the fragment order of the dQ WGMMA, and the GQA dK/dV sums of the tile_n 128
+kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
 Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
 (192 and 256 on ``kernels/sm90/bwd_wide.py``); other problems run on the Ampere backward (dispatch
 falls back when this family cannot implement them).
@@ -137,13 +138,19 @@ class BwdSm90(BwdSm80):
                    seqused_q: bool = False, seqused_k: bool = False,
                    main: KernelKey | None = None) -> tuple[BwdPostKey, BwdPostKey]:
         """(dQ postprocess: dQaccum in the fragment order of the main kernel's dQ WGMMA, whose tile
-        ``main`` gives (None: the table's); GQA dK/dV postprocess: row-major)."""
+        ``main`` gives (None: the table's); GQA dK/dV postprocess: tile_n 128 (``sm90/bwd.py``) sums
+        in the dK/dV WGMMA's fragment order per warpgroup (``wg_blocks``), the wide kernel's row-major)."""
         t = self.tiles[hdim] if main is None else main
         dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                         num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,
                         dq_wgmma="rows" if t.dq_split_rows else "cols")
-        kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
-                        num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k)
+        if t.tile_n == 128:
+            kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=128,
+                            num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k, dq_red_vec=4,
+                            dq_wgmma="rows", wg_blocks=True)
+        else:
+            kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=_POST_TILE_M,
+                            num_threads=_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k)
         return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
@@ -151,7 +158,7 @@ class BwdSm90(BwdSm80):
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -159,6 +166,7 @@ class BwdSm90(BwdSm80):
             self._post_keys(arch, "bf16", 128, 128)[0],
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],
+            self._post_keys(arch, "bf16", 128, 128)[1],
             main(arch, "bf16", 128, 128, False, False),
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),

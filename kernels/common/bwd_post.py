@@ -7,12 +7,14 @@ bf16/fp16 in the user layout ``(batch, seqlen, nheads, head_dim)``.
 
 Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp32
 (``common/bwd_utils.py``); the output has 16-byte rows and strides. Two layouts:
-- row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums; no ``atom_m``, no ``wgmma_split``): an
+- row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums of the sm80 and wide sm90 kernels;
+  no ``atom_m``, no ``wgmma_split``): an
   elementwise kernel, 128-bit fp32 loads, one FMUL and a paired cvt per two values, 64-bit stores;
-- MMA-fragment order per ``tile_m`` rows (dQ; ``atom_m`` given, or ``wgmma_split``): the CTA
+- MMA-fragment order per ``tile_m`` rows (dQ, and the sm90 kernel's GQA dK/dV sums with
+  ``wg_blocks``; ``atom_m`` given, or ``wgmma_split``): the CTA
   rebuilds the main kernel's dQ tiled MMA (sm80: same ``tile_m``, ``num_threads``, ``atom_m``;
   sm90: ``bwd_utils.tiled_mma_dq_sm90`` over 256 threads, warpgroups splitting ``"rows"`` or
-  ``"cols"``), loads its fragment with coalesced loads, and writes 16-bit rows through a swizzled
+  ``"cols"``; the dK/dV WGMMA has the ``"rows"`` C layout), loads its fragment with coalesced loads, and writes 16-bit rows through a swizzled
   smem tile (128-bit stores).
 
 Varlen (``cu_seqlens`` given): the output is ``(total, nheads, head_dim)``, the accumulator
@@ -50,7 +52,8 @@ class FlashBwdPostprocess:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
-                 num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None):
+                 num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None,
+                 wg_blocks: bool = False):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
         fragment = atom_m is not None or wgmma_split is not None
         if vec not in (1, 4) or (vec != 1 and not fragment):
@@ -62,6 +65,8 @@ class FlashBwdPostprocess:
             reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128) or 'cols' (tile_m 64), with 256 "
                       f"threads, vec 4 and no atom_m; got tile_m {tile_m}, {num_threads} threads, vec {vec}, "
                       f"atom_m {atom_m}")
+        if wg_blocks and wgmma_split != "rows":
+            reason = f"wg_blocks (each warpgroup's 64 rows a fragment block) needs wgmma_split 'rows', got {wgmma_split!r}"
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype
@@ -72,6 +77,9 @@ class FlashBwdPostprocess:
         self.vec = vec  # fp32 values per dQ reduce-add of the main kernel (its dq_red_vec)
         self.wgmma_split = wgmma_split  # sm90 main kernel's dQ WGMMA: warpgroups along "rows" or "cols"
         self.fragment = fragment
+        # sm90 GQA dK/dV sums (sm90/bwd.py ``epilogue_gqa``): each warpgroup's 64 rows of a tile are a
+        # fragment block of its own (128 threads), not one block over both warpgroups' 256 threads.
+        self.wg_blocks = wg_blocks
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
@@ -224,9 +232,16 @@ class FlashBwdPostprocess:
         else:
             tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
-        gAcc = fragment_accum(
-            mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx, self.vec,
-        )
+        if const_expr(self.wg_blocks):
+            wg_threads = self.num_threads // 2
+            gAcc = fragment_accum(
+                mAccum_cur, self.tile_m * self.head_dim // 2, wg_threads, block * 2 + tidx // wg_threads,
+                tidx % wg_threads, self.vec,
+            )
+        else:
+            gAcc = fragment_accum(
+                mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx, self.vec,
+            )
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = gAcc[i] * scale
         rO = convert_to_16bit(acc, self.dtype)

@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator
 
 from . import bwd_gate
 from ..common.bwd_utils import (
-    accum_tile, bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
+    bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
     semaphore_wait, tiled_mma_dq_sm90,
 )
 from ..common.block_info import BlockInfo
@@ -172,6 +172,15 @@ class FlashBwdSm90:
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
         elem = dtype.width // 8
+        # GQA epilogue: fp32 dV / dK of both warpgroups (2 x 64 rows) over sK | sV and sQ | sdO. Those
+        # pairs are adjacent fields of whole 1 KB periods (no alignment gap); sQ | sdO needs 2 * num_stages * tile_m >= 256
+        # rows of 16 bits. (bwd_wide.py, tile_n 64, keeps row-major sums.)
+        self.gqa_staging = 2 * 64 * head_dim
+        if is_gqa and tile_n == 128 and (
+            (tile_n * head_dim * elem) % _SMEM_ALIGN or (num_stages * tile_m * head_dim * elem) % _SMEM_ALIGN
+            or num_stages * tile_m < 128
+        ):
+            raise ValueError("the GQA epilogue's fp32 staging needs sK | sV and sQ | sdO adjacent and 64 rows deep")
         self.tx_bytes_kv = tile_n * (head_dim + head_dim_v) * elem
         self.tx_bytes_q = tile_m * head_dim * elem + tile_m * 4
         self.tx_bytes_do = tile_m * head_dim_v * elem + tile_m * 4
@@ -500,10 +509,16 @@ class FlashBwdSm90:
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
                 if const_expr(self.is_gqa):
                     k_block = (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block
+                    # fp32 staging of dV over sK | sV and of dK over sQ | sdO (each pair adjacent:
+                    # ``gqa_staging``), free once every WGMMA is done.
+                    staging = tuple(
+                        cute.make_tensor(cute.recast_ptr(ptr, dtype=Float32), cute.make_layout(self.gqa_staging))
+                        for ptr in (storage.sK.data_ptr(), storage.sQ.data_ptr())
+                    )
                     self.epilogue_gqa(
                         acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
                         mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
-                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic,
+                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging,
                     )
                 else:
                     self.epilogue_mha(
@@ -883,14 +898,34 @@ class FlashBwdSm90:
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
-        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums."""
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        gdK = thr_dkv.partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
-        gdV = thr_dkv.partition_C(accum_tile(mdVaccum, self.tile_n, self.head_dim, k_block))
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple):
+        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums.
+
+        The sums are in MMA-fragment order per warpgroup (``fragment_accum`` over its 128 threads,
+        4 values side by side; tile ``2 * k_block + warpgroup`` of 64 rows; the postprocess's
+        ``wg_blocks`` undoes it). Default: each warpgroup stages both fragments in smem
+        (``staging``: dV's and dK's flat fp32 regions, one 64-row tile per warpgroup each; 128-bit
+        stores) and one thread adds each with one bulk reduce, where 64 ``red.v2`` per thread into
+        row-major sums took 8 sectors each and held the CTA's exit. Deterministic: ``red.v4`` from
+        registers in the KV head's turns (``mdKV_sem``)."""
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        wg_tidx = tidx % _WG_THREADS
+        wg_elems = 64 * self.head_dim
+        block = k_block * (self.tile_n // 64) + wg_idx
         if const_expr(self.deterministic):
             semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
-        red_add_tile(acc_dV, gdV, 2)
-        red_add_tile(acc_dK, gdK, 2)
-        if const_expr(self.deterministic):
+            red_add_tile(acc_dV, fragment_accum(mdVaccum, wg_elems, _WG_THREADS, block, wg_tidx, 4), 4)
+            red_add_tile(acc_dK, fragment_accum(mdKaccum, wg_elems, _WG_THREADS, block, wg_tidx, 4), 4)
             semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
+        else:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
+            for acc, sX in ((acc_dV, staging[0]), (acc_dK, staging[1])):
+                tXsX = fragment_accum(sX, wg_elems, _WG_THREADS, wg_idx, wg_tidx, 4)
+                cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(tXsX.shape)), tXsX)
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
+            if wg_tidx == 0:
+                for mX, sX in ((mdVaccum, staging[0]), (mdKaccum, staging[1])):
+                    bulk_reduce_add_f32(mX.iterator + block * wg_elems, sX.iterator + wg_idx * wg_elems, wg_elems * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits

@@ -254,9 +254,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: tuple,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32):
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple):
         """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums (each at
-        its own width)."""
+        its own width; row-major, ``staging`` unused)."""
         gdK = tiled_mma_dkv[0].get_slice(tidx).partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))
         gdV = tiled_mma_dkv[1].get_slice(tidx).partition_C(
             accum_tile(mdVaccum, self.tile_n, self.head_dim_v, k_block)
