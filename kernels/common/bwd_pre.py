@@ -172,12 +172,23 @@ class FlashBwdPreprocess:
                 cute.copy(tiled_copy, tOgO[None, m, None], rO[None, m, None])
                 cute.copy(tiled_copy, tOgdO[None, m, None], rdO[None, m, None])
 
+        # The rows' LSE, loaded beside O and dO by the thread holding column 0: read after each
+        # row's shuffles, the loads were issued one row at a time, each a full memory latency
+        # (16 in sequence per thread at head dim 128).
+        num_rows = cute.size(tOgO.shape[1])
+        rLSE = cute.make_rmem_tensor((num_rows,), Float32)
+        rLSE.fill(0.0)
+        if tOcO[0][1] == 0:
+            for m in cutlass.range_constexpr(num_rows):
+                if t0OcO[0, m, 0][0] < row_bound:
+                    rLSE[m] = mLSE_cur[m_block * self.tile_m + tOcO[0, m, 0][0]]
+
         prod = cute.make_rmem_tensor_like(rO, Float32)
         prod.store(rO.load().to(Float32) * rdO.load().to(Float32))
         threads_per_row = copy_threads_per_row(self.head_dim_v, 8, self.num_threads)
         mLSE_log2_cur = mLSE_log2[scratch_b, head_idx, None]
         mdPsum_cur = mdPsum[scratch_b, head_idx, None]
-        for m in cutlass.range_constexpr(cute.size(prod.shape[1])):
+        for m in cutlass.range_constexpr(num_rows):
             prod_row = prod[None, m, None]
             dot = Float32(0.0)
             for i in cutlass.range_constexpr(cute.size(prod_row)):
@@ -188,7 +199,7 @@ class FlashBwdPreprocess:
                 lse_log2 = Float32.inf
                 dpsum = Float32(0.0)
                 if row < seqlen_q:
-                    lse = mLSE_cur[row]
+                    lse = rLSE[m]
                     lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
                     dpsum = dot
                 mLSE_log2_cur[pad_offset + row] = lse_log2
