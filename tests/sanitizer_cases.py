@@ -66,7 +66,7 @@ def _varlen(backend: str | None, backward: bool = False, d: int = 128, **kwargs)
 
 
 def _gated() -> None:
-    """The gate's bias in the sm90 forward (read per key from global memory), odd lengths, GQA, and
+    """The gate's bias in the sm90 forward (by TMA beside each K block), odd lengths, GQA, and
     its backward (in the sm90 backward kernel: the bias per key, dG's sums)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s_q, s_k in ((113, 203), (256, 256)):
@@ -74,6 +74,16 @@ def _gated() -> None:
         g = torch.nn.functional.logsigmoid(torch.randn(1, s_k, 2, device="cuda", generator=gen)).requires_grad_()
         out = flash_attn_func(q, k, v, causal=True, log_decay=g)
         out.backward(torch.randn_like(out))
+
+
+def _gated_varlen() -> None:
+    """The gate's bias in the sm90 forward with varlen keys: sequences at offsets that are not
+    multiples of 4 (each TMA box starts at the 16-byte boundary before its block), GQA; and its backward."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, cu, max_len = _packed((333, 17, 130, 0, 1), d=64, grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], 2, device="cuda", generator=gen)).requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True, log_decay=g)
+    out.backward(torch.randn_like(out))
 
 
 def _clusters() -> None:
@@ -170,6 +180,7 @@ CASES: dict[str, Callable[[], None]] = {
     "sm90_fwd_bwd_d256_mha_causal": _dense("sm90", backward=True, d=256, h=2, h_k=2, causal=True),
     # Gated log-decay: the bias inside the sm90 forward.
     "default_gated_causal": _gated,
+    "default_gated_varlen_causal": _gated_varlen,
     # The FP8 forward (dense non-causal: static persistent walk; varlen causal: dynamic handoff).
     "sm90_fp8_dense": _fp8(causal=False, varlen=False),
     "sm90_fp8_varlen_causal": _few_sms(_fp8(causal=True, varlen=True)),

@@ -59,7 +59,7 @@ from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
-from .fwd_budget import gate_stage_floats
+from .fwd_budget import GATE_BOX_SLACK, gate_stage_floats
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
 from .fwd_steps import FwdSm90Steps
@@ -189,7 +189,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         self.has_sink = has_sink
         # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) added to each score
         # before the masks and the softmax, from mGate (the host's -G_j in the scores' units; rows 16-byte
-        # aligned: TMA boxes of each K block's keys land in K's stage, sGate).
+        # aligned: TMA boxes of each K block's keys land in K's stage, sGate; varlen boxes start at the
+        # 16-byte boundary before the block, fwd_load ``_gate_view``).
         self.has_gate = has_gate
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
@@ -403,12 +404,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         tma_atom_Gate, tma_Gate = None, mGate
-        if const_expr(self.has_gate and not varlen_k):  # 1-D boxes of tile_n keys beside each K block
-            # (Varlen reads the bias from global memory per column: its TMA boxes, over a domain_offset
-            # view of the (total_k, nheads) rows, raised an illegal instruction on an H200; not resolved.)
-            tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(
-                tma_load, mGate, cute.make_layout(self.tile_n), (self.tile_n,)
-            )
+        if const_expr(self.has_gate):  # 1-D boxes of the bias beside each K block
+            # Varlen: a box may start up to 3 keys before the sequence's block, at a 16-byte boundary
+            # (an unaligned start raised an illegal instruction on an H200), so it is longer.
+            box = self.tile_n + (GATE_BOX_SLACK if const_expr(varlen_k) else 0)
+            tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(tma_load, mGate, cute.make_layout(box), (box,))
         if const_expr(self.has_softcap):
             softcap_scale, scale_log2 = softcap_scale_log2(softmax_scale, softcap)
         else:
@@ -457,9 +457,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
-        mGate: cute.Tensor | None,  # has_gate only: dense TMA coordinates of (s_k, nheads, batch) fp32;
-        #                            varlen the tensor (total_k, nheads)
-        tma_atom_Gate: cute.CopyAtom | None,  # has_gate, dense only
+        mGate: cute.Tensor | None,  # has_gate only: TMA coordinates of (s_k, nheads, batch) | (total_k, nheads) fp32
+        tma_atom_Gate: cute.CopyAtom | None,  # has_gate only
         mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
         SharedStorage: cutlass.Constexpr,
     ):
@@ -467,6 +466,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         this CTA's tiles in the scheduler's order."""
         varlen_q = const_expr(mCuSeqlensQ is not None)
         gate_tma = const_expr(tma_atom_Gate is not None)  # (K's stages then carry the gate's bias)
+        gate_box = self.tile_n + (GATE_BOX_SLACK if const_expr(mCuSeqlensK is not None) else 0)  # (as __call__'s)
         atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O, tma_atom_Gate)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -497,7 +497,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 )
                 for stages, tx, mbar, ctas, warps in (
                     (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1, num_mma_warps),
-                    (self.num_stages * self.num_rings, self.tx_bytes_k + (self.tile_n * 4 if gate_tma else 0),
+                    (self.num_stages * self.num_rings,
+                     self.tx_bytes_k + (gate_box * 4 if gate_tma else 0),
                      storage.mbar_k, self.cluster_m, num_mma_warps),
                     (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m, v_consumer_warps),
                 )
@@ -521,12 +522,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        # has_gate: (mGate's TMA coordinates, the bias of each K stage (tile_n, stages) in smem, each
+        # has_gate: (mGate's TMA coordinates, the bias of each K stage (box, stages) in smem, each
         # stage's row 128-byte aligned).
         gate = None
-        if const_expr(tma_atom_Gate is not None):
+        if const_expr(gate_tma):
             stages = self.num_stages * self.num_rings
-            gate_rows = cute.make_layout((self.tile_n, stages), stride=(1, gate_stage_floats(self.tile_n)))
+            gate_rows = cute.make_layout((gate_box, stages), stride=(1, gate_stage_floats(self.tile_n)))
             gate = (mGate, storage.sGate.get_tensor(gate_rows))
 
         window_l = window_left if const_expr(self.is_local) else None
@@ -558,7 +559,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             self.mma(
                 mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
                 pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                gate[1] if const_expr(gate is not None) else mGate, mDescale, gate is not None,
+                gate[1] if const_expr(gate is not None) else None, mDescale,
             )
 
     @cute.jit
@@ -576,9 +577,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
-        gate: cute.Tensor | None = None,  # has_gate: dense (tile_n, K stages) smem, each K stage's bias; varlen mGate
+        gate: cute.Tensor | None = None,  # has_gate: (box, K stages) smem, each K stage's bias
         mDescale: cute.Tensor | None = None,
-        gate_in_smem: cutlass.Constexpr[bool] = False,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
         epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
@@ -673,8 +673,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     mma, pipes.k, pipes.v if const_expr(pipes.vt is None) else pipes.vt, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
-                    gate=(gate if const_expr(gate_in_smem) else seqlen.k_view(select_head(gate, head_idx, 1), batch_idx))
-                    if const_expr(self.has_gate) else None,
+                    gate=gate,
+                    # varlen: where the sequence's first key sits in its 16-byte aligned box (``_gate_view``)
+                    gate_shift=seqlen.offset_k % GATE_BOX_SLACK
+                    if const_expr(self.has_gate and seqlen.has_cu_seqlens_k) else None,
                     kv_scales=kv_scales,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min

@@ -26,10 +26,15 @@ def smem_bytes(
     )
 
 
+# The gate's TMA box starts at a 16-byte boundary: varlen sequences' keys start at any row, so their
+# boxes begin up to 3 keys early and hold this many more (kernels/sm90/fwd_load.py ``_gate_view``).
+GATE_BOX_SLACK = 4
+
+
 def gate_stage_floats(tile_n: int) -> int:
-    """fp32 slots per K stage of the gate's smem rows: tile_n rounded up to 32, so each stage's row
-    starts on the 128 bytes a TMA destination needs (tile_n 112 or 80 would not)."""
-    return -(-tile_n // 32) * 32
+    """fp32 slots per K stage of the gate's smem rows: a box of tile_n + ``GATE_BOX_SLACK`` keys rounded up
+    to 32, so each stage's row starts on the 128 bytes a TMA destination needs (tile_n 112 or 80 would not)."""
+    return -(-(tile_n + GATE_BOX_SLACK) // 32) * 32
 
 
 def _buffer(num_bytes: int) -> int:

@@ -14,6 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.seqlen import SeqlenInfo
 from ..common.utils import select_head
+from .fwd_budget import GATE_BOX_SLACK
 from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
@@ -63,7 +64,7 @@ class FwdSm90Load:
                             seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
                             sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
                             None if const_expr(gate is None) else (
-                                seqlen.k_view(select_head(gate[0], head_idx, 1), batch_idx), gate[1]
+                                self._gate_view(select_head(gate[0], head_idx, 1), seqlen, batch_idx), gate[1]
                             ),
                         )
             tile_idx, handoff_state = walk.scheduler.next_tile_producer(tile_idx, walk.handoff, handoff_state)
@@ -91,7 +92,7 @@ class FwdSm90Load:
         gate: tuple[cute.Tensor, cute.Tensor] | None = None,
     ):
         """One tile's loads (at least one key block); returns both states advanced past them.
-        ``gate``: this (batch, head)'s bias ``(seqlen_k,)`` (TMA coordinates) and its smem stages."""
+        ``gate``: this (batch, head)'s bias (TMA coordinates, ``_gate_view``) and its smem stages."""
         gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             atoms.q, 0, cute.make_layout(1), cute.group_modes(self._q_buffer(sQ, q_state.index), 0, 2),
@@ -105,9 +106,12 @@ class FwdSm90Load:
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
         k_beside = None  # has_gate: the bias of K's keys, into K's stage
         if const_expr(gate is not None):
+            # Block n's box: box keys from n * tile_n of the view (boxes overlap where box > tile_n).
+            box = cute.size(gate[1].shape[0])
+            num_blocks = (gate[0].shape[0] + (self.tile_n - 1)) // self.tile_n
+            gG = cute.composition(gate[0], cute.make_layout((box, num_blocks), stride=(1, self.tile_n)))
             tGsG, tGgG = cpasync.tma_partition(
-                atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 1),
-                cute.group_modes(cute.local_tile(gate[0], (self.tile_n,), (None,)), 0, 1),
+                atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 1), cute.group_modes(gG, 0, 1),
             )
             k_beside = (atoms.gate, tGgG, tGsG)
         if const_expr(self.q_stages == 1):
@@ -226,6 +230,16 @@ class FwdSm90Load:
             atoms.v, kv_rank, kv_cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return tKgK, tKsK, tVgV, tVsV
+
+    @staticmethod
+    def _gate_view(mGate_head: cute.Tensor, seqlen: SeqlenInfo, batch_idx: Int32) -> cute.Tensor:
+        """The gate bias's TMA coordinates for this sequence: dense, its keys ``(seqlen_k,)``; varlen,
+        from the 16-byte boundary at or before its first key (``offset_k`` rounded down to 4 keys: a box
+        whose innermost start is not 16-byte aligned raised an illegal instruction), so key j of
+        block n sits at ``j + offset_k % 4`` of its box (``BlockStep.gate_shift``)."""
+        if const_expr(seqlen.has_cu_seqlens_k):
+            return cute.domain_offset((seqlen.offset_k - seqlen.offset_k % GATE_BOX_SLACK,), mGate_head)
+        return seqlen.k_view(mGate_head, batch_idx)
 
     def _load_kv_ring(self, tma_atom, tXgX, tXsX, pipe, n_block: Int32, state, ring_offset: int) -> None:
         """``_load_kv`` into a ring whose stages start at ``ring_offset`` (``state`` is ring-local)."""

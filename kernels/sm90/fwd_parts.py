@@ -124,10 +124,12 @@ class BlockStep:
     other_delta: Int32 | None = None
     # This tile's stage of the Q ring (None: one Q buffer, sQ has no stage mode).
     q_stage: Int32 | None = None
-    # has_gate, in the scores' units: dense, the bias of each K stage's keys, (tile_n, K stages) fp32
-    # in smem (this (batch, head)'s: the producer loads it with K); varlen, this sequence and head's
-    # bias per key (seqlen_k,) in global memory; else None.
+    # has_gate, in the scores' units: the bias of each K stage's keys, (box, K stages) fp32 in smem
+    # (this (sequence, head)'s: the producer loads it with K); else None.
     gate: cute.Tensor | None = None
+    # has_gate with varlen keys: the offset of the block's first key in its box (fwd_load ``_gate_view``);
+    # dense: None (offset 0).
+    gate_shift: Int32 | None = None
     # FP8 block scales: this (batch, kv head)'s k and v descales per key block (each (n_blocks,)); else None.
     kv_scales: tuple[cute.Tensor, cute.Tensor] | None = None
 

@@ -37,24 +37,19 @@ class FwdSm90Scores:
             )
 
     @cute.jit
-    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, k_stage: Int32, n_block: Int32,
-                  mask_seqlen: cutlass.Constexpr[bool]):
-        """has_gate: acc_S[r, c] += the bias of column c's key; one add per score. Dense: from K stage
-        ``k_stage``'s copy in smem (loaded with K, so before that stage is released; keys past
-        seqlen_k read TMA's zero fill). Varlen: from global memory, the block cut by seqlen_k reading
-        its last key's bias for the columns past it. The mask then sets those scores to -inf. No-op
-        without a gate."""
+    def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, k_stage: Int32):
+        """has_gate: acc_S[r, c] += the bias of column c's key; one add per score, from K stage
+        ``k_stage``'s copy in smem (loaded with K, so before that stage is released; varlen at the
+        step's ``gate_shift``). Keys past seqlen_k read TMA's zero fill or the next sequence's bias;
+        the mask then sets those scores to -inf. No-op without a gate."""
         if const_expr(step.gate is not None):
             acc_mn = acc_rows_cols(acc_S)
             coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
             tScS_mn = acc_rows_cols(step.mma.thr_mma_qk.partition_C(coords))
             for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                if const_expr(cute.rank(step.gate) == 2):
-                    bias = step.gate[tScS_mn[0, c][1], k_stage]
-                else:
-                    key = n_block * self.tile_n + tScS_mn[0, c][1]
-                    if const_expr(mask_seqlen):
-                        key = cutlass.min(key, step.mask.seqlen_k - 1)
-                    bias = step.gate[key]
+                col = tScS_mn[0, c][1]
+                if const_expr(step.gate_shift is not None):
+                    col = col + step.gate_shift
+                bias = step.gate[col, k_stage]
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                     acc_mn[r, c] = acc_mn[r, c] + bias
