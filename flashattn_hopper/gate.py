@@ -325,6 +325,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
+    elif cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]:
+        # Self-attention packing (one cu_seqlens for both): each query sits at its own key row, so
+        # G_q is G (rows past cu_seqlens[-1] belong to no sequence and are never read); skips ~25
+        # small torch ops (~0.4 ms of host time per call on an H200 node).
+        G_q = G
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
     return GatedAttnFunc.apply(q, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)

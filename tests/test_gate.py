@@ -104,6 +104,22 @@ def test_gate_dense_matches_the_definition(causal, window, s_q, s_k):
     _assert_matches_definition(out, lse, (q, k, v, g), dout, causal, window, scale)
 
 
+def test_gate_varlen_self_attention_shortcut_matches_the_general_route():
+    """One ``cu_seqlens`` object for queries and keys (no seqused) takes G as G_q; the same call with a
+    copy of it takes ``at_queries_varlen``: out, lse and every gradient agree bit for bit."""
+    lens = [7, 0, 12, 5]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    q, k, v, dout = _leaves((sum(lens), 2, 16), (sum(lens), 1, 16), (sum(lens), 1, 16), (sum(lens), 2, 16))
+    g = _gates((sum(lens), 2))
+    results = []
+    for cu_k in (cu, cu.clone()):
+        out, lse = _via_gate(q, k, v, g, True, (-1, 0), 0.25, (cu, cu_k, None, None))
+        grads = torch.autograd.grad((out * dout.detach()).sum(), (q, k, v, g))
+        results.append((out, lse, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_gate_varlen_matches_the_definition_per_sequence():
     slots_q, slots_k = [7, 0, 12, 5], [9, 4, 3, 6]
     used_q, used_k = torch.tensor([5, 0, 12, 5], dtype=torch.int32), torch.tensor([9, 4, 3, 0], dtype=torch.int32)
