@@ -40,14 +40,15 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows]`` -> (hdim, an sm90 backward family whose table has that tile)."""
+    """``HDIM:MxN[:STAGES][:rows|:transposed]`` -> (hdim, an sm90 backward family whose table has that tile)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")
     hdim, (tile_m, tile_n) = int(parts[0]), (int(x) for x in parts[1].split("x"))
     stages = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
     family = BwdSm90()
-    family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts)}
+    family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
+                                      dq_transposed="transposed" in parts)}
     return hdim, family
 
 

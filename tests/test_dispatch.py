@@ -365,7 +365,10 @@ def test_sm90_backward_dq_order_agrees_between_main_and_postprocess():
     for head_dim in family.tiles:
         for flags in ({}, {"causal": True, "nheads_k": 1}, {"softcap": 5.0}):
             _, main, post_dq, post_kv = family.keys(problem(head_dim=head_dim, head_dim_v=head_dim, **flags), "sm_90a")
-            assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, "rows" if main.dq_split_rows else "cols"), main.name
+            split = "transposed" if main.dq_transposed else "rows" if main.dq_split_rows else "cols"
+            assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, split), main.name
+            # tile_m 80 (dQ^T) exactly for dense non-causal hdim 128 without softcap
+            assert main.dq_transposed == (head_dim == 128 and not flags), main.name
             assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
             if main.tile_n == 128:
                 assert (post_kv.tile_m, post_kv.dq_wgmma, post_kv.wg_blocks, post_kv.dq_red_vec) == (128, "rows", True, 4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -488,7 +489,9 @@ class BwdPlan:
             self.s_k_pad = -(-(s_k + b * SEQ_PAD) // SEQ_PAD) * SEQ_PAD
             self.q_shape, self.k_shape, self.v_shape = (s_q, h, d), (s_k, h_k, d), (s_k, h_k, d_v)
         else:
-            self.b_scr, self.s_q_pad, self.s_k_pad = b, -(-s_q // SEQ_PAD) * SEQ_PAD, -(-s_k // SEQ_PAD) * SEQ_PAD
+            # (query rows: whole tiles of the main kernel's tile_m too: 640 rows at tile_m 80)
+            q_pad = math.lcm(SEQ_PAD, main_key.tile_m)
+            self.b_scr, self.s_q_pad, self.s_k_pad = b, -(-s_q // q_pad) * q_pad, -(-s_k // SEQ_PAD) * SEQ_PAD
             self.q_shape, self.k_shape, self.v_shape = (b, s_q, h, d), (b, s_k, h_k, d), (b, s_k, h_k, d_v)
         self.rows_shape = (self.b_scr, h, self.s_q_pad)
         self.acc_shape = (self.b_scr, h, self.s_q_pad * d)

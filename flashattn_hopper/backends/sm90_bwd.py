@@ -32,6 +32,7 @@ class BwdSm90Tile:
     tile_n: int  # key rows per CTA (64 per MMA warpgroup)
     num_stages: int = 2  # Q / dO ring stages
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
+    dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -44,6 +45,10 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
+# hdim 128, dense, non-causal, no window/softcap/gate, not deterministic: 80 x 128 (FA4's tile there:
+# 25 % more queries per byte of K/V read from smem; the dQ GEMM runs transposed). The scratch pads
+# its query rows to a multiple of 640 (``BwdPlan``), which varlen's per-sequence offsets do not.
+BWD_SM90_WIDE_M = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class BwdSm90Key(KernelKey):
     local: bool = False
     softcap: bool = False
     varlen: bool = False
+    dq_transposed: bool = False  # tile_m 80 (BWD_SM90_WIDE_M)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -129,9 +135,13 @@ class BwdSm90(BwdSm80):
         t = self.tiles[hdim]
         if flags.get("softcap") and t.tile_m == 128:  # (the kernel frees S^T early there; tanh' needs it)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
+        if (hdim == 128 and hdim_v == 128 and self.tiles is BWD_SM90_TILES and not causal
+                and not any(flags.get(f) for f in ("local", "softcap", "varlen", "gate", "deterministic"))):
+            t = BWD_SM90_WIDE_M
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
-            causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows, **flags,
+            causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
+            **({"dq_transposed": True} if t.dq_transposed else {}), **flags,
         )
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
@@ -143,7 +153,7 @@ class BwdSm90(BwdSm80):
         t = self.tiles[hdim] if main is None else main
         dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                         num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,
-                        dq_wgmma="rows" if t.dq_split_rows else "cols")
+                        dq_wgmma="transposed" if getattr(t, "dq_transposed", False) else "rows" if t.dq_split_rows else "cols")
         if t.tile_n == 128:
             kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=128,
                             num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k, dq_red_vec=4,
@@ -154,7 +164,8 @@ class BwdSm90(BwdSm80):
         return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), d64 causal,
+        """One representative per code path: d128 bf16 dense (MHA non-causal: the 80 x 128 tile with dQ^T and
+        its postprocess; GQA causal), d64 causal,
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
@@ -167,6 +178,7 @@ class BwdSm90(BwdSm80):
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],
             self._post_keys(arch, "bf16", 128, 128)[1],
+            self._post_keys(arch, "bf16", 128, 128, main=self._main_key(arch, "bf16", 128, 128, False, False))[0],
             main(arch, "bf16", 128, 128, False, False),
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
@@ -203,6 +215,7 @@ class BwdSm90(BwdSm80):
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
+            **({"dq_transposed": True} if k.dq_transposed else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

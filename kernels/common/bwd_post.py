@@ -34,12 +34,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 from .bwd_utils import (
-    accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, tiled_copy_16b,
-    tiled_mma_dq_sm90, tiled_mma_sm80,
+    SEQ_PAD, accum_tile, fragment_accum, scratch_offset, scratch_tile_reason, tiled_copy_16b,
+    tiled_mma_dq_sm90, tiled_mma_dqt_sm90, tiled_mma_sm80,
 )
 from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .utils import (
-    assume_strides_aligned, convert_to_16bit, select_head, select_modes, smem_layout_atom_sm80,
+    assume_strides_aligned, convert_to_16bit, select_head, select_modes, smem_layout_atom_sm80, transpose_view,
 )
 
 
@@ -54,17 +54,18 @@ class FlashBwdPostprocess:
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
                  num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None,
                  wg_blocks: bool = False):
-        reason = self.can_implement(dtype, head_dim, tile_m, num_threads)
+        reason = self.can_implement(dtype, head_dim, tile_m, num_threads, 640 if wgmma_split == "transposed" else SEQ_PAD)
         fragment = atom_m is not None or wgmma_split is not None
         if vec not in (1, 4) or (vec != 1 and not fragment):
             reason = f"vec must be 1, or 4 in fragment mode (atom_m or wgmma_split given), got {vec}"
+        split_tile_m = {"rows": 128, "cols": 64, "transposed": 80}
         if wgmma_split is not None and (
-            atom_m is not None or wgmma_split not in ("rows", "cols") or num_threads != 256 or vec != 4
-            or tile_m != (128 if wgmma_split == "rows" else 64)
+            atom_m is not None or wgmma_split not in split_tile_m or num_threads != 256 or vec != 4
+            or tile_m != split_tile_m[wgmma_split] or (wgmma_split == "transposed" and head_dim != 128)
         ):
-            reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128) or 'cols' (tile_m 64), with 256 "
-                      f"threads, vec 4 and no atom_m; got tile_m {tile_m}, {num_threads} threads, vec {vec}, "
-                      f"atom_m {atom_m}")
+            reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128), 'cols' (tile_m 64) or 'transposed' "
+                      f"(tile_m 80, head_dim 128), with 256 threads, vec 4 and no atom_m; got tile_m {tile_m}, "
+                      f"head_dim {head_dim}, {num_threads} threads, vec {vec}, atom_m {atom_m}")
         if wg_blocks and wgmma_split != "rows":
             reason = f"wg_blocks (each warpgroup's 64 rows a fragment block) needs wgmma_split 'rows', got {wgmma_split!r}"
         if reason is not None:
@@ -75,15 +76,17 @@ class FlashBwdPostprocess:
         self.num_threads = num_threads
         self.atom_m = atom_m
         self.vec = vec  # fp32 values per dQ reduce-add of the main kernel (its dq_red_vec)
-        self.wgmma_split = wgmma_split  # sm90 main kernel's dQ WGMMA: warpgroups along "rows" or "cols"
+        # sm90 main kernel's dQ WGMMA: warpgroups along "rows" or "cols", or "transposed": dQ^T
+        # (``bwd_utils.tiled_mma_dqt_sm90``, warpgroups along head_dim), written back transposed
+        self.wgmma_split = wgmma_split
         self.fragment = fragment
         # sm90 GQA dK/dV sums (sm90/bwd.py ``epilogue_gqa``): each warpgroup's 64 rows of a tile are a
         # fragment block of its own (128 threads), not one block over both warpgroups' 256 threads.
         self.wg_blocks = wg_blocks
 
     @staticmethod
-    def can_implement(dtype, head_dim, tile_m, num_threads) -> str | None:
-        return scratch_tile_reason(dtype, head_dim, tile_m, num_threads, 4, "4-value")
+    def can_implement(dtype, head_dim, tile_m, num_threads, pad: int = SEQ_PAD) -> str | None:
+        return scratch_tile_reason(dtype, head_dim, tile_m, num_threads, 4, "4-value", pad)
 
     @cute.jit
     def __call__(
@@ -98,6 +101,8 @@ class FlashBwdPostprocess:
         if const_expr(mAccum.element_type != Float32 or mOut.element_type != self.dtype):
             raise TypeError(f"the accumulator must be Float32 and the output {self.dtype}")
         varlen = const_expr(mCuSeqlens is not None)
+        if const_expr(varlen and self.wgmma_split == "transposed"):
+            raise TypeError("the transposed dQ (tile_m 80) is dense only: varlen scratch pads sequences to 128 rows")
         mAccum = assume_strides_aligned(mAccum)
         # (s, d, h[, b])
         mOut = select_modes(assume_strides_aligned(mOut), [0, 2, 1] if varlen else [1, 3, 2, 0])
@@ -120,7 +125,9 @@ class FlashBwdPostprocess:
         )
 
     def _smem_layout(self):
-        if const_expr(self.wgmma_split is not None and self.head_dim % 128 != 0):
+        if const_expr(self.wgmma_split == "transposed" or (self.wgmma_split is not None and self.head_dim % 128 != 0)):
+            # (transposed: each thread's pairs of values are adjacent queries, a column of this tile:
+            # 16-bit stores into plain rows)
             # (the WGMMA C layout's 96-column halves of a 192-wide row across 64-column swizzle atoms
             # abort the DSL's copy partitioning, DSL 4.8.1: plain rows there; a minor kernel. hdim 64's
             # rows too, as verified on the GPU, though its 64 columns would take the swizzle (its 32-bit
@@ -227,11 +234,15 @@ class FlashBwdPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
 
-        if const_expr(self.wgmma_split is not None):
+        transposed = const_expr(self.wgmma_split == "transposed")
+        if const_expr(transposed):
+            tiled_mma = tiled_mma_dqt_sm90(self.dtype, self.tile_m)
+        elif const_expr(self.wgmma_split is not None):
             tiled_mma = tiled_mma_dq_sm90(self.dtype, self.head_dim, self.wgmma_split == "rows")
         else:
             tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads // 32, self.atom_m)
-        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(tile), Float32)
+        acc_tile = (self.head_dim, self.tile_m) if const_expr(transposed) else tile
+        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(acc_tile), Float32)
         if const_expr(self.wg_blocks):
             wg_threads = self.num_threads // 2
             gAcc = fragment_accum(
@@ -249,10 +260,10 @@ class FlashBwdPostprocess:
         storage = SmemAllocator().allocate(SharedStorage)
         sO = storage.sO.get_tensor(self._smem_layout())
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16 if transposed else 32),
             tiled_mma,
         ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(transpose_view(sO) if const_expr(transposed) else sO))
         cute.arch.barrier()
 
         tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)

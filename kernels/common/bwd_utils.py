@@ -60,15 +60,17 @@ def copy_threads_per_row(cols: int, elems: int, num_threads: int) -> int:
     return next(t for t in (8, 4, 2, 1) if chunks % t == 0)
 
 
-def scratch_tile_reason(dtype, head_dim: int, tile_m: int, num_threads: int, elems: int, chunk: str) -> str | None:
+def scratch_tile_reason(dtype, head_dim: int, tile_m: int, num_threads: int, elems: int, chunk: str,
+                        pad: int = SEQ_PAD) -> str | None:
     """``can_implement`` of the pre/postprocess kernels: None, or why ``num_threads`` threads copying
-    ``elems``-wide chunks cannot walk a ``tile_m x head_dim`` tile of the padded scratch buffers."""
+    ``elems``-wide chunks cannot walk a ``tile_m x head_dim`` tile of the padded scratch buffers (rows
+    padded to multiples of ``pad``: ``SEQ_PAD``, or 640 for the dense-only tile_m 80)."""
     if dtype not in (cutlass.BFloat16, cutlass.Float16):
         return f"dtype must be BFloat16 or Float16, got {dtype}"
     if head_dim % 16 != 0 or not 16 <= head_dim <= 256:
         return f"head_dim must be a multiple of 16 in [16, 256], got {head_dim}"
-    if SEQ_PAD % tile_m != 0:
-        return f"tile_m ({tile_m}) must divide the scratch padding {SEQ_PAD}"
+    if pad % tile_m != 0:
+        return f"tile_m ({tile_m}) must divide the scratch padding {pad}"
     threads_per_row = copy_threads_per_row(head_dim, elems, num_threads)
     if num_threads % threads_per_row or tile_m % (num_threads // threads_per_row):
         return f"{num_threads} threads do not tile {tile_m} x {head_dim} in {chunk} chunks"
@@ -169,6 +171,18 @@ def tiled_mma_dq_sm90(dtype: type[cutlass.Numeric], head_dim: int, split_rows: b
     atom, cols = ((num_wg, 1, 1), head_dim) if split_rows else ((1, num_wg, 1), head_dim // num_wg)
     return hopper_helpers.make_trivial_tiled_mma(
         dtype, dtype, mn_major, mn_major, cutlass.Float32, atom_layout_mnk=atom, tiler_mn=(64, cols),
+    )
+
+
+def tiled_mma_dqt_sm90(dtype: type[cutlass.Numeric], tile_m: int, num_wg: int = 2) -> cute.TiledMma:
+    """The sm90 backward's dQ^T WGMMA at tile_m 80 (``sm90/bwd.py`` ``dq_transposed``): dQ^T = K^T dS^T,
+    M = head_dim (64 per warpgroup: ``head_dim = 64 * num_wg``), N = ``tile_m`` queries, A = K^T and B =
+    dS^T both MN-major views. Shared with the postprocess that transposes its fragment back."""
+    import cutlass.utils.hopper_helpers as hopper_helpers
+
+    mn_major = cute.nvgpu.OperandMajorMode.MN
+    return hopper_helpers.make_trivial_tiled_mma(
+        dtype, dtype, mn_major, mn_major, cutlass.Float32, atom_layout_mnk=(num_wg, 1, 1), tiler_mn=(64, tile_m),
     )
 
 

@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 from . import bwd_gate
 from ..common.bwd_utils import (
     bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
-    semaphore_wait, tiled_mma_dq_sm90,
+    semaphore_wait, tiled_mma_dq_sm90, tiled_mma_dqt_sm90,
 )
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
@@ -106,6 +106,12 @@ class FlashBwdSm90:
     wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
     both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
 
+    At tile_m 80 (``dq_transposed``: hdim 128, the launcher's dense non-causal tile) S^T and dP^T are
+    m64n80; after the exp2 pass dV is issued and waited for with dP^T, and dS^T is formed from the
+    16-bit P^T (fp32 P^T beside both in-flight tiles overflowed the registers); dQ cannot take 80
+    rows as a WGMMA's M, so the warpgroups compute dQ^T = K^T dS^T (64 head-dim rows each, N = 80)
+    and the postprocess transposes it back (its scratch rows padded to multiples of 640).
+
     dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; lane 0 issues one
     bulk reduce-add (``cp.reduce.async.bulk ... add.f32``) of the whole sdQ tile into the fp32
     accumulator's tile, both in the dQ MMA's fragment order (4 values per thread side by side: the
@@ -136,10 +142,12 @@ class FlashBwdSm90:
         deterministic: bool = False,
         head_dim_v: int | None = None,
         has_gate: bool = False,
+        dq_transposed: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
-                                    has_softcap, head_dim_v=head_dim_v, has_gate=has_gate)
+                                    has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
+                                    dq_transposed=dq_transposed)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -160,11 +168,19 @@ class FlashBwdSm90:
         # The dQ GEMM (tile_m x head_dim) is split between the two MMA warpgroups by columns
         # (head_dim halves) or, with tile_m = 128, by rows (64 queries each).
         self.dq_split_rows = dq_split_rows
+        # tile_m 80 (FA4's non-causal hdim-128 tile: more queries per K/V byte of smem traffic): a WGMMA's
+        # M is 64 per warpgroup, so 80 query rows cannot be dQ's M; the kernel computes dQ^T = K^T dS^T
+        # (M = head_dim, 64 per warpgroup; N = 80 queries) and the postprocess transposes it back.
+        self.dq_transposed = dq_transposed
         # tile_m 128: S^T and dP^T are 64 registers each per thread; with both in flight beside dK + dV
         # ptxas serialized every WGMMA (C7512) and spilled. There dP^T is issued only once P^T is
         # formed (16-bit, the dV GEMM's A operand), S^T's registers are free, and dS^T is formed
         # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next).
         self.dp_after_p = tile_m == 128
+        # tile_m 80: S^T and dP^T (40 registers each) stay in flight together, but fp32 P^T is not kept
+        # for dS^T beside them (228 live registers: ptxas serialized every WGMMA and spilled): dS^T is
+        # formed from the 16-bit P^T, once dV (whose A operand it is) has landed.
+        self.ds_from_p16 = tile_m == 80
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = self.num_mma_wg * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
@@ -187,7 +203,8 @@ class FlashBwdSm90:
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
-                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
+                      dq_transposed=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -196,13 +213,18 @@ class FlashBwdSm90:
             return f"head_dim_v must equal head_dim, got {head_dim_v} and {head_dim}"
         if tile_n != 128:
             return f"tile_n must be 128 (two MMA warpgroups of 64 keys), got {tile_n}"
-        if tile_m not in (64, 128):
-            return f"tile_m must be 64 or 128, got {tile_m}"
+        if tile_m not in (64, 80, 128):
+            return f"tile_m must be 64, 80 or 128, got {tile_m}"
+        if dq_transposed != (tile_m == 80):
+            return "the kernel computes dQ^T exactly when tile_m is 80 (a WGMMA's M cannot be 80)"
+        if dq_transposed and (head_dim != 128 or has_softcap or has_gate):
+            return ("tile_m 80 (dQ^T: head_dim is its M, 64 per warpgroup) needs head_dim 128, and keeps fp32 P^T "
+                    "for dS^T: no softcap or gate (their registers)")
         if dq_split_rows != (tile_m == 128):
             return "the dQ GEMM splits rows exactly when tile_m is 128"
         if tile_m == 128 and has_softcap:
             return "tile_m 128 issues dP^T after P^T is formed and frees S^T: the softcap derivative needs it"
-        if not dq_split_rows and (head_dim // 2) % 8 != 0:
+        if not dq_split_rows and not dq_transposed and (head_dim // 2) % 8 != 0:
             return f"head_dim {head_dim} does not split into two dQ column halves a WGMMA takes (N a multiple of 8)"
         if is_causal and is_local:
             return "is_causal and is_local are exclusive"
@@ -273,6 +295,8 @@ class FlashBwdSm90:
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(wg, 1, 1),
             tiler_mn=(64, self.head_dim), a_source=warpgroup.OperandSource.RMEM,
         )
+        if const_expr(self.dq_transposed):
+            return sdp, dkv, tiled_mma_dqt_sm90(self.dtype, self.tile_m, wg)
         return sdp, dkv, tiled_mma_dq_sm90(self.dtype, self.head_dim, self.dq_split_rows, wg)
 
     # ------------------------------------------------------------------ host entry point
@@ -319,6 +343,8 @@ class FlashBwdSm90:
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
         if const_expr(mdKV_tail is not None):
             raise TypeError("the Hopper backward has no split tail")
+        if const_expr(self.dq_transposed and mCuSeqlensQ is not None):
+            raise TypeError("tile_m 80 is dense only: varlen scratch offsets are multiples of 128 rows")
         if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
                       or (mdGk is not None) != self.has_gate):
             raise TypeError("mGate, mdGq and mdGk must be given exactly when has_gate")
@@ -639,8 +665,12 @@ class FlashBwdSm90:
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
         tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        if const_expr(self.dq_transposed):  # dQ^T = K^T dS^T: the same two views, roles swapped
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sdSt)))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
         acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
         acc_dK.fill(0.0)
@@ -705,9 +735,11 @@ class FlashBwdSm90:
                     # dV is issued before dP^T is waited for: ptxas keeps WGMMA issues and waits in
                     # order, so every exp2 stays ahead of the dP^T wait and runs under that GEMM
                     # (with the wait first, it moved most of them below it).
-                    tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=1)
-                    self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                    rP = convert_to_16bit(acc_S, self.dtype)
+                    tdVrP.store(acc_to_frag_a_sm90(rP).load())
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
+                          wg_wait=0 if const_expr(self.ds_from_p16) else 1)
+                    self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
@@ -720,8 +752,12 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
             # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
-            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+            if const_expr(self.dq_transposed):
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
+            else:
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
             wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
             self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
@@ -812,12 +848,15 @@ class FlashBwdSm90:
 
     @cute.jit
     def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
-        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T)."""
+        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T, fp32 or 16-bit)."""
         acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
         for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
             dpsum = sdPsum[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
+                p = acc_S_mn[r, c]
+                if const_expr(acc_S.element_type != Float32):
+                    p = p.to(Float32)
+                acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum)
 
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,

@@ -69,8 +69,11 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
-                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False) -> str | None:
+                      dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
+                      dq_transposed=False) -> str | None:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if dq_transposed:
+            return "the wide kernel's dQ GEMM is not transposed"
         if has_gate:
             return "the gate's backward is in FlashBwdSm90 (head dims up to 128) only"
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
