@@ -61,6 +61,12 @@ _SMEM_CAPACITY = 227 * 1024
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 
 
+def _stats_stride(tile_m: int) -> int:
+    """fp32 slots per Q/dO stage of sLSE / sdPsum: tile_m rounded up to 32, so that every stage's TMA
+    destination is 128-byte aligned (tile_m 80's 320-byte stages raised a misaligned address)."""
+    return -(-tile_m // 32) * 32
+
+
 class NamedBarrierBwd(enum.IntEnum):
     """Hardware named barriers of the backward kernel (id 0 is ``__syncthreads``)."""
 
@@ -241,7 +247,7 @@ class FlashBwdSm90:
         elem = dtype.width // 8
         operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * tile_m * 4 if has_gate else 0
-        return operands + tile_m * head_dim * 4 + 2 * num_stages * tile_m * 4 + query_sums + 1024 + 256
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -260,7 +266,7 @@ class FlashBwdSm90:
         def buffer(layout):
             return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
 
-        stats = self.tile_m * self.num_stages
+        stats = _stats_stride(self.tile_m) * self.num_stages
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * self.tile_m if self.has_gate else 4
 
         @cute.struct
@@ -473,7 +479,7 @@ class FlashBwdSm90:
         sK, sV = smem(storage.sK, "sK"), smem(storage.sV, "sV")
         sdSt = smem(storage.sdSt, "sdSt")
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
-        stats_layout = cute.make_layout((self.tile_m, self.num_stages))
+        stats_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, _stats_stride(self.tile_m)))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
