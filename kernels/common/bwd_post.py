@@ -125,9 +125,7 @@ class FlashBwdPostprocess:
         )
 
     def _smem_layout(self):
-        if const_expr(self.wgmma_split == "transposed" or (self.wgmma_split is not None and self.head_dim % 128 != 0)):
-            # (transposed: each thread's pairs of values are adjacent queries, a column of this tile:
-            # 16-bit stores into plain rows)
+        if const_expr(self.wgmma_split != "transposed" and self.wgmma_split is not None and self.head_dim % 128 != 0):
             # (the WGMMA C layout's 96-column halves of a 192-wide row across 64-column swizzle atoms
             # abort the DSL's copy partitioning, DSL 4.8.1: plain rows there; a minor kernel. hdim 64's
             # rows too, as verified on the GPU, though its 64 columns would take the swizzle (its 32-bit
@@ -259,11 +257,20 @@ class FlashBwdPostprocess:
 
         storage = SmemAllocator().allocate(SharedStorage)
         sO = storage.sO.get_tensor(self._smem_layout())
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16 if transposed else 32),
-            tiled_mma,
-        ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(transpose_view(sO) if const_expr(transposed) else sO))
+        if const_expr(transposed):
+            # dQ^T's fragment (head_dim x queries) into the (queries, head_dim) rows: stmatrix.trans puts
+            # each thread's pair of adjacent queries into two rows (16-bit stores there conflicted 32 ways
+            # and cost ~150 us per call at 16k tokens).
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+                tiled_mma,
+            ).get_slice(tidx)
+            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(transpose_view(sO)))
+        else:
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma,
+            ).get_slice(tidx)
+            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
         cute.arch.barrier()
 
         tiled_copy = tiled_copy_16b(self.dtype, self.num_threads, self.head_dim, is_async=False)
