@@ -113,8 +113,8 @@ class FlashBwdSm90:
     both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
 
     At tile_m 80 (``dq_transposed``: hdim 128, the launcher's dense non-causal tile) S^T and dP^T are
-    m64n80; after the exp2 pass dV is issued and waited for with dP^T, and dS^T is formed from the
-    16-bit P^T (fp32 P^T beside both in-flight tiles overflowed the registers); dQ cannot take 80
+    m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
+    in-flight tiles overflowed the registers), then issues dV; dQ cannot take 80
     rows as a WGMMA's M, so the warpgroups compute dQ^T = K^T dS^T (64 head-dim rows each, N = 80)
     and the postprocess transposes it back (its scratch rows padded to multiples of 640).
 
@@ -185,7 +185,7 @@ class FlashBwdSm90:
         self.dp_after_p = tile_m == 128
         # tile_m 80: S^T and dP^T (40 registers each) stay in flight together, but fp32 P^T is not kept
         # for dS^T beside them (228 live registers: ptxas serialized every WGMMA and spilled): dS^T is
-        # formed from the 16-bit P^T, once dV (whose A operand it is) has landed.
+        # formed from the 16-bit P^T before dV, whose A operand it is, is issued.
         self.ds_from_p16 = tile_m == 80
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
@@ -743,9 +743,17 @@ class FlashBwdSm90:
                     # (with the wait first, it moved most of them below it).
                     rP = convert_to_16bit(acc_S, self.dtype)
                     tdVrP.store(acc_to_frag_a_sm90(rP).load())
-                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
-                          wg_wait=0 if const_expr(self.ds_from_p16) else 1)
-                    self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                    if const_expr(self.ds_from_p16):
+                        # dS^T from the 16-bit P^T before dV is issued (no WGMMA reads those registers
+                        # yet); dV then runs under the dS^T store and the DS_READY barrier.
+                        warpgroup.wait_group(0)  # dP^T has landed
+                        self.ds_from_probs(rP, acc_dP, sdPsum, tScS_mn, stage)
+                        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
+                              wg_wait=-1)
+                    else:
+                        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
+                              wg_wait=1)
+                        self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
