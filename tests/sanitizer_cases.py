@@ -162,7 +162,7 @@ CASES: dict[str, Callable[[], None]] = {
     "sm80_fwd_bwd_softcap": _dense("sm80", backward=True, causal=True, softcap=30.0),
     # The Hopper backward (its dQ writer warp's barriers and TMA reduce-adds, the deterministic turns,
     # GQA's dK/dV sums): GQA 2:1 in every case.
-    "sm90_fwd_bwd_dense": _dense("sm90", backward=True),  # (hdim 128 non-causal: the 80 x 128 tile, dQ^T)
+    "sm90_fwd_bwd_dense": _dense("sm90", backward=True),
     "sm90_fwd_bwd_mha_dense": _dense("sm90", backward=True, h=2, h_k=2),
     "sm90_fwd_bwd_dense_causal": _dense("sm90", backward=True, causal=True),
     "sm90_fwd_bwd_dense_local": _dense("sm90", backward=True, **WINDOW),

@@ -367,13 +367,15 @@ def test_sm90_backward_dq_order_agrees_between_main_and_postprocess():
             _, main, post_dq, post_kv = family.keys(problem(head_dim=head_dim, head_dim_v=head_dim, **flags), "sm_90a")
             split = "transposed" if main.dq_transposed else "rows" if main.dq_split_rows else "cols"
             assert (post_dq.tile_m, post_dq.dq_wgmma) == (main.tile_m, split), main.name
-            # tile_m 80 (dQ^T) exactly for dense non-causal hdim 128 without softcap
-            assert main.dq_transposed == (head_dim == 128 and not flags), main.name
+            assert not main.dq_transposed, main.name  # (tile_m 80 is opt-in: BWD_SM90_TILE_80)
             assert post_dq.num_threads == 256 and post_dq.dq_red_vec == 4 and post_dq.atom_m == 0
             if main.tile_n == 128:
                 assert (post_kv.tile_m, post_kv.dq_wgmma, post_kv.wg_blocks, post_kv.dq_red_vec) == (128, "rows", True, 4)
             else:
                 assert (post_kv.dq_wgmma, post_kv.wg_blocks, post_kv.dq_red_vec) == ("", False, 1)
+    tile_80 = family.tile_80_key("sm_90a")
+    post_dq = family._post_keys("sm_90a", "bf16", 128, 128, main=tile_80)[0]
+    assert (post_dq.tile_m, post_dq.dq_wgmma) == (80, "transposed") and tile_80 in family.all_keys("sm_90a")
 
 
 _C_LAYOUT_SCRIPT = """

@@ -45,10 +45,11 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
-# hdim 128, dense, non-causal, no window/softcap/gate, not deterministic: 80 x 128 (FA4's tile there:
-# 25 % more queries per byte of K/V read from smem; the dQ GEMM runs transposed). The scratch pads
-# its query rows to a multiple of 640 (``BwdPlan``), which varlen's per-sequence offsets do not.
-BWD_SM90_WIDE_M = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
+# 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
+# rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
+# (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
+# 1k-4k. Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
+BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class BwdSm90Key(KernelKey):
     local: bool = False
     softcap: bool = False
     varlen: bool = False
-    dq_transposed: bool = False  # tile_m 80 (BWD_SM90_WIDE_M)
+    dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -135,14 +136,17 @@ class BwdSm90(BwdSm80):
         t = self.tiles[hdim]
         if flags.get("softcap") and t.tile_m == 128:  # (the kernel frees S^T early there; tanh' needs it)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
-        if (hdim == 128 and hdim_v == 128 and self.tiles is BWD_SM90_TILES and not causal
-                and not any(flags.get(f) for f in ("local", "softcap", "varlen", "gate", "deterministic"))):
-            t = BWD_SM90_WIDE_M
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
             **({"dq_transposed": True} if t.dq_transposed else {}), **flags,
         )
+
+    def tile_80_key(self, arch: str) -> BwdSm90Key:
+        """The opt-in 80 x 128 tile's key (``BWD_SM90_TILE_80``: d128 bf16 dense non-causal MHA)."""
+        t = BWD_SM90_TILE_80
+        return BwdSm90Key(kernel=self.kind, arch=arch, dtype="bf16", head_dim=128, head_dim_v=128, tile_m=t.tile_m,
+                          tile_n=t.tile_n, causal=False, gqa=False, num_stages=t.num_stages, dq_transposed=True)
 
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
                    seqused_q: bool = False, seqused_k: bool = False,
@@ -164,8 +168,8 @@ class BwdSm90(BwdSm80):
         return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """One representative per code path: d128 bf16 dense (MHA non-causal: the 80 x 128 tile with dQ^T and
-        its postprocess; GQA causal), d64 causal,
+        """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), the opt-in 80 x 128
+        tile (dQ^T) and its postprocess, d64 causal,
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
@@ -173,13 +177,15 @@ class BwdSm90(BwdSm80):
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
+        tile_80 = self.tile_80_key(arch)
         return [
             self._post_keys(arch, "bf16", 128, 128)[0],
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],
             self._post_keys(arch, "bf16", 128, 128)[1],
-            self._post_keys(arch, "bf16", 128, 128, main=self._main_key(arch, "bf16", 128, 128, False, False))[0],
             main(arch, "bf16", 128, 128, False, False),
+            tile_80,
+            self._post_keys(arch, "bf16", 128, 128, main=tile_80)[0],
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),

@@ -112,7 +112,7 @@ class FlashBwdSm90:
     wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
     both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
 
-    At tile_m 80 (``dq_transposed``: hdim 128, the launcher's dense non-causal tile) S^T and dP^T are
+    At tile_m 80 (``dq_transposed``: hdim 128, dense; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_80``) S^T and dP^T are
     m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
     in-flight tiles overflowed the registers), then issues dV; dQ cannot take 80
     rows as a WGMMA's M, so the warpgroups compute dQ^T = K^T dS^T (64 head-dim rows each, N = 80)
