@@ -19,7 +19,7 @@ from flashattn_hopper import dispatch
 from ._parity import poisoned_bwd
 from .test_bwd import (
     SEQLENS_BWD_FAST, SOFTCAP, VARLEN_CASES, WINDOWS_FAST, _softcap_case, _varlen_case, _window_case,
-    check_grads_api, check_poisoned_grads, make_inputs, make_varlen,
+    check_against_refs, check_grads_api, check_poisoned_grads, make_inputs, make_varlen,
 )
 
 pytestmark = [
@@ -164,3 +164,27 @@ def test_bwd_sm90_deterministic_batch_invariant(causal):
     )
     for name, a, b in zip(("dq", "dk", "dv"), alone, batch):
         assert torch.equal(a, b[one]), f"{name}: the sequence alone differs from inside the batch"
+
+
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
+    """The opt-in 80 x 128 tile (``BWD_SM90_TILE_80``: dQ^T = K^T dS^T, the transposed dQ postprocess, query
+    scratch padded to 640 rows), not in the launcher's table: dq, dk, dv against the fp32 reference
+    with the parity rule, hdim 128, dense non-causal, odd lengths (a partial last block of 80 rows)."""
+    from flashattn_hopper import flash_attn_func, validate
+    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILE_80, BwdSm90
+
+    from .test_bwd import reference_grads
+
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, 128)
+    family = BwdSm90()
+    family.tiles = {128: BWD_SM90_TILE_80}
+    p = validate.validate_dense(q, k, v, None, False, (-1, -1), 0.0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, backend="sm90")
+    assert family.plan(p, None, False, q.device).main_key.tile_m == 80  # (not cached_plan: its memo is per kind)
+    grads = family.backward(dout, q, k, v, out, lse, p, None, False)
+    _, *ref = reference_grads(q, k, v, dout, False)
+    _, *pt = reference_grads(q, k, v, dout, False, upcast=False)
+    check_against_refs(grads, (q, k, v), ref, pt)
