@@ -5,7 +5,8 @@
 Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
 ``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
 package), beside our plain causal call at the same shape; ``ours_sink``: the sink joined after the kernel
-(``sinks.IN_KERNEL`` off for that system's calls), ``ours_sink_k``: the sink inside the forward kernel (the default);
+(``sinks.IN_KERNEL`` off for that system's calls), ``ours_sink_k``: the sink inside the forward kernel (the default),
+``fa4_sink``: FA4's ``learnable_sink`` (benchmark-only wheels; its column and the last ratio "vs FA4" read '-' without them);
 ``ours_gate``: the gate's bias inside the sm90 forward kernel (the default), ``ours_gate_a``: the augmented problem
 (``gate.IN_KERNEL`` off). bf16, causal, 16k tokens, nheads * hdim =
 2048 (batch = 16384 / seqlen). TFLOP/s count the causal half of 4 * b * h * s^2 * d per forward and
@@ -58,11 +59,16 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"repeat={args.repeat}\n")
-    systems = ["ours", "ours_gate", "ours_gate_a", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink"]
+    systems = ["ours", "ours_gate", "ours_gate_a", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink", "fa4_sink"]
+    try:  # FA4's learnable_sink (a benchmark-only peer, its wheels carried to the GPU machine)
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception as exc:  # noqa: BLE001 - absent is fine
+        print(f"note: FA4 not available ({type(exc).__name__}: {exc})", file=sys.stderr)
+        fa4 = None
     cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in systems]
     print("| hdim | seqlen | " + " | ".join(cols)
-          + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA |")
-    print("|---|---|" + "---|" * len(cols) + "---|---|---|")
+          + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA | vs FA4 |")
+    print("|---|---|" + "---|" * len(cols) + "---|---|---|---|")
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for seqlen in args.seqlens:
@@ -88,6 +94,12 @@ def main(argv: list[str]) -> int:
             if parallel_attn is not None:
                 calls["fla_gate"] = (lambda: parallel_attn(*leaves, g=g_leaf), [*leaves, g_leaf])
                 calls["fla_sink"] = (lambda: parallel_attn(*leaves, sink_bias=sink_leaf), [*leaves, sink_leaf])
+            if fa4 is not None:
+                def fa4_sink():
+                    out = fa4(*leaves, causal=True, learnable_sink=sink_leaf)
+                    return out[0] if isinstance(out, tuple) else out
+
+                calls["fa4_sink"] = (fa4_sink, [*leaves, sink_leaf])
             fns: dict[str, object] = {}
             notes: dict[str, str] = {}
             for name, (fwd, inputs) in calls.items():
@@ -112,8 +124,9 @@ def main(argv: list[str]) -> int:
             gate_r = f"{ratio('fwd:ours_gate', 'fwd:fla_gate')} / {ratio('bwd:ours_gate', 'bwd:fla_gate')}"
             sink_r = f"{ratio('fwd:ours_sink', 'fwd:fla_sink')} / {ratio('bwd:ours_sink', 'bwd:fla_sink')}"
             sink_k = f"{ratio('fwd:ours_sink_k', 'fwd:fla_sink')} / {ratio('bwd:ours_sink_k', 'bwd:fla_sink')}"
+            sink_4 = f"{ratio('fwd:ours_sink_k', 'fwd:fa4_sink')} / {ratio('bwd:ours_sink_k', 'bwd:fa4_sink')}"
             print(f"| {hdim} | {seqlen} | " + " | ".join(format_cells(tflops, cols))
-                  + f" | {gate_r} | {sink_r} | {sink_k} |", flush=True)
+                  + f" | {gate_r} | {sink_r} | {sink_k} | {sink_4} |", flush=True)
     return 0
 
 
