@@ -184,26 +184,33 @@ def _fwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 IN_KERNEL = True
 
 
-def _kernel_rows(key_bias: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """The keys' bias ``(b, s_k, h)`` | ``(total_k, h)`` in the kernels' layout, ``(b, h, s_k)`` |
-    ``(h, total_k)``, rows 16-byte aligned (the sm90 forward reads them by TMA): one copy, made once
-    per call and kept for the backward."""
-    from .backends.common import aligned_rows
-
-    return aligned_rows(key_bias.t() if varlen else key_bias.transpose(1, 2))
+def _key_bias(G: torch.Tensor, scale: float) -> torch.Tensor:
+    """The keys' bias ``-G_j / softmax_scale`` in the scores' units before the scale, fp32 (division by
+    ``-scale``: ``(-G) / scale`` bit for bit)."""
+    return G.float() / -scale
 
 
-def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
+def _kernel_rows(G: torch.Tensor, scale: float, varlen: bool) -> torch.Tensor:
+    """``_key_bias`` of ``G`` ``(b, s_k, h)`` | ``(total_k, h)`` in the kernels' layout, ``(b, h, s_k)`` |
+    ``(h, total_k)``, rows 16-byte aligned (the sm90 forward reads them by TMA): one division written
+    straight into those rows (was a negation, a division and a copy), made once per call and kept for
+    the backward."""
+    rows = G.t() if varlen else G.transpose(1, 2)
+    n = rows.shape[-1]
+    out = torch.empty(*rows.shape[:-1], -(-n // 4) * 4, dtype=torch.float32, device=G.device)[..., :n]
+    return torch.div(rows.float(), -scale, out=out)
+
+
+def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float,
                        route: tuple[Any, ...] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(out, lse less G_i, the bias rows)`` from the sm90 forward with the keys' bias ``key_bias``
-    (``-G_j / softmax_scale``, the scores' units before the scale; its rows in the kernels' layout,
-    ``_kernel_rows``, are returned for the backward) added in the kernel: with a zero gate, the plain
-    forward's scores bit for bit. None where that path does not serve the call (``route`` None, or
-    another forward family)."""
+    """``(out, lse less G_i, the bias rows)`` from the sm90 forward with the keys' bias (``_key_bias``:
+    ``-G_j / softmax_scale``; its rows in the kernels' layout, ``_kernel_rows``, are returned for the
+    backward) added in the kernel: with a zero gate, the plain forward's scores bit for bit. None where
+    that path does not serve the call (``route`` None, or another forward family)."""
     if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
     family, _, p, varlen = route
-    bias_rows = _kernel_rows(key_bias, varlen is not None)
+    bias_rows = _kernel_rows(G, scale, varlen is not None)
     return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows), bias_rows)
 
 
@@ -232,7 +239,7 @@ def _bwd_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class GatedAttnFunc(torch.autograd.Function):
-    """``(out, lse)`` of gated attention from q, k, v, ``-G`` at the keys and ``G`` at the queries
+    """``(out, lse)`` of gated attention from q, k, v, ``G`` at the keys and at the queries
     (``G_q``: dense ``(b, s_q, h)``, varlen ``(total_q, h)``; only the LSE reads it), at the call's
     ``softmax_scale`` (``options[0]``), the keys' bias taken as ``-G_j / softmax_scale`` in the scores'
     units. Forward: the sm90 kernel with that bias (``IN_KERNEL``), else the augmented problem: q's
@@ -244,25 +251,24 @@ class GatedAttnFunc(torch.autograd.Function):
     dQ and dK carry it); dq dQ's first columns."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, neg_G: torch.Tensor,
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
-        key_bias = neg_G.float() / options[0]  # (fp32: the kernel adds it to its fp32 scores)
         from . import ops
 
         route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
-        in_kernel = _in_kernel_forward(q, k, v, key_bias, route)
+        in_kernel = _in_kernel_forward(q, k, v, G, options[0], route)
         bias_rows = None
         if in_kernel is not None:
             out, lse, bias_rows = in_kernel
             q_saved, k_saved, v_saved = q, k, v  # (augmented for the backward there)
         else:
             q_saved = q_aug = _q_columns(q)
-            k_saved = _k_columns(_per_query_head(k, group, head_axis), key_bias)
+            k_saved = _k_columns(_per_query_head(k, group, head_axis), _key_bias(G, options[0]))
             v_saved = _per_query_head(v, group, head_axis)
             out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
         G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
@@ -294,7 +300,7 @@ class GatedAttnFunc(torch.autograd.Function):
             if grads is not None:
                 dq, dk, dv, d_neg_G, d_G_q, rows = grads
                 dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q, rows)
-                return dq, dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
+                return dq, dk, dv, -d_neg_G, d_G_q, dsink, None, None, None, None, None
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         if bias_rows is not None:  # else the augmented problem, built here
             key_bias = bias_rows.t() if cu_q is not None else bias_rows.transpose(1, 2)
@@ -307,10 +313,10 @@ class GatedAttnFunc(torch.autograd.Function):
         # them is d(-G / scale). The row sums (dQ's last column, times the scale) are over the keys
         # only, which is G_i's gradient with a sink too.
         scale = ctx.options[0]
-        d_neg_G, d_G_q = dk32[..., d] / scale, dq[..., d + _PARTS].float() / scale
+        d_G, d_G_q = dk32[..., d] / -scale, dq[..., d + _PARTS].float() / scale
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
-        return dq[..., :d], dk, dv, d_neg_G, d_G_q, dsink, None, None, None, None, None
+        return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -332,4 +338,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
         G_q = G
     else:
         G_q = at_queries_varlen(G, q.shape[0], cu_q, cu_k, used_q, used_k)
-    return GatedAttnFunc.apply(q, k, v, -G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
+    return GatedAttnFunc.apply(q, k, v, G, G_q, sink, cu_q, cu_k, used_q, used_k, options)
