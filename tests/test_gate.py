@@ -203,6 +203,30 @@ def test_cumulative_restarts_per_sequence():
     torch.testing.assert_close(G[4:], torch.cumsum(g[4:].float(), 0), atol=1e-6, rtol=1e-6)
 
 
+def test_cumulative_varlen_matches_the_per_sequence_subtraction():
+    """The varlen scan (running-max start rows, ``gate.cumulative``) equals bit for bit the route it
+    replaced (fp64 scan over the pack, minus the total before each row's sequence found by searchsorted),
+    with empty sequences at the start, middle and end and padding rows past cu_seqlens[-1]; and its
+    gradient is the reverse cumsum per sequence."""
+    from flashattn_hopper.packed import sequence_of_rows
+
+    lens = [0, 5, 0, 0, 7, 1, 0]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    g = (torch.randn(sum(lens) + 3, 4) * 3).requires_grad_()  # 3 padding rows
+    G = gate.cumulative(g, cu)
+    total = torch.cumsum(g.detach().double().t(), dim=-1).t()
+    starts = cu[:-1].to(torch.int64)
+    before = torch.where((starts > 0)[:, None], total[(starts - 1).clamp_min(0)], torch.zeros_like(total[:1]))
+    want = (total - before[sequence_of_rows(cu, total.shape[0])]).float()
+    torch.testing.assert_close(G, want, rtol=0, atol=0)
+    dG = torch.randn_like(G)
+    (dg,) = torch.autograd.grad(G, g, dG)
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]) + (3 if i == len(lens) - 1 else 0))
+        want_dg = dG[rows].flip(0).cumsum(0).flip(0)
+        torch.testing.assert_close(dg[rows], want_dg, rtol=1e-5, atol=1e-5)
+
+
 def test_split_gradient_is_that_of_the_sum():
     """The parts carry the gradient of their sum: with equal weights (q's columns of ones give the
     three parts equal gradients in the kernels), d(sum of parts * w)/dx = w (as the bf16 gradient the
