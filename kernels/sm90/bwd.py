@@ -22,11 +22,11 @@ both). Causal (bottom-right), sliding window,
 softcap (``dS_x = dS_s * (1 - tanh^2)``, as ``sm80/bwd.py``), GQA/MQA, deterministic dQ and
 GQA dK/dV sums (semaphores, ``common/bwd_utils.py``).
 
+The dQ writer's role and the dK/dV epilogues are in ``bwd_store.py`` (``FlashBwdSm90Store``, a mixin).
+
 Paper: FlashAttention-3 (Shah et al., 2024) section 3 and appendix B (backward); design doc
 ``fa3_cute_design.md`` section 2.
 """
-
-import enum
 
 import cuda.bindings.driver as cuda
 
@@ -39,22 +39,18 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import bwd_gate
-from ..common.bwd_utils import (
-    bulk_reduce_add_f32, fragment_accum, m_block_min_max, red_add_tile, scratch_offset, semaphore_signal,
-    semaphore_wait, tiled_mma_dq_sm90, tiled_mma_dqt_sm90,
-)
-from ..common.block_info import BlockInfo
+from .bwd_store import _WG_THREADS, FlashBwdSm90Store, NamedBarrierBwd
+from ..common.bwd_utils import m_block_min_max, scratch_offset, tiled_mma_dq_sm90, tiled_mma_dqt_sm90
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from ..common.sm90_utils import (
-    acc_to_frag_a_sm90, make_smem_layout_sm90, store_rows_predicated, wgmma,
+    acc_to_frag_a_sm90, make_smem_layout_sm90, wgmma,
 )
 from ..common.softmax import apply_softcap, softcap_scale_log2
 from ..common.utils import (
     LOG2_E, acc_rows_cols, assume_strides_aligned, convert_to_16bit, select_head, select_modes, transpose_view,
 )
 
-_WG_THREADS = 128
 _SMEM_ALIGN = 1024  # each operand buffer starts on a full period of the 128-byte swizzle
 _SMEM_CAPACITY = 227 * 1024
 # (producer, MMA warpgroup) registers per thread after setmaxnreg: 128 * (24 + 2 * 240) <= 64K.
@@ -67,19 +63,7 @@ def _stats_stride(tile_m: int) -> int:
     return -(-tile_m // 32) * 32
 
 
-class NamedBarrierBwd(enum.IntEnum):
-    """Hardware named barriers of the backward kernel (id 0 is ``__syncthreads``)."""
-
-    DS_READY = 1  # all MMA threads: this block's dS (every warpgroup's keys) is in smem
-    SEMAPHORE = 2  # all MMA threads: deterministic turns (common/bwd_utils.py)
-    EPILOGUE = 3  # all MMA threads: no WGMMA reads sK/sV any more
-    EPILOGUE_WG1 = 4  # warpgroup k on id + k: its rows of the dK/dV staging tile are written
-    DQ_FULL = 6  # MMA threads arrive, the dQ writer warp syncs: this m_block's dQ is in sdQ
-    DQ_EMPTY = 7  # the dQ writer arrives, MMA threads sync: its reduce-adds have read sdQ
-    DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
-
-
-class FlashBwdSm90:
+class FlashBwdSm90(FlashBwdSm90Store):
     """FA3 backward on sm90: one CTA per key block ``(n_block, head, batch)``, 384 threads.
 
         | warpgroup | warps | registers | role                                                |
@@ -793,24 +777,6 @@ class FlashBwdSm90:
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
         return tScS_mn, mask
 
-    def dq_staging(self, sdQ, tidx: Int32):
-        """This thread's view of sdQ: its dQ fragment in the MMA-fragment order of ``bwd_utils``
-        (``fragment_accum``, 4 values side by side), which the postprocess undoes. A warp's 128-bit
-        store covers 512 contiguous bytes (4 wavefronts, no bank conflicts; the C layout's 64-bit
-        stores into a swizzled row-major tile took 4 wavefronts for 256 bytes), and the writer adds
-        the whole tile with one bulk reduce."""
-        return fragment_accum(sdQ, self.tile_m * self.head_dim, self.num_mma_threads, Int32(0), tidx, 4)
-
-    @cute.jit
-    def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean):
-        """This block's dQ -> sdQ once the writer's last reduce-add has read it (``after_first``:
-        there was one), then tell the writer."""
-        if after_first:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
-        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
-
     @cute.jit
     def probs_and_ds(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, mask: AttentionMask,
                      thr_sdp, m_block: Int32, n_block: Int32, scale_log2: Float32, softcap_scale: Float32 | None):
@@ -871,114 +837,3 @@ class FlashBwdSm90:
                 if const_expr(acc_S.element_type != Float32):
                     p = p.to(Float32)
                 acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum)
-
-    @cute.jit
-    def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
-                 m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
-        """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
-        the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
-        has read it. Deterministic: the adds of a query block go in key-block turns (ascending
-        n_block, descending for causal/local), each turn's add complete in L2 before the next may
-        start; only this warp waits, the MMA warpgroups run on into the next block.
-
-        ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
-        (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
-        per-query dS sums, which take the slot's sums in the same step (and turn)."""
-        lane = cute.arch.lane_idx()
-        tile_elems = self.tile_m * self.head_dim
-        window_l = window_left if const_expr(self.is_local) else None
-        window_r = window_right if const_expr(self.is_local) else None
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            q_block = block_offset + m_block
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
-            if const_expr(self.deterministic):
-                turn = n_block
-                if const_expr(self.is_causal or self.is_local):
-                    _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-                    turn = n_block_max - 1 - n_block
-                semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
-            # One lane issues the add and owns its bulk group (commit and waits are per thread).
-            if lane == 0:
-                bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems, sdQ.iterator, tile_elems * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
-            if const_expr(self.has_gate):
-                bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
-                                        seqlen.seqlen_q)
-            cute.arch.sync_warp()
-            if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
-            if const_expr(self.deterministic):
-                # sdQ is handed back first: the MMA warpgroups store their next dQ while this warp
-                # waits for the add to land and for the next block's turn.
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the add is done in L2
-                    cute.arch.fence_proxy("async.global")
-                cute.arch.sync_warp()
-                semaphore_signal(
-                    mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
-                )
-
-    # ------------------------------------------------------------------ epilogues
-
-    @cute.jit
-    def epilogue_mha(self, acc_dK, acc_dV, dk_scale: Float32, mdK_cur, mdV_cur, sK, sV,
-                     tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32, seqlen_k: Int32):
-        """dK * scale, dV -> 16-bit -> sK / sV (stmatrix; every WGMMA is done reading them) ->
-        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores."""
-        acc_dK.store(acc_dK.load() * dk_scale)
-        rdK = convert_to_16bit(acc_dK, self.dtype)
-        rdV = convert_to_16bit(acc_dV, self.dtype)
-        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_dkv,
-        ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
-        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
-        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
-        rows = (64, self.head_dim)
-        row0 = n_block * self.tile_n + wg_idx * 64
-        wg_block = n_block * (self.tile_n // 64) + wg_idx
-        for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
-            store_rows_predicated(
-                cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
-                tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
-            )
-
-    @cute.jit
-    def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple):
-        """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums.
-
-        The sums are in MMA-fragment order per warpgroup (``fragment_accum`` over its 128 threads,
-        4 values side by side; tile ``2 * k_block + warpgroup`` of 64 rows; the postprocess's
-        ``wg_blocks`` undoes it). Default: each warpgroup stages both fragments in smem
-        (``staging``: dV's and dK's flat fp32 regions, one 64-row tile per warpgroup each; 128-bit
-        stores) and one thread adds each with one bulk reduce, where 64 ``red.v2`` per thread into
-        row-major sums took 8 sectors each and held the CTA's exit. Deterministic: ``red.v4`` from
-        registers in the KV head's turns (``mdKV_sem``)."""
-        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
-        wg_tidx = tidx % _WG_THREADS
-        wg_elems = 64 * self.head_dim
-        block = k_block * (self.tile_n // 64) + wg_idx
-        if const_expr(self.deterministic):
-            semaphore_wait(mdKV_sem, k_block, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
-            red_add_tile(acc_dV, fragment_accum(mdVaccum, wg_elems, _WG_THREADS, block, wg_tidx, 4), 4)
-            red_add_tile(acc_dK, fragment_accum(mdKaccum, wg_elems, _WG_THREADS, block, wg_tidx, 4), 4)
-            semaphore_signal(mdKV_sem, k_block, tidx, int(NamedBarrierBwd.SEMAPHORE), self.num_mma_threads)
-        else:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-            for acc, sX in ((acc_dV, staging[0]), (acc_dK, staging[1])):
-                tXsX = fragment_accum(sX, wg_elems, _WG_THREADS, wg_idx, wg_tidx, 4)
-                cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(tXsX.shape)), tXsX)
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
-            if wg_tidx == 0:
-                for mX, sX in ((mdVaccum, staging[0]), (mdKaccum, staging[1])):
-                    bulk_reduce_add_f32(mX.iterator + block * wg_elems, sX.iterator + wg_idx * wg_elems, wg_elems * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits
