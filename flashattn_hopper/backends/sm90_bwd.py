@@ -157,7 +157,8 @@ class BwdSm90(BwdSm80):
         t = self.tiles[hdim] if main is None else main
         dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                         num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,
-                        dq_wgmma="transposed" if t.dq_transposed else "rows" if t.dq_split_rows else "cols")
+                        dq_wgmma="transposed" if t.dq_transposed else "rows" if t.dq_split_rows else "cols",
+                        wg_blocks=True)
         if t.tile_n == 128:
             kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=128,
                             num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k, dq_red_vec=4,

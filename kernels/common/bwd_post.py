@@ -66,8 +66,8 @@ class FlashBwdPostprocess:
             reason = (f"wgmma_split ({wgmma_split!r}) is 'rows' (tile_m 128), 'cols' (tile_m 64) or 'transposed' "
                       f"(tile_m 80, head_dim 128), with 256 threads, vec 4 and no atom_m; got tile_m {tile_m}, "
                       f"head_dim {head_dim}, {num_threads} threads, vec {vec}, atom_m {atom_m}")
-        if wg_blocks and wgmma_split != "rows":
-            reason = f"wg_blocks (each warpgroup's 64 rows a fragment block) needs wgmma_split 'rows', got {wgmma_split!r}"
+        if wg_blocks and wgmma_split is None:
+            reason = "wg_blocks (each warpgroup's part of a tile a fragment block) needs an sm90 wgmma_split"
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype

@@ -87,7 +87,8 @@ class FlashBwdSm90(FlashBwdSm90Store):
         dS^T = P^T (dP^T - dPsum); dS^T -> sdS[stage] (stmatrix); fence;
         barrier DS_READY (both warpgroups' dS); issue dQ = dS K (this warpgroup's half of
         head_dim, or of the rows); issue dK += dS^T Q (A = dS^T registers); wait dV, dQ;
-        release dO; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL; wait dK; release Q
+        release dO; [bar DQ_EMPTY + wg]; dQ -> its part of sdQ; fence; arrive DQ_FULL + wg; wait dK;
+        release Q
 
     With softcap the exp2 pass waits for dP^T first (its tanh' is folded into dP^T - dPsum while S^T
     is live), and dV is issued after dS^T is formed.
@@ -102,14 +103,15 @@ class FlashBwdSm90(FlashBwdSm90Store):
     rows as a WGMMA's M, so the warpgroups compute dQ^T = K^T dS^T (64 head-dim rows each, N = 80)
     and the postprocess transposes it back (its scratch rows padded to multiples of 640).
 
-    dQ writer warp, per m_block: bar DQ_FULL; [wait for this key block's turn]; lane 0 issues one
-    bulk reduce-add (``cp.reduce.async.bulk ... add.f32``) of the whole sdQ tile into the fp32
-    accumulator's tile, both in the dQ MMA's fragment order (4 values per thread side by side: the
-    MMA threads store it with conflict-free 128-bit stores; the postprocess undoes the order);
-    waits until it has read sdQ; arrive DQ_EMPTY [deterministic: then waits until it is done in L2
-    and passes the turn]. The MMA warpgroups never wait on global memory for dQ, nor on the
-    turns: with one sdQ buffer they wait only for the TMA unit to have read the previous block's
-    tile (and for the writer to have reached that block's turn).
+    dQ writer warp, per m_block: [after the first: for each warpgroup k, wait until the previous
+    block's add of its part has read sdQ, arrive DQ_EMPTY + k]; [wait for this key block's turn];
+    for each warpgroup k: bar DQ_FULL + k (its 128 threads and the writer), lane 0 issues one bulk
+    reduce-add (``cp.reduce.async.bulk ... add.f32``) of its part of sdQ into the fp32 accumulator's
+    tile, each part in the warpgroup's own dQ fragment order (4 values per thread side by side:
+    conflict-free 128-bit stores; the postprocess undoes it, ``wg_blocks``) [deterministic: waits
+    until both are done in L2 and passes the turn]. The two warpgroups meet once per block
+    (DS_READY), not again at the dQ hand-off, and never wait on global memory for dQ nor on the
+    turns: each waits only for the TMA unit to have read its part of the previous block's tile.
 
     sdS has two stages: a warpgroup writes block j+1's dS while the other may still read block
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
@@ -173,7 +175,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
         self.ds_from_p16 = tile_m == 80
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
-        self.dq_sync_threads = self.num_mma_wg * _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY: MMA threads + writer
+        self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
         self.pds_stages = 2  # sdSt buffers (bwd_wide.py adds two for P^T)
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS

@@ -31,9 +31,9 @@ class NamedBarrierBwd(enum.IntEnum):
     SEMAPHORE = 2  # all MMA threads: deterministic turns (common/bwd_utils.py)
     EPILOGUE = 3  # all MMA threads: no WGMMA reads sK/sV any more
     EPILOGUE_WG1 = 4  # warpgroup k on id + k: its rows of the dK/dV staging tile are written
-    DQ_FULL = 6  # MMA threads arrive, the dQ writer warp syncs: this m_block's dQ is in sdQ
-    DQ_EMPTY = 7  # the dQ writer arrives, MMA threads sync: its reduce-adds have read sdQ
+    DQ_FULL = 6  # warpgroup k on id + k (and the writer): its half of this m_block's dQ is in sdQ
     DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
+    DQ_EMPTY = 9  # warpgroup k on id + k (and the writer): the reduce-add of its half has read sdQ
 
 
 class FlashBwdSm90Store:
@@ -47,17 +47,20 @@ class FlashBwdSm90Store:
         store covers 512 contiguous bytes (4 wavefronts, no bank conflicts; the C layout's 64-bit
         stores into a swizzled row-major tile took 4 wavefronts for 256 bytes), and the writer adds
         the whole tile with one bulk reduce."""
-        return fragment_accum(sdQ, self.tile_m * self.head_dim, self.num_mma_threads, Int32(0), tidx, 4)
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        return fragment_accum(sdQ, self.tile_m * self.head_dim // self.num_mma_wg, _WG_THREADS, wg_idx,
+                              tidx % _WG_THREADS, 4)
 
     @cute.jit
     def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean):
         """This block's dQ -> sdQ once the writer's last reduce-add has read it (``after_first``:
         there was one), then tell the writer."""
+        wg_idx = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - _WG_THREADS) // _WG_THREADS)
         if after_first:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg_idx, number_of_threads=self.dq_sync_threads)
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg_idx, number_of_threads=self.dq_sync_threads)
 
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
@@ -74,39 +77,51 @@ class FlashBwdSm90Store:
         per-query dS sums, which take the slot's sums in the same step (and turn)."""
         lane = cute.arch.lane_idx()
         tile_elems = self.tile_m * self.head_dim
+        half = tile_elems // self.num_mma_wg  # each warpgroup's part of sdQ (``dq_staging``)
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL), number_of_threads=self.dq_sync_threads)
+            if m_block > m_block_min:
+                # Hand each warpgroup its part back once the previous block's add of it has read it
+                # (bulk groups complete in order: part k's before part k + 1's).
+                for wg in cutlass.range_constexpr(self.num_mma_wg):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
+                    cute.arch.sync_warp()
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg,
+                                             number_of_threads=self.dq_sync_threads)
             if const_expr(self.deterministic):
                 turn = n_block
                 if const_expr(self.is_causal or self.is_local):
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
-            # One lane issues the add and owns its bulk group (commit and waits are per thread).
-            if lane == 0:
-                bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems, sdQ.iterator, tile_elems * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ has been read
+            # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
+            # groups (commit and waits are per thread).
+            for wg in cutlass.range_constexpr(self.num_mma_wg):
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
+                if lane == 0:
+                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
+                                        half * 4)
+                    cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.has_gate):
                 bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
                                         seqlen.seqlen_q)
             cute.arch.sync_warp()
-            if m_block < m_block_max - 1:  # the MMA warpgroups wait for this before their next dQ
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY), number_of_threads=self.dq_sync_threads)
             if const_expr(self.deterministic):
-                # sdQ is handed back first: the MMA warpgroups store their next dQ while this warp
-                # waits for the add to land and for the next block's turn.
+                # The MMA warpgroups store their next dQ while this warp waits for the adds to land
+                # and for the next block's turn.
                 if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the add is done in L2
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in L2
                     cute.arch.fence_proxy("async.global")
                 cute.arch.sync_warp()
                 semaphore_signal(
                     mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
                 )
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
 
     # ------------------------------------------------------------------ epilogues
 
