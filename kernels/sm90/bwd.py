@@ -93,9 +93,12 @@ class FlashBwdSm90(FlashBwdSm90Store):
     With softcap the exp2 pass waits for dP^T first (its tanh' is folded into dP^T - dPsum while S^T
     is live), and dV is issued after dS^T is formed.
 
-    At tile_m 128 (``dp_after_p``; softcap refused) the first line is instead: wait Q; S^T = K Q^T;
-    wait S; mask, P^T = exp2(...) in 16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait
-    both; dS^T = P^T (dP^T - dPsum): S^T's and dP^T's fp32 tiles are never live at once.
+    At tile_m 128 (hdim 64; softcap refused) and 80 (``ds_from_p16``), dP^T still runs under the exp2
+    pass, but dS^T is formed from the 16-bit P^T (fp32 P^T beside both tiles serialized every WGMMA),
+    and dV, whose A operand those registers are, is issued only after that. With the gate at tile_m 128
+    (``dp_after_p``) the first line is instead: wait Q; S^T = K Q^T; wait S; mask, P^T = exp2(...) in
+    16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait both; dS^T = P^T (dP^T - dPsum):
+    S^T's and dP^T's fp32 tiles are never live at once.
 
     At tile_m 80 (``dq_transposed``: hdim 128, dense; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_80``) S^T and dP^T are
     m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
@@ -164,15 +167,14 @@ class FlashBwdSm90(FlashBwdSm90Store):
         # M is 64 per warpgroup, so 80 query rows cannot be dQ's M; the kernel computes dQ^T = K^T dS^T
         # (M = head_dim, 64 per warpgroup; N = 80 queries) and the postprocess transposes it back.
         self.dq_transposed = dq_transposed
-        # tile_m 128: S^T and dP^T are 64 registers each per thread; with both in flight beside dK + dV
-        # ptxas serialized every WGMMA (C7512) and spilled. There dP^T is issued only once P^T is
-        # formed (16-bit, the dV GEMM's A operand), S^T's registers are free, and dS^T is formed
-        # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next).
-        self.dp_after_p = tile_m == 128
-        # tile_m 80: S^T and dP^T (40 registers each) stay in flight together, but fp32 P^T is not kept
-        # for dS^T beside them (228 live registers: ptxas serialized every WGMMA and spilled): dS^T is
-        # formed from the 16-bit P^T before dV, whose A operand it is, is issued.
-        self.ds_from_p16 = tile_m == 80
+        # tile_m 80 and 128: S^T and dP^T (40 / 64 registers each) stay in flight together, but fp32
+        # P^T is not kept for dS^T beside them (ptxas serialized every WGMMA and spilled): dS^T is formed
+        # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next) before
+        # dV, whose A operand it is, is issued.
+        self.ds_from_p16 = tile_m in (80, 128)
+        # The gate at tile_m 128 (its key bias and dG sums beside both in-flight tiles spilled): dP^T is
+        # issued only once P^T is formed in 16 bits, so the two fp32 tiles are never live together.
+        self.dp_after_p = tile_m == 128 and has_gate
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
