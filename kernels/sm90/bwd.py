@@ -83,8 +83,8 @@ class FlashBwdSm90(FlashBwdSm90Store):
     Per m_block, each MMA warpgroup (its 64 keys)::
 
         wait Q; issue S^T = K Q^T; wait dO; issue dP^T = V dO^T; wait S; mask,
-        P^T = exp2(S^T * scale_log2 - LSE); issue dV += P^T dO (A = P^T registers); wait dP;
-        dS^T = P^T (dP^T - dPsum); dS^T -> sdS[stage] (stmatrix); fence;
+        P^T = exp2(S^T * scale_log2 - LSE); wait dP; dS^T = P^T (dP^T - dPsum); issue dV += P^T dO
+        (A = P^T registers); dS^T -> sdS[stage] (stmatrix); fence;
         barrier DS_READY (both warpgroups' dS); issue dQ = dS K (this warpgroup's half of
         head_dim, or of the rows); issue dK += dS^T Q (A = dS^T registers); wait dV, dQ;
         release dO; [bar DQ_EMPTY + wg]; dQ -> its part of sdQ; fence; arrive DQ_FULL + wg; wait dK;
@@ -93,9 +93,8 @@ class FlashBwdSm90(FlashBwdSm90Store):
     With softcap the exp2 pass waits for dP^T first (its tanh' is folded into dP^T - dPsum while S^T
     is live), and dV is issued after dS^T is formed.
 
-    At tile_m 128 (hdim 64; softcap refused) and 80 (``ds_from_p16``), dP^T still runs under the exp2
-    pass, but dS^T is formed from the 16-bit P^T (fp32 P^T beside both tiles serialized every WGMMA),
-    and dV, whose A operand those registers are, is issued only after that. With the gate at tile_m 128
+    At tile_m 128 (hdim 64; softcap refused) and 80 (``ds_from_p16``), dS^T is formed from the 16-bit
+    P^T (fp32 P^T beside both in-flight tiles serialized every WGMMA). With the gate at tile_m 128
     (``dp_after_p``) the first line is instead: wait Q; S^T = K Q^T; wait S; mask, P^T = exp2(...) in
     16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait both; dS^T = P^T (dP^T - dPsum):
     S^T's and dP^T's fp32 tiles are never live at once.
@@ -726,22 +725,14 @@ class FlashBwdSm90(FlashBwdSm90Store):
                 else:
                     warpgroup.wait_group(1)  # S^T has landed
                     self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
-                    # dV is issued before dP^T is waited for: ptxas keeps WGMMA issues and waits in
-                    # order, so every exp2 stays ahead of the dP^T wait and runs under that GEMM
-                    # (with the wait first, it moved most of them below it).
                     rP = convert_to_16bit(acc_S, self.dtype)
                     tdVrP.store(acc_to_frag_a_sm90(rP).load())
-                    if const_expr(self.ds_from_p16):
-                        # dS^T from the 16-bit P^T before dV is issued (no WGMMA reads those registers
-                        # yet); dV then runs under the dS^T store and the DS_READY barrier.
-                        warpgroup.wait_group(0)  # dP^T has landed
-                        self.ds_from_probs(rP, acc_dP, sdPsum, tScS_mn, stage)
-                        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
-                              wg_wait=-1)
-                    else:
-                        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False,
-                              wg_wait=1)
-                        self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                    # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
+                    # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
+                    # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
+                    warpgroup.wait_group(0)  # dP^T has landed
+                    self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
