@@ -1,0 +1,69 @@
+"""Kernel time per backward call of our sm90 backward, by kernel, under torch.profiler (not a test).
+
+    python perf/prof_bwd.py [--hdims 64 128] [--seqlens 1024 4096 16384] [--causal off on]
+                            [--group G] [--calls 20]
+
+Prints one line per shape: the sum of all kernels' time per call and the main kernel's (the longest).
+It is how two source trees are compared (perf/NOTES.md, session 24): run it once per tree on the same
+GPU machine in one call, alternating the trees over a few rounds, e.g.
+
+    for r in 1 2 3; do for tree in $PWD .device/other_tree; do
+        PYTHONPATH=$tree:$PYTHONPATH FLASHATTN_HOPPER_CACHE_DIR=/tmp/cache_$(basename $tree) \\
+            python perf/prof_bwd.py --hdims 128; done; done
+
+(a tree that is not the installed checkout must be first on the path with the editable install's finder
+out of the way, or the package not installed). Unlike ``bench_bwd.py``'s wall-clock medians it reads the
+kernels' own durations, so the host's Python time (which varies up to 2x between hosts) does not enter.
+Sizes as in the FA3 paper: bf16, 16k tokens, nheads * hdim = 2048, ``--group`` query heads per kv head.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashattn_hopper import flash_attn_func
+
+
+def kernel_times(fn, calls: int) -> list[tuple[float, str]]:
+    """(us per call, kernel name) of every kernel ``fn`` launches, longest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.device_time_total / calls, e.key) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, reverse=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--causal", choices=["off", "on"], nargs="+", default=["off", "on"])
+    ap.add_argument("--group", type=int, default=1, help="query heads per kv head")
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, bf16, group {args.group}, {args.calls} calls per shape")
+    for hdim in args.hdims:
+        for seqlen in args.seqlens:
+            for causal in (c == "on" for c in args.causal):
+                batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+                torch.manual_seed(0)
+                q, dout = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda")
+                           for _ in range(2))
+                k, v = (torch.randn(batch, seqlen, nheads // args.group, hdim, dtype=torch.bfloat16, device="cuda")
+                        for _ in range(2))
+                leaves = tuple(t.requires_grad_() for t in (q, k, v))
+                out = flash_attn_func(*leaves, causal=causal, backend="sm90")
+                rows = kernel_times(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), args.calls)
+                print(f"g{args.group} hdim{hdim} s{seqlen} c{int(causal)}: total {sum(t for t, _ in rows):.1f} "
+                      f"main {rows[0][0]:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
