@@ -71,8 +71,8 @@ class BwdPostKey(KernelKey):
     # "rows" / "cols": dQaccum in the fragment order of the sm90 kernels' dQ WGMMA, its warpgroups
     # splitting the tile by rows or by head-dim columns (kernels/common/bwd_utils.tiled_mma_dq_sm90)
     dq_wgmma: str = ""
-    # with dq_wgmma "rows": each warpgroup's 64 rows are a fragment block of their own (the sm90
-    # kernel's GQA dK/dV sums, kernels/sm90/bwd.py epilogue_gqa)
+    # with any dq_wgmma: each warpgroup's part of a tile is a fragment block of its own (the sm90
+    # kernel's dQ hand-off per warpgroup and its GQA dK/dV sums, kernels/sm90/bwd_store.py)
     wg_blocks: bool = False
 
 

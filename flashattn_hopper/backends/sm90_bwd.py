@@ -3,8 +3,8 @@
 
 The pre and post kernels, the scratch buffers, the deterministic semaphores and the launch sequence
 are the Ampere family's (``BwdSm80.backward``); the main kernel, its key and the postprocess's modes
-differ: dQaccum is in the fragment order of the dQ WGMMA, and the GQA dK/dV sums of the tile_n 128
-kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
+differ: dQaccum is in the fragment order of the dQ WGMMA, one block per warpgroup, and the GQA dK/dV
+sums of the tile_n 128 kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
 Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
 (192 and 256 on ``kernels/sm90/bwd_wide.py``); other problems run on the Ampere backward (dispatch
 falls back when this family cannot implement them).
@@ -48,7 +48,8 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
 # rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
-# 1k-4k. Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
+# 1k-4k; within +-2 % again in session 24, after which 64 x 128 gained 3-7 % (dV after dS^T).
+# Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
 BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 
 
@@ -151,9 +152,10 @@ class BwdSm90(BwdSm80):
     def _post_keys(self, arch: str, dtype: str, hdim: int, hdim_v: int, varlen: bool = False,
                    seqused_q: bool = False, seqused_k: bool = False,
                    main: KernelKey | None = None) -> tuple[BwdPostKey, BwdPostKey]:
-        """(dQ postprocess: dQaccum in the fragment order of the main kernel's dQ WGMMA, whose tile
-        ``main`` gives (None: the table's); GQA dK/dV postprocess: tile_n 128 (``sm90/bwd.py``) sums
-        in the dK/dV WGMMA's fragment order per warpgroup (``wg_blocks``), the wide kernel's row-major)."""
+        """(dQ postprocess: dQaccum in the fragment order of the main kernel's dQ WGMMA per warpgroup
+        (``wg_blocks``), whose tile ``main`` gives (None: the table's); GQA dK/dV postprocess: tile_n 128
+        (``sm90/bwd.py``) sums in the dK/dV WGMMA's fragment order per warpgroup (``wg_blocks``), the wide
+        kernel's row-major)."""
         t = self.tiles[hdim] if main is None else main
         dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                         num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,

@@ -10,12 +10,13 @@ Constraints: the accumulator is ``(batch, nheads, seqlen_padded * head_dim)`` fp
 - row-major ``(seqlen_padded, head_dim)`` per head (GQA dK/dV sums of the sm80 and wide sm90 kernels;
   no ``atom_m``, no ``wgmma_split``): an
   elementwise kernel, 128-bit fp32 loads, one FMUL and a paired cvt per two values, 64-bit stores;
-- MMA-fragment order per ``tile_m`` rows (dQ, and the sm90 kernel's GQA dK/dV sums with
-  ``wg_blocks``; ``atom_m`` given, or ``wgmma_split``): the CTA
-  rebuilds the main kernel's dQ tiled MMA (sm80: same ``tile_m``, ``num_threads``, ``atom_m``;
-  sm90: ``bwd_utils.tiled_mma_dq_sm90`` over 256 threads, warpgroups splitting ``"rows"`` or
-  ``"cols"``; the dK/dV WGMMA has the ``"rows"`` C layout), loads its fragment with coalesced loads, and writes 16-bit rows through a swizzled
-  smem tile (128-bit stores).
+- MMA-fragment order per ``tile_m`` rows (dQ, and the sm90 kernel's GQA dK/dV sums; ``atom_m``
+  given, or ``wgmma_split``): the CTA rebuilds the main kernel's dQ tiled MMA (sm80: same ``tile_m``,
+  ``num_threads``, ``atom_m``; sm90: ``bwd_utils.tiled_mma_dq_sm90`` over 256 threads, warpgroups
+  splitting ``"rows"`` or ``"cols"``, or the ``"transposed"`` dQ^T of tile_m 80; the dK/dV WGMMA has
+  the ``"rows"`` C layout), loads its fragment with coalesced loads, and writes 16-bit rows through a
+  swizzled smem tile (128-bit stores). With ``wg_blocks`` (every sm90 accumulator) each warpgroup's
+  part of a tile is a fragment block of its own (the sm90 kernel hands them over separately).
 
 Varlen (``cu_seqlens`` given): the output is ``(total, nheads, head_dim)``, the accumulator
 ``(1, nheads, rows * head_dim)`` at the per-sequence padded offsets (``bwd_utils``); the grid
