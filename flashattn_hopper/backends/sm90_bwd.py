@@ -174,7 +174,7 @@ class BwdSm90(BwdSm80):
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), the opt-in 80 x 128
         tile (dQ^T) and its postprocess, d64 causal,
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
-        the gate (d128 causal GQA; d64 causal GQA: dP^T issued after P^T there, ``dp_after_p``);
+        the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
         unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):

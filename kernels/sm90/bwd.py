@@ -95,9 +95,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
 
     At tile_m 128 (hdim 64; softcap refused) and 80 (``ds_from_p16``), dS^T is formed from the 16-bit
     P^T (fp32 P^T beside both in-flight tiles serialized every WGMMA). With the gate at tile_m 128
-    (``dp_after_p``) the first line is instead: wait Q; S^T = K Q^T; wait S; mask, P^T = exp2(...) in
-    16 bits; wait dO; issue dP^T = V dO^T and dV += P^T dO; wait both; dS^T = P^T (dP^T - dPsum):
-    S^T's and dP^T's fp32 tiles are never live at once.
+    (``dv_after_sums``), dV is issued after the dG sums are staged instead of right after dS^T.
 
     At tile_m 80 (``dq_transposed``: hdim 128, dense; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_80``) S^T and dP^T are
     m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
@@ -171,9 +169,9 @@ class FlashBwdSm90(FlashBwdSm90Store):
         # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next) before
         # dV, whose A operand it is, is issued.
         self.ds_from_p16 = tile_m in (80, 128)
-        # The gate at tile_m 128 (its key bias and dG sums beside both in-flight tiles spilled): dP^T is
-        # issued only once P^T is formed in 16 bits, so the two fp32 tiles are never live together.
-        self.dp_after_p = tile_m == 128 and has_gate
+        # The gate at tile_m 128: dV waits until the dG sums are staged (with dV issued right after dS^T,
+        # its pinned P^T beside the sums spilled 2 registers). (At tile_m 64 that order spilled 31.)
+        self.dv_after_sums = tile_m == 128 and has_gate
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -692,46 +690,28 @@ class FlashBwdSm90(FlashBwdSm90Store):
             pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
             wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            if const_expr(self.dp_after_p):
-                # S^T -> P^T (16-bit) first; only then dP^T, so the two fp32 tiles are never live together.
-                warpgroup.wait_group(0)  # S^T has landed
+            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+            if const_expr(self.has_softcap):
+                self.probs_and_ds(
+                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                    softcap_scale,
+                )
+                # dV += P^T dO with P^T straight from registers.
+                tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            else:
+                warpgroup.wait_group(1)  # S^T has landed
                 self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
-                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-                acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-                # dV += P^T dO behind dP^T. Both land before dS^T reads P^T: P^T's registers are the dV
-                # GEMM's A operand, which PTX forbids accessing while that WGMMA is in flight.
-                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                warpgroup.wait_group(0)
-                acc_dP_mn, rP_mn = acc_rows_cols(acc_dP), acc_rows_cols(rP)
-                for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
-                    dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
-                        acc_dP_mn[r, c] = rP_mn[r, c].to(Float32) * (acc_dP_mn[r, c] - dpsum)
-            else:
-                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-                acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
-                if const_expr(self.has_softcap):
-                    self.probs_and_ds(
-                        acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
-                        softcap_scale,
-                    )
-                    # dV += P^T dO with P^T straight from registers.
-                    tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                else:
-                    warpgroup.wait_group(1)  # S^T has landed
-                    self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
-                    rP = convert_to_16bit(acc_S, self.dtype)
-                    tdVrP.store(acc_to_frag_a_sm90(rP).load())
-                    # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
-                    # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
-                    # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
-                    warpgroup.wait_group(0)  # dP^T has landed
-                    self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
+                # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
+                # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
+                warpgroup.wait_group(0)  # dP^T has landed
+                self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
@@ -739,6 +719,8 @@ class FlashBwdSm90(FlashBwdSm90Store):
                 # staged at once; two slots by block parity, as sdSt: the writer read block j's
                 # before the DQ_EMPTY this block's dq_to_smem(j + 1) waited for.
                 bwd_gate.stage_sums(rdS, key_sums, sQuerySums, ds_stage, tidx // 32, self.tile_m)
+                if const_expr(self.dv_after_sums):
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
             # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
