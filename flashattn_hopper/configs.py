@@ -339,6 +339,14 @@ BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
 }
 
 
+def bwd_pdl(arch: str) -> bool:
+    """Whether the backward's preprocess, sm90 main kernel and postprocess are chained by programmatic
+    dependent launch (sm_90 targets: ``griddepcontrol``): each is launched while its predecessor in the
+    stream finishes and waits in the kernel (``griddepcontrol.wait``) before reading what that one
+    wrote, so the launch latency and the prologue between them overlap the predecessor's tail."""
+    return arch.startswith("sm_90")
+
+
 def bwd_dq_red_vec(arch: str) -> int:
     """fp32 values per dQ reduce-add of the sm80 backward (kernels/sm80/bwd.py): 4 on sm_90 targets,
     where PTX has ``red.global.add.v4.f32``, 1 on sm_80. Why: on an H100 (ncu, hdim 64, 16k,

@@ -339,7 +339,8 @@ class BwdSm80:
 
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
-                dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v
+                dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
+                pdl=configs.bwd_pdl(pre.arch),
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
@@ -354,7 +355,7 @@ class BwdSm80:
             pk: BwdPostKey = key  # type: ignore[assignment]
             kernel = FlashBwdPostprocess(
                 dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec,
-                wgmma_split=pk.dq_wgmma or None, wg_blocks=pk.wg_blocks,
+                wgmma_split=pk.dq_wgmma or None, wg_blocks=pk.wg_blocks, pdl=configs.bwd_pdl(pk.arch),
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))

@@ -54,7 +54,7 @@ class FlashBwdPostprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
                  num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None,
-                 wg_blocks: bool = False):
+                 wg_blocks: bool = False, pdl: bool = False):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, 640 if wgmma_split == "transposed" else SEQ_PAD)
         fragment = atom_m is not None or wgmma_split is not None
         if vec not in (1, 4) or (vec != 1 and not fragment):
@@ -84,6 +84,9 @@ class FlashBwdPostprocess:
         # sm90 GQA dK/dV sums (sm90/bwd.py ``epilogue_gqa``): each warpgroup's 64 rows of a tile are a
         # fragment block of its own (128 threads), not one block over both warpgroups' 256 threads.
         self.wg_blocks = wg_blocks
+        # sm_90 (``configs.bwd_pdl``): launched as a programmatic dependent of the main kernel, waiting
+        # in the kernel for its accumulator, so the launch overlaps the main kernel's last CTAs.
+        self.pdl = pdl
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, pad: int = SEQ_PAD) -> str | None:
@@ -123,6 +126,7 @@ class FlashBwdPostprocess:
             grid=grid, block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes() if const_expr(self.fragment) else 0,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     def _smem_layout(self):
@@ -146,6 +150,8 @@ class FlashBwdPostprocess:
         mSeqUsed: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the main kernel's accumulator is complete
         block_x, head_idx, block_z = cute.arch.block_idx()
         if const_expr(mCuSeqlens is not None):
             batch_idx, m_block = varlen_tile_coord(

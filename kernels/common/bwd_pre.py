@@ -44,8 +44,11 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
-                 num_threads: int = 128, head_dim_v: int | None = None):
-        """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``)."""
+                 num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False):
+        """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``). ``pdl``
+        (sm_90 only): launched as a programmatic dependent of the stream's previous kernel, it waits
+        for that one before reading O, dO and LSE, and lets the main kernel launch once its loads
+        are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if reason is not None:
@@ -55,6 +58,7 @@ class FlashBwdPreprocess:
         self.head_dim_v = head_dim_v
         self.tile_m = tile_m
         self.num_threads = num_threads
+        self.pdl = pdl
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
@@ -96,7 +100,7 @@ class FlashBwdPreprocess:
             grid = [mLSE_log2.shape[2] // self.tile_m, mO.shape[2], num_batch]
         self.kernel(
             mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(
@@ -112,6 +116,8 @@ class FlashBwdPreprocess:
         mSeqUsedQ: cute.Tensor | None,
     ):
         block_x, head_idx, block_z = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # O, dO and LSE are the previous kernels' outputs
         if const_expr(mCuSeqlensQ is not None):
             batch_idx, m_block = varlen_tile_coord(
                 block_x, num_batch, self.tile_m, mCuSeqlensQ, mSeqUsedQ
@@ -183,6 +189,10 @@ class FlashBwdPreprocess:
                 if t0OcO[0, m, 0][0] < row_bound:
                     rLSE[m] = mLSE_cur[m_block * self.tile_m + tOcO[0, m, 0][0]]
 
+        if const_expr(self.pdl):
+            # The loads are issued: the main kernel may launch (its prologue and K/V loads overlap
+            # this kernel's tail; it waits for our outputs before reading them).
+            cute.arch.griddepcontrol_launch_dependents()
         prod = cute.make_rmem_tensor_like(rO, Float32)
         prod.store(rO.load().to(Float32) * rdO.load().to(Float32))
         threads_per_row = copy_threads_per_row(self.head_dim_v, 8, self.num_threads)

@@ -390,6 +390,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=True,  # a programmatic dependent of the preprocess (``configs.bwd_pdl``)
         )
 
     # ------------------------------------------------------------------ device code
@@ -435,6 +436,9 @@ class FlashBwdSm90(FlashBwdSm90Store):
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # The postprocess (a programmatic dependent: it waits for this grid to complete) may launch once
+        # every CTA of this grid has started: its launch then overlaps the last wave.
+        cute.arch.griddepcontrol_launch_dependents()
         atoms = (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum)
         if warp_idx == 0:
             for atom in atoms:
@@ -605,6 +609,10 @@ class FlashBwdSm90(FlashBwdSm90Store):
                 atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
             )
             block_offset = row_offset_q // self.tile_m
+            # Launched as the preprocess's programmatic dependent: LSE_log2 and dPsum (and the zeroed
+            # dQaccum the writer adds into) are complete only past this wait. K, V, Q and dO were
+            # written before the preprocess started.
+            cute.arch.griddepcontrol_wait()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 pipe_q.producer_acquire(state)

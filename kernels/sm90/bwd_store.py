@@ -76,6 +76,7 @@ class FlashBwdSm90Store:
         (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
         per-query dS sums, which take the slot's sums in the same step (and turn)."""
         lane = cute.arch.lane_idx()
+        cute.arch.griddepcontrol_wait()  # the preprocess zeroed dQaccum (``load``'s wait)
         tile_elems = self.tile_m * self.head_dim
         half = tile_elems // self.num_mma_wg  # each warpgroup's part of sdQ (``dq_staging``)
         window_l = window_left if const_expr(self.is_local) else None
