@@ -89,8 +89,9 @@ def walk(instrs, labels, lo: int, hi: int, take_split: bool) -> list[tuple[int, 
                 i = target if take_split else i + 1
                 continue
             if instrs[i + 1][2].startswith("SYNCS.PHASECHK") or instrs[i - 1][2].startswith("SYNCS.PHASECHK"):
-                # try-wait: succeeded (skip the retry block) or the retry loop's exit (not reached)
-                i = target if not instrs[i - 1][2].startswith("SYNCS.PHASECHK") else i + 1
+                # next to a try-wait: ``@P`` is its success (skip the retry block), ``@!P`` the retry
+                # loop's exit (fall through; a second inline try-wait, as FA4 issues, is not a retry)
+                i = i + 1 if pred.startswith("@!") else target
                 continue
             i += 1  # another forward branch: assume not taken
             continue
