@@ -4,12 +4,10 @@
                             [--group G] [--calls 20]
 
 Prints one line per shape: the sum of all kernels' time per call and the main kernel's (the longest).
-It is how two source trees are compared (perf/NOTES.md, session 24): run it once per tree on the same
-GPU machine in one call, alternating the trees over a few rounds, e.g.
+It is how source trees are compared (perf/NOTES.md, sessions 24-25): once per tree on the same GPU
+machine in one call, the trees alternated over a few rounds, which ``perf/ab_trees.py`` does:
 
-    for r in 1 2 3; do for tree in $PWD .device/other_tree; do
-        PYTHONPATH=$tree:$PYTHONPATH FLASHATTN_HOPPER_CACHE_DIR=/tmp/cache_$(basename $tree) \\
-            python perf/prof_bwd.py --hdims 128; done; done
+    python perf/ab_trees.py --tree base=. --tree new=.device/new -- perf/prof_bwd.py --hdims 64 128
 
 (a tree that is not the installed checkout must be first on the path with the editable install's finder
 out of the way, or the package not installed). Unlike ``bench_bwd.py``'s wall-clock medians it reads the
