@@ -117,6 +117,11 @@ class FlashBwdSm90(FlashBwdSm90Store):
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
     Epilogue: MHA: dK * scale and dV to 16 bits, through sK/sV (stmatrix) to predicated 128-bit
     row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
+
+    Launch: a programmatic dependent of the preprocess (``configs.bwd_pdl``): every CTA lets the
+    postprocess launch at its start; the producer issues K and V, then waits for the preprocess
+    (``griddepcontrol.wait``) before the first LSE/dPsum (and Q/dO) loads, the dQ writer before its
+    first reduce-add into the zeroed accumulator.
     """
 
     def __init__(
