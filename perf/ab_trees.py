@@ -35,10 +35,20 @@ def tree_env(tree: Path, name: str) -> dict[str, str]:
     return env
 
 
-def run(tree: Path, name: str, script: list[str], metric: str, log: list[str]) -> dict[str, float]:
-    done = subprocess.run([sys.executable, *script], env=tree_env(tree, name), capture_output=True, text=True)
-    log.append(f"== {name} rc={done.returncode}\n{done.stdout}{done.stderr[-2000:] if done.returncode else ''}")
-    return parse(done.stdout, metric)
+def run(tree: Path, name: str, script: list[str], metric: str, log: list[str], timeout: float) -> dict[str, float]:
+    """One run of the script against ``tree``; its values are printed at once (``# name label value``), so a
+    call cut short still leaves the rounds done so far."""
+    try:
+        done = subprocess.run([sys.executable, *script], env=tree_env(tree, name), capture_output=True, text=True,
+                              timeout=timeout)
+        out, rc, err = done.stdout, done.returncode, done.stderr
+    except subprocess.TimeoutExpired as e:
+        out, rc, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout", ""
+    log.append(f"== {name} rc={rc}\n{out}{err[-2000:] if rc != 0 else ''}")
+    values = parse(out, metric)
+    for label, value in values.items():
+        print(f"# {name} | {label} | {value:.1f}", flush=True)
+    return values
 
 
 def parse(text: str, metric: str) -> dict[str, float]:
@@ -59,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--metric", default="main", help="the value's name in the script's lines")
     ap.add_argument("--no-warm", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per run of the script")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not script:
         ap.error("give the timing script after --")
@@ -68,11 +79,14 @@ def main() -> None:
         procs = [subprocess.Popen([sys.executable, *script], env=tree_env(tree, name), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL) for name, tree in trees]
         for p in procs:
-            p.wait()
+            try:
+                p.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
     results: dict[str, dict[str, list[float]]] = {name: {} for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            for label, value in run(tree, name, script, args.metric, log).items():
+            for label, value in run(tree, name, script, args.metric, log, args.timeout).items():
                 results[name].setdefault(label, []).append(value)
     base = trees[0][0]
     labels = list(results[base])
