@@ -81,8 +81,9 @@ class FlashBwdPostprocess:
         # (``bwd_utils.tiled_mma_dqt_sm90``, warpgroups along head_dim), written back transposed
         self.wgmma_split = wgmma_split
         self.fragment = fragment
-        # sm90 GQA dK/dV sums (sm90/bwd.py ``epilogue_gqa``): each warpgroup's 64 rows of a tile are a
-        # fragment block of its own (128 threads), not one block over both warpgroups' 256 threads.
+        # sm90 accumulators (dQ, whose parts the writer adds per warpgroup, and the GQA dK/dV sums of
+        # ``epilogue_gqa``): each warpgroup's part of a tile is a fragment block of its own (128
+        # threads), not one block over both warpgroups' 256 threads.
         self.wg_blocks = wg_blocks
         # sm_90 (``configs.bwd_pdl``): launched as a programmatic dependent of the main kernel, waiting
         # in the kernel for its accumulator, so the launch overlaps the main kernel's last CTAs.

@@ -43,10 +43,10 @@ class FlashBwdSm90Store:
 
     def dq_staging(self, sdQ, tidx: Int32):
         """This thread's view of sdQ: its dQ fragment in the MMA-fragment order of ``bwd_utils``
-        (``fragment_accum``, 4 values side by side), which the postprocess undoes. A warp's 128-bit
-        store covers 512 contiguous bytes (4 wavefronts, no bank conflicts; the C layout's 64-bit
-        stores into a swizzled row-major tile took 4 wavefronts for 256 bytes), and the writer adds
-        the whole tile with one bulk reduce."""
+        (``fragment_accum``, 4 values side by side) within its warpgroup's part of the tile, which the
+        postprocess undoes (``wg_blocks``). A warp's 128-bit store covers 512 contiguous bytes (4
+        wavefronts, no bank conflicts; the C layout's 64-bit stores into a swizzled row-major tile took
+        4 wavefronts for 256 bytes), and the writer adds each warpgroup's part with one bulk reduce."""
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         return fragment_accum(sdQ, self.tile_m * self.head_dim // self.num_mma_wg, _WG_THREADS, wg_idx,
                               tidx % _WG_THREADS, 4)
