@@ -298,9 +298,9 @@ class FwdSm90(FwdLauncher):
                 extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
             )
         gate = None
-        from ..kernels.sm90.fwd_budget import GATE_K, gate_in_gemm
+        from ..kernels.sm90.fwd_budget import GATE_K
 
-        if key.gate and not gate_in_gemm(key.head_dim):  # (batch, nheads, seqlen_k) | varlen (nheads, total_k)
+        if key.gate and not gate_slice(key):  # (batch, nheads, seqlen_k) | varlen (nheads, total_k)
             import cutlass.cute as cute
 
             gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)), stride_divisibility=4)
@@ -336,19 +336,27 @@ class FwdSm90(FwdLauncher):
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
         ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``; the kernel takes it as K's extra
-        k16 slice (``gate_k_slice``) up to head dim 128 (``fwd_budget.gate_in_gemm``), else as fp32 rows a
+        k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
         TMA reads (``aligned_rows``). No softcap; a non-empty problem.
         The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
         combinations the gate's tests run)."""
         _, key = self.variant_key(p, varlen, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
-        from ..kernels.sm90.fwd_budget import gate_in_gemm
-
         bias = bias.to(device=q.device)
-        gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_in_gemm(key.head_dim) else aligned_rows(bias)
+        gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_slice(key) else aligned_rows(bias)
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
+
+
+def gate_slice(key: FwdSm90Key) -> bool:
+    """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
+    ``fwd_budget.gate_in_gemm`` with the own sO and Q ring ``FlashFwdSm90`` derives from the key (16-bit,
+    one K/V ring: the gate has no spanning tiles)."""
+    from ..kernels.sm90.fwd_budget import gate_in_gemm
+
+    own_sO = key.persistent or key.head_dim_v > key.head_dim
+    return gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
 
 
 def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:

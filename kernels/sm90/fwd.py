@@ -198,7 +198,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # aligned: TMA boxes of each K block's keys land in K's stage, sGate; varlen boxes start at the
         # 16-byte boundary before the block, fwd_load ``_gate_view``), added per score.
         self.has_gate = has_gate
-        self.gate_in_gemm = has_gate and gate_in_gemm(head_dim)
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -240,10 +239,17 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         self.section_l2_mb = section_l2_mb
         # A v head dim above q's needs its own sO in any case: sQ's buffer is too small, and a
         # warpgroup's O rows would land on the next warpgroup's Q rows while it may still read them.
+        own_sO = persistent or head_dim_v > head_dim or self.o_dtype is not dtype
+        # The gate's bias through the QK^T GEMM where its slice fits beside this configuration's buffers
+        # (the launcher decides the same way, from the key: it builds the slice or the fp32 rows).
+        self.gate_in_gemm = has_gate and gate_in_gemm(
+            dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, own_sO, q_stages
+        )
         self.o_aliases_q = not (
-            (persistent or head_dim_v > head_dim or self.o_dtype is not dtype)
+            own_sO
             and self._smem_bytes(
-                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages, has_gate
+                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages, has_gate,
+                self.gate_in_gemm,
             )
             <= _SMEM_CAPACITY
         )
@@ -329,8 +335,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             )
         rings = 2 if span_heads else 1
         own_sO = head_dim_v > head_dim  # sO cannot share sQ's buffer
+        elem = dtype.width // 8
+        gate_slice = has_gate and gate_in_gemm(elem, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO, 1)
         smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO,
-                                        gate=has_gate)
+                                        gate=has_gate, gate_slice=gate_slice)
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.seqlen import SeqlenInfo
 from ..common.utils import select_head
-from .fwd_budget import GATE_BOX_SLACK, GATE_K, GATE_PARTS, gate_in_gemm
+from .fwd_budget import GATE_BOX_SLACK, GATE_K, GATE_PARTS
 from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
@@ -39,7 +39,7 @@ class FwdSm90Load:
         stages; each K block's keys' bias goes into K's stage with K's barrier. With the bias in the
         GEMM (``gate_in_gemm``): K's extra k16 slice's coordinates ``(s_k | total_k, GATE_K, nheads[,
         batch])``, its stages sKx and sQx, which this warp fills once before its first Q load."""
-        in_gemm = const_expr(gate is not None and gate_in_gemm(self.head_dim))
+        in_gemm = const_expr(gate is not None and self.gate_in_gemm)
         if const_expr(in_gemm):
             self._fill_gate_q(gate[2])
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
@@ -113,7 +113,7 @@ class FwdSm90Load:
         load_k = (atoms.k, tKgK, tKsK, pipes.k)
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
         k_beside = None  # has_gate: the bias of K's keys (or K's extra k16 slice), into K's stage
-        if const_expr(gate is not None and gate_in_gemm(self.head_dim)):
+        if const_expr(gate is not None and self.gate_in_gemm):
             gG = cute.local_tile(gate[0], (self.tile_n, GATE_K), (None, 0))
             tGsG, tGgG = cpasync.tma_partition(
                 atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 2), cute.group_modes(gG, 0, 2),

@@ -14,16 +14,18 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import make_smem_layout_sm90
-from .fwd_budget import GATE_K, SMEM_ALIGN, gate_in_gemm, gate_stage_floats, smem_bytes
+from .fwd_budget import GATE_K, SMEM_ALIGN, gate_stage_floats, smem_bytes
 
 
 class FwdSm90Smem:
     @staticmethod
     def _smem_bytes(
-        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1, gate: bool = False
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1, gate: bool = False,
+        gate_slice: bool = False,
     ) -> int:
         """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers, the gate."""
-        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate)
+        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate,
+                          gate_slice)
 
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
@@ -76,7 +78,7 @@ class FwdSm90Smem:
             if const_expr(self.transposes_v):  # FP8: V^T (K-major) stages and their barriers
                 mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
                 sVt: buffer(cute.cosize(self._vt_layout()))
-            if const_expr(self.has_gate and gate_in_gemm(self.head_dim)):
+            if const_expr(self.gate_in_gemm):
                 # the QK^T GEMM's extra k16 slice: K's per stage (K's TMA barrier), Q's once
                 sKx: buffer(cute.cosize(self._gate_layouts()[1]))
                 sQx: buffer(cute.cosize(self._gate_layouts()[0]))
