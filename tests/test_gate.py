@@ -247,6 +247,49 @@ def test_split_bf16_parts_hold_fp32_precision():
     assert float((x.bfloat16().double() - x.double()).abs().max()) > 1.0
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gate_k_slice_is_the_bias_parts_in_the_kernel_layout(varlen):
+    """K's extra k16 slice of the gated sm90 forward (``sm90_fwd.gate_k_slice``): the bias's parts as
+    ``gate._parts`` makes them, keys before heads as k is laid out, zeros after the parts."""
+    from flashattn_hopper.backends.sm90_fwd import gate_k_slice
+
+    bias = torch.cat([torch.linspace(-5000, 0, 96), torch.randn(96) * 3]).float()
+    bias = bias.reshape(4, 48) if varlen else bias.reshape(2, 4, 24)  # (h, total_k) | (b, h, s_k)
+    k_slice = gate_k_slice(bias, torch.bfloat16, varlen)
+    rows = bias.t() if varlen else bias.transpose(1, 2)
+    assert k_slice.shape == (*rows.shape, 16) and k_slice.dtype == torch.bfloat16 and k_slice.is_contiguous()
+    assert torch.equal(k_slice[..., :3], gate._parts(rows).bfloat16())
+    assert bool((k_slice[..., 3:] == 0).all())
+    assert torch.equal(gate_k_slice(torch.zeros_like(bias), torch.bfloat16, varlen), torch.zeros_like(k_slice))
+
+
+def test_gated_forward_kernels_build_where_the_plain_ones_do():
+    """The gated sm90 forward takes the bias as an extra k16 slice of the QK^T GEMM only where that slice's
+    smem fits beside the key's own sO and Q ring, else the fp32 bias rows; the kernel and the launcher
+    (which builds one or the other) decide alike (``sm90_fwd.gate_slice``). Kernel objects only, no compile."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper import dispatch
+    from flashattn_hopper.backends.common import VarlenArgs
+    from flashattn_hopper.backends.sm90_fwd import gate_slice
+    from flashattn_hopper.validate import AttnProblem
+
+    family = dispatch.FWD_KERNELS["sm90"]
+    seen = set()
+    for (d, dv), s, causal, varlen in itertools.product(
+        [(64, 64), (128, 128), (192, 192), (256, 256), (128, 192)], (113, 1023, 4096), (False, True), (False, True)
+    ):
+        p = AttnProblem(batch=2, seqlen_q=s, seqlen_k=s, nheads=4, nheads_k=4, head_dim=d, head_dim_v=dv,
+                        dtype=torch.bfloat16, softmax_scale=0.1, causal=causal, window_left=-1, window_right=0,
+                        softcap=0.0, is_varlen=varlen)
+        cu = torch.zeros(3, dtype=torch.int32)
+        args = VarlenArgs(cu, cu, None, None, s, s) if varlen else None
+        _, key = family.variant_key(p, args, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
+        kernel = family.kernel(key)  # raised for hdim 128 with a Q ring before the choice was per key
+        assert kernel.gate_in_gemm == gate_slice(key), key.name
+        seen.add(kernel.gate_in_gemm)
+    assert seen == {True, False}
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(log_decay=[0.0]), TypeError, "log_decay must be a tensor"),
     (dict(log_decay=torch.zeros(1, 8, 3)), ValueError, r"log_decay must have shape \(batch, seqlen_k, nheads\) = \(1, 8, 2\)"),

@@ -19,8 +19,8 @@ from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
-    current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_f32, launch_forward, mask_flags, num_sms,
-    target_arch, tile_counter, window_args,
+    current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, launch_forward, mask_flags,
+    num_sms, target_arch, tile_counter, window_args,
 )
 
 
@@ -298,10 +298,22 @@ class FwdSm90(FwdLauncher):
                 extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
             )
         gate = None
-        if key.gate:  # (batch, nheads, seqlen_k) | varlen (nheads, total_k), rows a TMA reads (aligned_rows)
+        from ..kernels.sm90.fwd_budget import GATE_K
+
+        if key.gate and not gate_slice(key):  # (batch, nheads, seqlen_k) | varlen (nheads, total_k)
             import cutlass.cute as cute
 
             gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)), stride_divisibility=4)
+        elif key.gate:  # K's extra k16 slice: (batch, seqlen_k, nheads, GATE_K) | varlen (total_k, nheads, GATE_K)
+            import cutlass.cute as cute
+            from cutlass.cute.runtime import make_fake_tensor
+
+            if key.varlen:
+                shape = (cute.sym_int(), cute.sym_int(), GATE_K)
+                strides = (cute.sym_int64(divisibility=8), GATE_K, 1)
+                gate = make_fake_tensor(dtype, shape, stride=strides, assumed_align=16)
+            else:
+                gate = fake_bshd(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K)
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
             extra_args=(cutlass.Int32(1), counter, gate, None),
@@ -323,16 +335,47 @@ class FwdSm90(FwdLauncher):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
-        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``, its rows read by TMA (copied into
-        ``aligned_rows`` unless they are already). No softcap; a non-empty problem.
+        ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``; the kernel takes it as K's extra
+        k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
+        TMA reads (``aligned_rows``). No softcap; a non-empty problem.
         The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
         combinations the gate's tests run)."""
         _, key = self.variant_key(p, varlen, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
-        bias = aligned_rows(bias.to(device=q.device))
-        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, bias, None))
+        bias = bias.to(device=q.device)
+        gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_slice(key) else aligned_rows(bias)
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
+
+
+def gate_slice(key: FwdSm90Key) -> bool:
+    """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
+    ``fwd_budget.gate_in_gemm`` with the own sO and Q ring ``FlashFwdSm90`` derives from the key (16-bit,
+    one K/V ring: the gate has no spanning tiles)."""
+    from ..kernels.sm90.fwd_budget import gate_in_gemm
+
+    own_sO = key.persistent or key.head_dim_v > key.head_dim
+    return gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
+
+
+def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:
+    """K's extra k16 slice of the gated forward (kernels/sm90/fwd.py ``gate_in_gemm``): the bias (fp32, dense
+    ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``) as ``GATE_PARTS`` 16-bit parts per key and
+    query head, each the rest of the ones before rounded (as ``gate._parts``: their sum is the bias to fp32's
+    precision), zeros in the other columns; ``(batch, seqlen_k, nheads, GATE_K)`` | ``(total_k, nheads,
+    GATE_K)``, ``dtype`` (q's). Six small ops, written into one buffer (this runs on every gated call)."""
+    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+
+    rows = bias.t() if varlen else bias.transpose(1, 2)  # keys before heads, as k
+    k_slice = torch.empty(*rows.shape, GATE_K, dtype=dtype, device=bias.device)
+    k_slice[..., GATE_PARTS:] = 0
+    rest = rows.float()
+    for i in range(GATE_PARTS):
+        k_slice[..., i] = rest  # (rounded to dtype)
+        if i + 1 < GATE_PARTS:
+            rest = rest - k_slice[..., i]  # (fp32: the bf16 part promotes)
+    return k_slice
 
 
 def _fp8_problem(hdim: int) -> AttnProblem:

@@ -59,19 +59,24 @@ def wgmma(
     tCrB: cute.Tensor,
     zero_init: bool,
     wg_wait: int,
+    extra: tuple[cute.Tensor, cute.Tensor] | None = None,
 ) -> None:
     """``acc (+)= A B^T`` over all k slices of ``(MMA, MMA_M|N, MMA_K)`` operand fragments.
 
     ``zero_init``: the first k slice overwrites ``acc`` (no fill needed). ``wg_wait``: after the
     commit, wait until at most this many WGMMA groups of this warpgroup are in flight; negative:
     return right after the issue (the caller waits later, which is how GEMMs overlap softmax).
+    ``extra``: another ``(A, B)`` pair of fragments (other smem buffers, e.g. the gate's k16 slice)
+    whose k slices are added in the same commit group.
     """
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in range(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    pairs = [(tCrA, tCrB)] + ([extra] if extra is not None else [])
+    for frag_a, frag_b in pairs:
+        for k in range(cute.size(frag_a.shape[2])):
+            cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if wg_wait >= 0:
         warpgroup.wait_group(wg_wait)

@@ -55,11 +55,13 @@ from ..common.pack_gqa import pack_gqa_view
 from ..common.sm90_utils import same_smem_atom
 from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
-from ..common.utils import LOG2_E, acc_rows_cols, attention_kernel_views, select_head, select_modes
+from ..common.utils import (
+    LOG2_E, acc_rows_cols, assume_strides_aligned, attention_kernel_views, select_head, select_modes,
+)
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
+from .fwd_budget import GATE_BOX_SLACK, GATE_K, gate_in_gemm, gate_stage_floats
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
-from .fwd_budget import GATE_BOX_SLACK, gate_stage_floats
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
 from .fwd_steps import FwdSm90Steps
@@ -187,10 +189,14 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # A learnable sink per query head joins each row's denominator at finalize (common/softmax.py);
         # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
         self.has_sink = has_sink
-        # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) added to each score
-        # before the masks and the softmax, from mGate (the host's -G_j in the scores' units; rows 16-byte
+        # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) in each score before
+        # the masks and the softmax. Head dims up to 128 (``fwd_budget.gate_in_gemm``): through the
+        # tensor cores, the QK^T GEMM taking one more k16 slice, Q's (sQx: ones in its first GATE_PARTS
+        # columns, written once) against K's (mGate: the host's -G_j in the scores' units in GATE_PARTS
+        # 16-bit parts per key and query head, loaded with each K block into sKx), no add per score
+        # (it cost 13 % more instructions at hdim 64). Wider: mGate is the fp32 bias (rows 16-byte
         # aligned: TMA boxes of each K block's keys land in K's stage, sGate; varlen boxes start at the
-        # 16-byte boundary before the block, fwd_load ``_gate_view``).
+        # 16-byte boundary before the block, fwd_load ``_gate_view``), added per score.
         self.has_gate = has_gate
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
@@ -233,10 +239,17 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         self.section_l2_mb = section_l2_mb
         # A v head dim above q's needs its own sO in any case: sQ's buffer is too small, and a
         # warpgroup's O rows would land on the next warpgroup's Q rows while it may still read them.
+        own_sO = persistent or head_dim_v > head_dim or self.o_dtype is not dtype
+        # The gate's bias through the QK^T GEMM where its slice fits beside this configuration's buffers
+        # (the launcher decides the same way, from the key: it builds the slice or the fp32 rows).
+        self.gate_in_gemm = has_gate and gate_in_gemm(
+            dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, own_sO, q_stages
+        )
         self.o_aliases_q = not (
-            (persistent or head_dim_v > head_dim or self.o_dtype is not dtype)
+            own_sO
             and self._smem_bytes(
-                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages, has_gate
+                dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, True, q_stages, has_gate,
+                self.gate_in_gemm,
             )
             <= _SMEM_CAPACITY
         )
@@ -322,8 +335,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             )
         rings = 2 if span_heads else 1
         own_sO = head_dim_v > head_dim  # sO cannot share sQ's buffer
+        elem = dtype.width // 8
+        gate_slice = has_gate and gate_in_gemm(elem, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO, 1)
         smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO,
-                                        gate=has_gate)
+                                        gate=has_gate, gate_slice=gate_slice)
         if smem > _SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {_SMEM_CAPACITY}"
         return None
@@ -344,7 +359,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         softcap: Float32,  # has_softcap only (else ignored)
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
-        mGate: cute.Tensor | None,  # has_gate only: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32
+        mGate: cute.Tensor | None,  # has_gate only: gate_in_gemm: K's extra k16 slice, (batch, seqlen_k,
+        #   nheads, GATE_K) | varlen (total_k, nheads, GATE_K), 16-bit; else the bias (batch, nheads,
+        #   seqlen_k) | varlen (nheads, total_k) fp32
         mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
@@ -364,7 +381,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             raise TypeError("mDescale must be given exactly for FP8 inputs")
         if const_expr((mGate is not None) != self.has_gate):
             raise TypeError("mGate must be given exactly when has_gate")
-        if const_expr(mGate is not None):
+        if const_expr(self.gate_in_gemm):
+            if const_expr(mGate.element_type != self.dtype):
+                raise TypeError(f"mGate (K's extra k16 slice) must be {self.dtype}")
+            # (s_k, GATE_K, h[, b]), as K
+            mGate = select_modes(assume_strides_aligned(mGate), [0, 2, 1] if varlen_k else [1, 3, 2, 0])
+        elif const_expr(mGate is not None):
             mGate = select_modes(mGate, [1, 0] if varlen_k else [2, 1, 0])  # (s_k, h[, b]), as LSE
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         if const_expr(self.cluster_m > 1 and (varlen_q or varlen_k)):
@@ -404,7 +426,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         tma_atom_Gate, tma_Gate = None, mGate
-        if const_expr(self.has_gate):  # 1-D boxes of the bias beside each K block
+        if const_expr(self.gate_in_gemm):  # K's extra k16 slice of each key block, into K's stage
+            sKx_layout = self._gate_layouts()[1]
+            tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(
+                tma_load, mGate, cute.select(sKx_layout, mode=[0, 1]), (self.tile_n, GATE_K)
+            )
+        elif const_expr(self.has_gate):  # 1-D boxes of the bias beside each K block
             # Varlen: a box may start up to 3 keys before the sequence's block, at a 16-byte boundary
             # (an unaligned start raised an illegal instruction on an H200), so it is longer.
             box = self.tile_n + (GATE_BOX_SLACK if const_expr(varlen_k) else 0)
@@ -465,8 +492,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
         this CTA's tiles in the scheduler's order."""
         varlen_q = const_expr(mCuSeqlensQ is not None)
-        gate_tma = const_expr(tma_atom_Gate is not None)  # (K's stages then carry the gate's bias)
+        gate_tma = const_expr(tma_atom_Gate is not None)  # (K's stages then carry the gate's bias or slice)
         gate_box = self.tile_n + (GATE_BOX_SLACK if const_expr(mCuSeqlensK is not None) else 0)  # (as __call__'s)
+        gate_tx = self.tile_n * GATE_K * (self.dtype.width // 8) if const_expr(self.gate_in_gemm) else gate_box * 4
         atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O, tma_atom_Gate)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -498,7 +526,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 for stages, tx, mbar, ctas, warps in (
                     (self.q_stages, self.tx_bytes_q, storage.mbar_q, 1, num_mma_warps),
                     (self.num_stages * self.num_rings,
-                     self.tx_bytes_k + (gate_box * 4 if gate_tma else 0),
+                     self.tx_bytes_k + (gate_tx if gate_tma else 0),
                      storage.mbar_k, self.cluster_m, num_mma_warps),
                     (self.num_stages * self.num_rings, self.tx_bytes_v, storage.mbar_v, self.cluster_m, v_consumer_warps),
                 )
@@ -522,10 +550,17 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        # has_gate: (mGate's TMA coordinates, the bias of each K stage (box, stages) in smem, each
-        # stage's row 128-byte aligned).
+        # has_gate: gate_in_gemm: (K's extra slice's TMA coordinates, sKx (tile_n, GATE_K, K stages), sQx
+        # (tile_m, GATE_K)); else (mGate's TMA coordinates, the bias of each K stage (box, stages) in smem,
+        # each stage's row 128-byte aligned).
         gate = None
-        if const_expr(gate_tma):
+        if const_expr(self.gate_in_gemm):
+            sQx_layout, sKx_layout = self._gate_layouts()
+            gate = (
+                mGate, storage.sKx.get_tensor(sKx_layout.outer, swizzle=sKx_layout.inner),
+                storage.sQx.get_tensor(sQx_layout.outer, swizzle=sQx_layout.inner),
+            )
+        elif const_expr(gate_tma):
             stages = self.num_stages * self.num_rings
             gate_rows = cute.make_layout((gate_box, stages), stride=(1, gate_stage_floats(self.tile_n)))
             gate = (mGate, storage.sGate.get_tensor(gate_rows))
@@ -559,7 +594,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             self.mma(
                 mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
                 pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                gate[1] if const_expr(gate is not None) else None, mDescale,
+                gate[1:] if const_expr(gate is not None) else None, mDescale,
             )
 
     @cute.jit
@@ -577,7 +612,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         walk: TileWalk,
         scale_log2: Float32,
         softcap_scale: Float32 | None,
-        gate: cute.Tensor | None = None,  # has_gate: (box, K stages) smem, each K stage's bias
+        gate: tuple | None = None,  # has_gate: gate_in_gemm (sKx, sQx), else (the bias rows (box, K stages),)
         mDescale: cute.Tensor | None = None,
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
@@ -600,6 +635,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             tOrVt=self._pv_fragment_b(wg_mma_pv, sV),
             tOrP=self._pv_fragment_a(wg_mma_pv),
             acc_O=acc_O,
+            tSrQx=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(gate[1])) if const_expr(self.gate_in_gemm) else None,
+            tSrKx=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(gate[0])) if const_expr(self.gate_in_gemm) else None,
         )
         if const_expr(self.pingpong):
             # The first MMA warpgroup gets the first turn at the tensor cores. Each tile then
@@ -673,10 +710,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     mma, pipes.k, pipes.v if const_expr(pipes.vt is None) else pipes.vt, softmax, mask, tile.m_block, wg_idx, softcap_scale,
                     ring_offset, self.num_stages * self.num_rings,
                     q_stage=q_state.index if const_expr(self.q_stages > 1) else None,
-                    gate=gate,
+                    gate=gate[0] if const_expr(self.has_gate and not self.gate_in_gemm) else None,
                     # varlen: where the sequence's first key sits in its 16-byte aligned box (``_gate_view``)
                     gate_shift=seqlen.offset_k % GATE_BOX_SLACK
-                    if const_expr(self.has_gate and seqlen.has_cu_seqlens_k) else None,
+                    if const_expr(self.has_gate and not self.gate_in_gemm and seqlen.has_cu_seqlens_k) else None,
                     kv_scales=kv_scales,
                 )
                 has_keys = tile.n_block_max > tile.n_block_min

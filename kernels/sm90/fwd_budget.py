@@ -12,18 +12,47 @@ SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 
 def smem_bytes(
     elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
-    own_sO: bool, q_stages: int = 1, gate: bool = False,
+    own_sO: bool, q_stages: int = 1, gate: bool = False, gate_slice: bool = False,
 ) -> int:
     """Bytes of the storage struct: Q (q_stages buffers), K/V stages, optionally O, mbarriers, the
-    gate's bias per K stage (fp32)."""
+    gate's smem: its bias per K stage (fp32), or with ``gate_slice`` (``gate_in_gemm``) the QK^T GEMM's
+    extra k16 slice (K's per stage, Q's once; 16-bit)."""
     return (
         _buffer(tile_m * head_dim * q_stages * elem_bytes)
         + (_buffer(tile_m * head_dim_v * elem_bytes) if own_sO else 0)
         + _buffer(tile_n * head_dim * kv_stages * elem_bytes)
         + _buffer(tile_n * head_dim_v * kv_stages * elem_bytes)
         + SMEM_ALIGN  # mbarriers
-        + (_buffer(gate_stage_floats(tile_n) * kv_stages * 4) if gate else 0)
+        + (gate_smem_bytes(elem_bytes, tile_m, tile_n, kv_stages, gate_slice) if gate else 0)
     )
+
+
+# With the gate, the key bias can go through the tensor cores: the QK^T GEMM gets one more k16 slice, Q's
+# holding ones in its first GATE_PARTS columns, K's the key's bias in GATE_PARTS 16-bit parts
+# (flashattn_hopper/gate.py ``_parts``), zeros after; no add per score (13 % more instructions at hdim 64).
+# Up to this head dim and where the slice's smem (K's per stage and Q's) fits beside the config's buffers
+# (``gate_in_gemm``); else the fp32 bias is added per score (hdim 256's 128 x 80 needed 7 KB more than sm90
+# has, hdim 128 with a Q ring 10 KB more).
+GATE_GEMM_MAX_HEAD_DIM = 128
+GATE_K = 16
+GATE_PARTS = 3
+
+
+def gate_in_gemm(elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
+                 own_sO: bool, q_stages: int) -> bool:
+    """Whether a gated forward of this configuration takes the bias through the QK^T GEMM (``GATE_K``
+    slice): the kernel (``FlashFwdSm90``, with the own sO and Q ring its configuration asks for) and the
+    launcher (which builds the slice or the fp32 rows) both decide with this."""
+    return head_dim <= GATE_GEMM_MAX_HEAD_DIM and smem_bytes(
+        elem_bytes, head_dim, head_dim_v, tile_m, tile_n, kv_stages, own_sO, q_stages, gate=True, gate_slice=True
+    ) <= SMEM_CAPACITY
+
+
+def gate_smem_bytes(elem_bytes: int, tile_m: int, tile_n: int, kv_stages: int, gate_slice: bool) -> int:
+    """The gate's shared memory: the extra k16 slice (``gate_slice``) or the fp32 bias rows per K stage."""
+    if gate_slice:
+        return _buffer(tile_n * GATE_K * kv_stages * elem_bytes) + _buffer(tile_m * GATE_K * elem_bytes)
+    return _buffer(gate_stage_floats(tile_n) * kv_stages * 4)
 
 
 # The gate's TMA box starts at a 16-byte boundary: varlen sequences' keys start at any row, so their

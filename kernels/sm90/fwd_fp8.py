@@ -144,7 +144,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     @staticmethod
     def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1,
-                    gate: bool = False) -> int:
+                    gate: bool = False, gate_slice: bool = False) -> int:
         return fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
 
     # ------------------------------------------------------------------ smem, MMAs, pipelines

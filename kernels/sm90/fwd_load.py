@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.seqlen import SeqlenInfo
 from ..common.utils import select_head
-from .fwd_budget import GATE_BOX_SLACK
+from .fwd_budget import GATE_BOX_SLACK, GATE_K, GATE_PARTS
 from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
@@ -31,12 +31,17 @@ class FwdSm90Load:
         atoms: TmaAtoms,
         pipes: Pipelines,
         walk: TileWalk,
-        gate: tuple[cute.Tensor, cute.Tensor] | None = None,
+        gate: tuple | None = None,
     ):
         """Producer warp: for each tile of this CTA, TMA Q once and the K/V ring over its key
         blocks in the consumers' order. The pipeline states run on across tiles. ``gate``
         (has_gate): the bias's TMA coordinates ``(s_k | total_k, nheads[, batch])`` and its smem
-        stages; each K block's keys' bias goes into K's stage with K's barrier."""
+        stages; each K block's keys' bias goes into K's stage with K's barrier. With the bias in the
+        GEMM (``gate_in_gemm``): K's extra k16 slice's coordinates ``(s_k | total_k, GATE_K, nheads[,
+        batch])``, its stages sKx and sQx, which this warp fills once before its first Q load."""
+        in_gemm = const_expr(gate is not None and self.gate_in_gemm)
+        if const_expr(in_gemm):
+            self._fill_gate_q(gate[2])
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         if const_expr(self.release_q_before_next_q):
             # sQ is not free at the start: the consumers release it before each Q they need.
@@ -64,7 +69,10 @@ class FwdSm90Load:
                             seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx),
                             sQ, sK, sV, atoms, pipes, tile, q_state, kv_state,
                             None if const_expr(gate is None) else (
-                                self._gate_view(select_head(gate[0], head_idx, 1), seqlen, batch_idx), gate[1]
+                                seqlen.k_view(select_head(gate[0], head_idx, 2), batch_idx)
+                                if const_expr(in_gemm) else
+                                self._gate_view(select_head(gate[0], head_idx, 1), seqlen, batch_idx),
+                                gate[1],
                             ),
                         )
             tile_idx, handoff_state = walk.scheduler.next_tile_producer(tile_idx, walk.handoff, handoff_state)
@@ -104,8 +112,14 @@ class FwdSm90Load:
         # owns sQ). A ring of Q buffers: Q first, its buffer is free while K's stage may not be yet.
         load_k = (atoms.k, tKgK, tKsK, pipes.k)
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
-        k_beside = None  # has_gate: the bias of K's keys, into K's stage
-        if const_expr(gate is not None):
+        k_beside = None  # has_gate: the bias of K's keys (or K's extra k16 slice), into K's stage
+        if const_expr(gate is not None and self.gate_in_gemm):
+            gG = cute.local_tile(gate[0], (self.tile_n, GATE_K), (None, 0))
+            tGsG, tGgG = cpasync.tma_partition(
+                atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 2), cute.group_modes(gG, 0, 2),
+            )
+            k_beside = (atoms.gate, tGgG, tGsG)
+        elif const_expr(gate is not None):
             # Block n's box: box keys from n * tile_n of the view (boxes overlap where box > tile_n).
             box = cute.size(gate[1].shape[0])
             num_blocks = (gate[0].shape[0] + (self.tile_n - 1)) // self.tile_n
@@ -230,6 +244,22 @@ class FwdSm90Load:
             atoms.v, kv_rank, kv_cta_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return tKgK, tKsK, tVgV, tVsV
+
+    @cute.jit
+    def _fill_gate_q(self, sQx: cute.Tensor) -> None:
+        """Q's extra k16 slice (``gate_in_gemm``): ones in the first GATE_PARTS columns of every row,
+        zeros after (so the QK^T GEMM adds the key bias's parts, ``flashattn_hopper/gate.py``). Written
+        once by this warp, then fenced for the WGMMA's async proxy; the consumers first read it after
+        waiting for the first Q stage, which this warp's elected lane arrives on after this."""
+        lane = cute.arch.lane_idx()
+        num_rows = cute.size(sQx.shape[0])
+        for i in cutlass.range_constexpr(-(-num_rows // 32)):
+            row = i * 32 + lane
+            if row < num_rows:
+                for c in cutlass.range_constexpr(GATE_K):
+                    sQx[row, c] = self.dtype(1.0) if c < GATE_PARTS else self.dtype(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
 
     @staticmethod
     def _gate_view(mGate_head: cute.Tensor, seqlen: SeqlenInfo, batch_idx: Int32) -> cute.Tensor:

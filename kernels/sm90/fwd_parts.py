@@ -72,7 +72,9 @@ class TmaAtoms:
     k: cute.CopyAtom
     v: cute.CopyAtom
     o: cute.CopyAtom | None
-    gate: cute.CopyAtom | None = None  # has_gate: 1-D boxes of the bias, into K's stages
+    # has_gate: into K's stages, 1-D boxes of the bias (fp32), or with the bias in the QK^T GEMM
+    # (``fwd_budget.gate_in_gemm``) K's extra k16 slice (tile_n, GATE_K)
+    gate: cute.CopyAtom | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ class MmaParts:
     tOrVt: cute.Tensor  # (MMA, MMA_N, MMA_K, stage)
     tOrP: cute.Tensor  # 16-bit A fragment of P
     acc_O: cute.Tensor
+    # has_gate with the bias in the QK^T GEMM (``fwd_budget.gate_in_gemm``): its extra k16 slice (ones
+    # x the key bias's 16-bit parts), A from sQx, B (MMA, MMA_N, 1, stage) from sKx; else None.
+    tSrQx: cute.Tensor | None = None
+    tSrKx: cute.Tensor | None = None
 
 
 @dataclass(frozen=True)

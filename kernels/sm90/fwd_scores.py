@@ -38,7 +38,8 @@ class FwdSm90Scores:
 
     @cute.jit
     def _add_gate(self, step: BlockStep, acc_S: cute.Tensor, k_stage: Int32):
-        """has_gate: acc_S[r, c] += the bias of column c's key; one add per score, from K stage
+        """has_gate without the bias in the GEMM (head dims over 128: ``fwd_budget.gate_in_gemm``):
+        acc_S[r, c] += the bias of column c's key; one add per score, from K stage
         ``k_stage``'s copy in smem (loaded with K, so before that stage is released; varlen at the
         step's ``gate_shift``). Keys past seqlen_k read TMA's zero fill or the next sequence's bias;
         the mask then sets those scores to -inf. No-op without a gate."""

@@ -14,16 +14,18 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import make_smem_layout_sm90
-from .fwd_budget import SMEM_ALIGN, gate_stage_floats, smem_bytes
+from .fwd_budget import GATE_K, SMEM_ALIGN, gate_stage_floats, smem_bytes
 
 
 class FwdSm90Smem:
     @staticmethod
     def _smem_bytes(
-        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1, gate: bool = False
+        dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1, gate: bool = False,
+        gate_slice: bool = False,
     ) -> int:
         """Shared memory of the storage struct: Q, K/V stages, optionally O, mbarriers, the gate."""
-        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate)
+        return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate,
+                          gate_slice)
 
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
@@ -35,6 +37,15 @@ class FwdSm90Smem:
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, kv_stages),
             make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v, kv_stages),
             make_smem_layout_sm90(self.o_dtype, self.tile_m, self.head_dim_v),
+        )
+
+    def _gate_layouts(self):
+        """has_gate: the QK^T GEMM's extra k16 slice, sQx ``(tile_m, GATE_K)`` (once) and sKx ``(tile_n,
+        GATE_K, K stages)`` (with each K stage), K-major like sQ and sK."""
+        kv_stages = self.num_stages * self.num_rings
+        return (
+            make_smem_layout_sm90(self.dtype, self.tile_m, GATE_K),
+            make_smem_layout_sm90(self.dtype, self.tile_n, GATE_K, kv_stages),
         )
 
     def _tiled_mmas(self):
@@ -67,7 +78,11 @@ class FwdSm90Smem:
             if const_expr(self.transposes_v):  # FP8: V^T (K-major) stages and their barriers
                 mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
                 sVt: buffer(cute.cosize(self._vt_layout()))
-            if const_expr(self.has_gate):  # the gate's bias per key of each K stage (K's TMA barrier)
+            if const_expr(self.gate_in_gemm):
+                # the QK^T GEMM's extra k16 slice: K's per stage (K's TMA barrier), Q's once
+                sKx: buffer(cute.cosize(self._gate_layouts()[1]))
+                sQx: buffer(cute.cosize(self._gate_layouts()[0]))
+            elif const_expr(self.has_gate):  # the gate's bias per key of each K stage (K's TMA barrier)
                 sGate: buffer(gate_stage_floats(self.tile_n) * self.num_stages * self.num_rings, cutlass.Float32)
 
         if const_expr(self.o_aliases_q):

@@ -163,9 +163,12 @@ class FwdSm90Steps:
             mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32
         )
         tSrQ = mma.tSrQ if const_expr(step.q_stage is None) else mma.tSrQ[None, None, None, step.q_stage]
+        # The gate's bias through the tensor cores (``fwd_budget.gate_in_gemm``): ones in Q's extra k16
+        # slice against its parts in K's.
+        extra = None if const_expr(mma.tSrQx is None) else (mma.tSrQx, mma.tSrKx[None, None, None, stage])
         wgmma(
             mma.tiled_mma_qk, acc_S, tSrQ, mma.tSrK[None, None, None, stage],
-            zero_init=True, wg_wait=wg_wait,
+            zero_init=True, wg_wait=wg_wait, extra=extra,
         )
         return acc_S
 
