@@ -120,6 +120,14 @@ FWD_SM90_TILES: dict[int, FwdTileSm90] = {
 # gain (a tile is long next to its Q load) and -2..+2 % (one cell -7 %) measured.
 FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 
+# A gated sm90 forward takes the keys' bias as an extra k16 slice of the QK^T GEMM (no add per score)
+# from this many keys (varlen: max_seqlen_k given as an int), where the slice fits the key's smem
+# (kernels/sm90/fwd_budget.py ``gate_in_gemm``). Its host-built slice costs per token at every seqlen
+# (six small ops over a (tokens, heads, 16) buffer) while the kernel's saving grows with the keys: on an
+# H100 (perf/NOTES.md session 26) wall -1 / -4.5 % at 4k (hdim 64 / 128), -6.5 / -11 % at 16k, +9 % at
+# hdim 64 1k.
+FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 4096
+
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q
 # (cluster_pays). K/V then cross the L2 -> SM fabric once per pair: about the same work per clock for

@@ -20,8 +20,10 @@ def variant_keys(spec, arch: str) -> list:
         keys.append(dataclasses.replace(keys[0], sink=True, **spec.sink_key_overrides))
     if spec.kind == "fwd_sm90" and keys:
         # The gated log-decay bias in the scores (gate.IN_KERNEL, ``forward_with_gate``).
-        # (dense causal hdim 128 and varlen causal: the bias's two views of its tensor)
+        # (dense causal hdim 128 and varlen causal: the bias's two views of its tensor, each as the
+        # QK^T GEMM's extra k16 slice (long keys) and as fp32 rows added per score)
         for varlen in (False, True):
             causal = next(key for key in keys if key.causal and key.head_dim == 128 and key.varlen == varlen)
-            keys.append(dataclasses.replace(causal, gate=True, pack_gqa=1, span_heads=False))
+            keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False)
+                     for in_gemm in (True, False)]
     return keys

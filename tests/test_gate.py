@@ -283,7 +283,7 @@ def test_gated_forward_kernels_build_where_the_plain_ones_do():
                         softcap=0.0, is_varlen=varlen)
         cu = torch.zeros(3, dtype=torch.int32)
         args = VarlenArgs(cu, cu, None, None, s, s) if varlen else None
-        _, key = family.variant_key(p, args, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
+        key = family.gate_key(p, args)
         kernel = family.kernel(key)  # raised for hdim 128 with a Q ring before the choice was per key
         assert kernel.gate_in_gemm == gate_slice(key), key.name
         seen.add(kernel.gate_in_gemm)
@@ -379,10 +379,20 @@ def test_gate_api_parity_other_head_dims(monkeypatch, head_dim):
     _gate_api_parity(monkeypatch, None, head_dim, True, (300, 333))
 
 
-def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gate_long_strong_decay(monkeypatch, head_dim):
+    """16k keys with gates down to ~-5 per step (G reaches ~-1.5e4): the forward takes the bias as the
+    QK^T GEMM's k16 slice (``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K``) and the backward adds it in fp32
+    (``_kernel_rows``), yet out, lse and every gradient stay within the parity rule (issue 24's long
+    strong-decay check)."""
+    _gate_api_parity(monkeypatch, None, head_dim, True, (16384, 16384), batch=1, nheads=(2, 1), gate_shift=0.5)
+
+
+def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, nheads=(8, 2), gate_shift=3.0):
     """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16); on Hopper
     without a backend the forward and the backward run the gate in the sm90 kernels (``gate.IN_KERNEL``),
-    on sm80 the augmented problem."""
+    on sm80 the augmented problem. ``g = logsigmoid(2 x + gate_shift)``, x standard normal."""
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
     taken = _record_in_kernel(monkeypatch)
@@ -390,9 +400,10 @@ def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens):
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(2, s, h, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
-                     for s, h in ((s_q, 8), (s_k, 2), (s_k, 2), (s_q, 8)))
-    g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 8, device="cuda", generator=gen) * 2 + 3)
+    h_q, h_k = nheads
+    q, k, v, dout = (torch.randn(batch, s, h, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+                     for s, h in ((s_q, h_q), (s_k, h_k), (s_k, h_k), (s_q, h_q)))
+    g = torch.nn.functional.logsigmoid(torch.randn(batch, s_k, h_q, device="cuda", generator=gen) * 2 + gate_shift)
     window = (-1, 0) if causal else (-1, -1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
     out, lse = flash_attn_func(*leaves[:3], causal=causal, log_decay=leaves[3], return_lse=True, backend=backend)

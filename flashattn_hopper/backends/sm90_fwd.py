@@ -61,6 +61,9 @@ class FwdSm90Key(KernelKey):
     # gated log-decay: a bias per (query head, key) added to every score (``forward_with_gate``);
     # no pack_gqa, no spanning tiles, no softcap
     gate: bool = False
+    # the gate's bias as the QK^T GEMM's extra k16 slice where it fits (``gate_slice``), else fp32 rows
+    # added per score; long keys only (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K)
+    gate_slice: bool = False
     # FP8 (dtype e4m3) with per-block descales (q per tile of rows, k/v per key block; pack_gqa 1)
     fp8_block_scales: bool = False
 
@@ -279,7 +282,7 @@ class FwdSm90(FwdLauncher):
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
             span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
-            has_gate=key.gate,
+            has_gate=key.gate, gate_slice=key.gate_slice,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -337,10 +340,8 @@ class FwdSm90(FwdLauncher):
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
         ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``; the kernel takes it as K's extra
         k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
-        TMA reads (``aligned_rows``). No softcap; a non-empty problem.
-        The key: the plain call's with one head per tile, no spanning tiles and no clusters (the
-        combinations the gate's tests run)."""
-        _, key = self.variant_key(p, varlen, gate=True, pack_gqa=1, span_heads=False, cluster_m=1)
+        TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key``."""
+        key = self.gate_key(p, varlen)
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         bias = bias.to(device=q.device)
@@ -348,15 +349,25 @@ class FwdSm90(FwdLauncher):
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
+    def gate_key(self, p: AttnProblem, varlen: VarlenArgs | None) -> FwdSm90Key:
+        """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
+        (the combinations the gate's tests run), the bias as the QK^T GEMM's k16 slice asked for from
+        ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys (varlen: ``max_seqlen_k`` given as an int)."""
+        keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
+        long_keys = isinstance(keys, int) and keys >= configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K
+        return self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
+                                cluster_m=1)[1]
+
 
 def gate_slice(key: FwdSm90Key) -> bool:
     """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
-    ``fwd_budget.gate_in_gemm`` with the own sO and Q ring ``FlashFwdSm90`` derives from the key (16-bit,
-    one K/V ring: the gate has no spanning tiles)."""
+    where the key asks for it (``gate_slice``: long keys) and it fits, ``fwd_budget.gate_in_gemm`` with the
+    own sO and Q ring ``FlashFwdSm90`` derives from the key (16-bit, one K/V ring: the gate has no
+    spanning tiles)."""
     from ..kernels.sm90.fwd_budget import gate_in_gemm
 
     own_sO = key.persistent or key.head_dim_v > key.head_dim
-    return gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
+    return key.gate_slice and gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
 
 
 def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:

@@ -169,10 +169,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         q_stages: int = 1,
         has_sink: bool = False,
         has_gate: bool = False,
+        gate_slice: bool = False,
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
-            cluster_m, span_heads, has_sink, has_gate, has_softcap,
+            cluster_m, span_heads, has_sink, has_gate, has_softcap, gate_slice,
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")
@@ -190,11 +191,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
         self.has_sink = has_sink
         # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) in each score before
-        # the masks and the softmax. Head dims up to 128 (``fwd_budget.gate_in_gemm``): through the
-        # tensor cores, the QK^T GEMM taking one more k16 slice, Q's (sQx: ones in its first GATE_PARTS
+        # the masks and the softmax. With ``gate_slice`` (the launcher's choice: long keys) and head dims
+        # up to 128 where it fits (``fwd_budget.gate_in_gemm``): through the tensor cores, the QK^T GEMM taking one more k16 slice, Q's (sQx: ones in its first GATE_PARTS
         # columns, written once) against K's (mGate: the host's -G_j in the scores' units in GATE_PARTS
         # 16-bit parts per key and query head, loaded with each K block into sKx), no add per score
-        # (it cost 13 % more instructions at hdim 64). Wider: mGate is the fp32 bias (rows 16-byte
+        # (it cost 13 % more instructions at hdim 64). Otherwise: mGate is the fp32 bias (rows 16-byte
         # aligned: TMA boxes of each K block's keys land in K's stage, sGate; varlen boxes start at the
         # 16-byte boundary before the block, fwd_load ``_gate_view``), added per score.
         self.has_gate = has_gate
@@ -242,7 +243,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         own_sO = persistent or head_dim_v > head_dim or self.o_dtype is not dtype
         # The gate's bias through the QK^T GEMM where its slice fits beside this configuration's buffers
         # (the launcher decides the same way, from the key: it builds the slice or the fp32 rows).
-        self.gate_in_gemm = has_gate and gate_in_gemm(
+        self.gate_in_gemm = has_gate and gate_slice and gate_in_gemm(
             dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages * self.num_rings, own_sO, q_stages
         )
         self.o_aliases_q = not (
@@ -292,6 +293,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
         pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False, has_gate=False, has_softcap=False,
+        gate_slice=False,
     ) -> str | None:
         """None if this static config compiles into a correct kernel, else the reason why not."""
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
@@ -336,7 +338,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         rings = 2 if span_heads else 1
         own_sO = head_dim_v > head_dim  # sO cannot share sQ's buffer
         elem = dtype.width // 8
-        gate_slice = has_gate and gate_in_gemm(elem, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO, 1)
+        gate_slice = has_gate and gate_slice and gate_in_gemm(elem, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO, 1)
         smem = FlashFwdSm90._smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages * rings, own_sO,
                                         gate=has_gate, gate_slice=gate_slice)
         if smem > _SMEM_CAPACITY:
