@@ -123,6 +123,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
         pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False, has_gate=False, has_softcap=False,
+        gate_slice=False,
     ) -> str | None:
         if dtype is not cutlass.Float8E4M3FN:
             return f"dtype must be Float8E4M3FN, got {dtype}"
