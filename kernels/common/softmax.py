@@ -225,19 +225,37 @@ class OnlineSoftmax:
 @cute.jit
 def read_sink_log2(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, seqlen_q: Int32) -> cute.Tensor:
     """A learnable sink's logit for this thread's accumulator rows, in log2 units (-inf past
-    ``seqlen_q``), read from the LSE rows (``mLSE_cur``: this (batch, head)'s) that the launcher
-    filled with it and the epilogue will overwrite. ``tOcO_mn``: the O accumulator's (row, col)
-    coordinates (``acc_rows_cols`` of an identity tensor's partition). Both arches' epilogues write a
-    row's LSE from the quad's lane 0 (its column-0 thread): that lane's read precedes its own write
+    ``seqlen_q``): ``load_sink_logits`` then ``sink_logits_log2`` at once (the load's latency exposed)."""
+    return sink_logits_log2(load_sink_logits(mLSE_cur, tOcO_mn, row0, seqlen_q))
+
+
+@cute.jit
+def load_sink_logits(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, seqlen_q: Int32) -> cute.Tensor:
+    """This thread's accumulator rows' sink logits (natural log; -inf past ``seqlen_q``), read from the
+    LSE rows (``mLSE_cur``: this (batch, head)'s) that the launcher filled with it and the epilogue will
+    overwrite; only a quad's lane 0 (its column-0 thread) holds the value ``sink_logits_log2`` takes.
+    ``tOcO_mn``: the O accumulator's (row, col) coordinates (``acc_rows_cols`` of an identity tensor's
+    partition). Both arches' epilogues write a row's LSE from that lane: its read precedes its own write
     in program order, and the quad takes the value from it by a shuffle (a read by another lane has
-    no ordering against that write)."""
+    no ordering against that write). Nothing waits for the load here: issued at a tile's start, its
+    latency hides under the key loop (``sink_logits_log2`` at finalize is its first use)."""
     num_rows = cute.size(tOcO_mn.shape[0])
-    quad_writer = cute.arch.lane_idx() // 4 * 4
-    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+    logits = cute.make_rmem_tensor(num_rows, Float32)
     for r in cutlass.range_constexpr(num_rows):
         row = row0 + tOcO_mn[r, 0][0]
         logit = -Float32.inf
         if row < seqlen_q:
             logit = mLSE_cur[row]
-        sink_log2[r] = cute.arch.shuffle_sync(logit, quad_writer) * LOG2_E
+        logits[r] = logit
+    return logits
+
+
+@cute.jit
+def sink_logits_log2(logits: cute.Tensor) -> cute.Tensor:
+    """``load_sink_logits``' values as every lane of the quad needs them: lane 0's, in log2 units."""
+    num_rows = cute.size(logits)
+    quad_writer = cute.arch.lane_idx() // 4 * 4
+    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        sink_log2[r] = cute.arch.shuffle_sync(logits[r], quad_writer) * LOG2_E
     return sink_log2

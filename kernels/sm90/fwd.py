@@ -53,7 +53,7 @@ from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.pack_gqa import pack_gqa_view
 from ..common.sm90_utils import same_smem_atom
-from ..common.softmax import OnlineSoftmax, softcap_scale_log2
+from ..common.softmax import OnlineSoftmax, sink_logits_log2, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
 from ..common.utils import (
     LOG2_E, acc_rows_cols, assume_strides_aligned, attention_kernel_views, select_head, select_modes,
@@ -679,9 +679,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 row0 = tile.m_block * self.tile_m
             if has_tile:
                 acc_O.fill(0.0)
-                sink_log2 = None
-                if const_expr(self.has_sink):  # (read at the tile's start: the load's latency hides under the loop)
-                    sink_log2 = self.read_sink_log2(
+                sink_logits = None
+                if const_expr(self.has_sink):  # (loaded at the tile's start, first used at finalize: the load's
+                    # latency hides under the key loop; a quad shuffle right after it stalled every tile's start)
+                    sink_logits = self.load_sink_logits(
                         seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
                         tile.seqlen_q,
                     )
@@ -743,7 +744,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         ring_count_a = ring_count_a + num_blocks
                         ring_count_b = ring_count_b + mixed * num_blocks
                 if const_expr(self.has_sink):
-                    o_scale, lse = softmax.finalize(sink_log2)
+                    o_scale, lse = softmax.finalize(sink_logits_log2(sink_logits))
                 else:
                     o_scale, lse = softmax.finalize()
                 if const_expr(v_descale is not None):  # FP8: V's descale joins O's row scale

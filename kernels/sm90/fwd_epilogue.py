@@ -11,7 +11,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.sm90_utils import store_rows_predicated
-from ..common.softmax import read_sink_log2
+from ..common.softmax import load_sink_logits
 from ..common.utils import acc_rows_cols, convert_to_16bit
 from .fwd_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
 
@@ -39,14 +39,14 @@ class FwdSm90Epilogue:
         return (tidx % group_threads) // 32 == 0
 
     @cute.jit
-    def read_sink_log2(
+    def load_sink_logits(
         self, mLSE_cur: cute.Tensor, tiled_mma_pv: cute.TiledMma, tidx: Int32, row0: Int32, seqlen_q: Int32,
     ) -> cute.Tensor:
-        """``has_sink``: this thread's rows' sink logit (``common.softmax.read_sink_log2``; the rows
-        as ``epilogue`` writes their LSE)."""
+        """``has_sink``: this thread's rows' sink logits, loaded, not waited for
+        (``common.softmax.load_sink_logits``; the rows as ``epilogue`` writes their LSE)."""
         cO_acc = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
         tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
-        return read_sink_log2(mLSE_cur, tOcO_mn, row0, seqlen_q)
+        return load_sink_logits(mLSE_cur, tOcO_mn, row0, seqlen_q)
 
     @cute.jit
     def epilogue(
