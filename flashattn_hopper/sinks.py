@@ -103,18 +103,17 @@ class SinkAttnFunc(torch.autograd.Function):
         route = ctx.route
         if route is not None and hasattr(route[1], "cached_plan"):
             # Eager: the backward family's plan for this problem, launched directly (the op validated,
-            # dispatched and planned per call: ~600 of a sinked backward's ~785 us of host time).
-            # Dense: the preprocess's rowsum(dout * out) serves the sink's gradient too (recomputed in
-            # fp32 by torch it read and wrote ~1 GB at 16k tokens x 2048).
+            # dispatched and planned per call: ~600 of a sinked backward's ~785 us of host time). The
+            # preprocess takes the sink's gradient beside its rowsum(dout * out) (kernels/common/bwd_pre.py
+            # ``sink_grad``: torch's passes over the rows took ~17 us at 16k tokens; recomputing the rowsum
+            # in fp32, as the varlen route did, read and wrote ~1 GB at 16k tokens x 2048).
             _, family, p, varlen = route
-            plan = family.cached_plan(p, varlen, ctx.options[5], q.device)
-            grads = plan(dout.contiguous(), q, k, v, out, lse_sink, varlen, rows_dpsum=varlen is None)
+            plan = family.cached_plan(p, varlen, ctx.options[5], q.device, sink=True)
+            grads = plan(dout.contiguous(), q, k, v, out, lse_sink, varlen, sink=sink)
             dq, dk, dv = (t.contiguous() for t in grads[:3])
-            rows = grads[3] if varlen is None else None
-        else:
-            dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
-            rows = None
-        dsink = sink_gradient(dout, out, sink, lse_sink, q, cu_q, used_q, rows)
+            return dq, dk, dv, grads[3].to(sink.dtype), None, None, None, None, None
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.options)
+        dsink = sink_gradient(dout, out, sink, lse_sink, q, cu_q, used_q)
         return dq, dk, dv, dsink, None, None, None, None, None
 
 

@@ -300,11 +300,16 @@ def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
     k, v = (torch.randn(sum(slots_k), 2, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
     sink = torch.randn(8, device="cuda", generator=gen)
     window = (-1, 0) if causal else (-1, -1)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 90, causal=causal, learnable_sink=sink,
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, lse = flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, 130, 90, causal=causal, learnable_sink=leaves[3],
                                       seqused_q=used_q, seqused_k=used_k, return_lse=True, backend=backend)
-    ref_out, ref_lse, rows = _sink_ref(q.double(), k.double(), v.double(), sink.double(), causal, window, cu_q, cu_k,
-                                       used_q, used_k)
-    pt_out, pt_lse, _ = _sink_ref(q, k, v, sink.to(q.dtype), causal, window, cu_q, cu_k, used_q, used_k)
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.double() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls.append((sink.double() if upcast else sink.to(q.dtype)).detach().clone().requires_grad_())
+        refs[upcast] = _sink_ref(*ls, causal, window, cu_q, cu_k, used_q, used_k), ls
+    (ref_out, ref_lse, rows), ref_leaves = refs[True]
+    (pt_out, pt_lse, _), pt_leaves = refs[False]
     rows = rows.to(q.device)
     assert_close_to_ref("out", out[rows], ref_out.to(q.dtype), pt_out)
     assert_close_to_ref("lse", lse[:, rows], ref_lse.float(), pt_lse.float(), atol=1e-4)
@@ -312,6 +317,35 @@ def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
     unused[rows] = False
     assert bool((out[unused] == 0).all())
     assert taken == [True], taken
+    # The gradients, the sink's among them (the preprocess's sink_grad parts on the eager route), over the
+    # used rows; unused rows' dq reads 0 in both.
+    from flashattn_hopper.testing import rounding_atol
+
+    dout = torch.randn(int(rows.sum()), 8, 128, dtype=q.dtype, device="cuda", generator=gen)
+    grads = torch.autograd.grad(out[rows], leaves, dout)
+    want = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    pt = torch.autograd.grad(pt_out, pt_leaves, dout)
+    for name, g, r, t in zip(("dq", "dk", "dv", "dsink"), grads, want, pt):
+        assert_close_to_ref(name, g, r.to(g.dtype), t.to(g.dtype), atol=rounding_atol(r, q.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+def test_sink_gradient_deterministic_is_bitwise_stable(backend):
+    """``deterministic=True`` with a sink: dq, dk, dv and dsink bit for bit the same over runs (the sink's
+    gradient is summed from per-warp parts in a fixed order, no atomics)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 1000, 4, 64, dtype=torch.bfloat16, device="cuda", generator=gen)
+                     for _ in range(4))
+    sink = torch.randn(4, device="cuda", generator=gen).requires_grad_()
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [sink]
+    runs = []
+    for _ in range(3):
+        out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=sink, deterministic=True, backend=backend)
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), runs[0], run):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("family_name", ["sm80", "sm90"])

@@ -52,6 +52,7 @@ class BwdPreKey(KernelKey):
     head_dim_v: int
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
+    sink: bool = False  # also a learnable sink's gradient parts (FlashBwdPreprocess ``sink_grad``)
 
 
 @dataclass(frozen=True)
@@ -216,11 +217,12 @@ class BwdSm80:
 
     def keys(self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, deterministic: bool = False,
              sms: int | None = None, dk_fp32: bool = False,
-             gate: bool = False) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
+             gate: bool = False, sink: bool = False) -> tuple[BwdPreKey, BwdKey, BwdPostKey, BwdPostKey]:
         """(pre, main, post for dQ, post for the GQA dK/dV sums). ``sms``: the GPU's SM count, for the
         split tail of dense unmasked non-deterministic calls (None: no split). ``dk_fp32``: the main
         kernel sums dK in fp32 scratch as for GQA, whatever the head counts (``BwdPlan``). ``gate``: the
-        main key's gate variant (families with ``gate_slots``)."""
+        main key's gate variant (families with ``gate_slots``). ``sink``: the preprocess takes a learnable
+        sink's gradient too."""
         dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
@@ -241,7 +243,7 @@ class BwdSm80:
         post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k, main=main)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
-                      varlen=is_varlen, seqused=su_q),
+                      varlen=is_varlen, seqused=su_q, sink=sink),
             main, post_dq, post_kv,
         )
 
@@ -340,7 +342,7 @@ class BwdSm80:
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
                 dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
-                pdl=configs.bwd_pdl(pre.arch),
+                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink,
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
@@ -348,7 +350,8 @@ class BwdSm80:
                 _fake(f32, (b, h, acc_len), 4),
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
-            return ffi_compile(kernel, *fakes, *ints, options=options)
+            sink = (_fake(f32, (h,)), _fake(f32, (b, h, cute.sym_int()))) if pre.sink else (None, None)
+            return ffi_compile(kernel, *fakes, *ints, *sink, options=options)
         if key.kernel == "bwd_post_sm80":
             from ..kernels.common.bwd_post import FlashBwdPostprocess
 
@@ -410,25 +413,27 @@ class BwdSm80:
         return plan(dout, q, k, v, out, lse, varlen, dq, dk, dv)
 
     def cached_plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
-                    gate: bool = False) -> BwdPlan:
-        """``plan``, kept per (family, problem, varlen flags, deterministic, device, gate): a ``BwdPlan``
-        holds only what those fix (no tensors). For the gated and sinked routes, which made one per call."""
-        memo = (self.kind, p, varlen_flags(varlen), deterministic, device, gate)
+                    gate: bool = False, sink: bool = False) -> BwdPlan:
+        """``plan``, kept per (family, problem, varlen flags, deterministic, device, gate, sink): a
+        ``BwdPlan`` holds only what those fix (no tensors). For the gated and sinked routes, which made
+        one per call."""
+        memo = (self.kind, p, varlen_flags(varlen), deterministic, device, gate, sink)
         plan = _PLAN_MEMO.get(memo)
         if plan is None:
             if len(_PLAN_MEMO) >= _MAX_PLAN_MEMO:
                 _PLAN_MEMO.clear()
-            plan = _PLAN_MEMO[memo] = self.plan(p, varlen, deterministic, device, gate=gate)
+            plan = _PLAN_MEMO[memo] = self.plan(p, varlen, deterministic, device, gate=gate, sink=sink)
         return plan
 
     def plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
-             dk_fp32: bool = False, gate: bool = False) -> BwdPlan:
+             dk_fp32: bool = False, gate: bool = False, sink: bool = False) -> BwdPlan:
         """The compiled kernels and every static argument of a backward call of problem ``p`` (a
         non-empty one) on ``device``; ``varlen``: only which of its tensors are given matters.
-        ``gate``: the main kernel's gate variant (``gate_slots``)."""
+        ``gate``: the main kernel's gate variant (``gate_slots``); ``sink``: the preprocess also takes a
+        learnable sink's gradient (the plan's call then needs ``sink`` and returns it last)."""
         sms = num_sms(device_index(device))
         pre_key, main_key, post_dq_key, post_kv_key = self.keys(p, target_arch(), varlen, deterministic, sms, dk_fp32,
-                                                                gate)
+                                                                gate, sink)
         pre = compile_cache.get(pre_key, self.compile)
         # Split tail: the whole-block kernel skips the last key blocks, the segments kernel runs them.
         main, segments = compile_cache.get(main_key, self.compile), None
@@ -445,7 +450,8 @@ class BwdSm80:
             tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
-                       tail_segments, dk_fp32, self.gate_slots, kv_fragment=post_kv_key.wg_blocks)
+                       tail_segments, dk_fp32, self.gate_slots, kv_fragment=post_kv_key.wg_blocks,
+                       sink_warps=_pre_threads(pre_key.head_dim_v) // 32 if sink else 0)
 
 
 def wgmma_rows_order(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -474,7 +480,7 @@ class BwdPlan:
 
     def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
                  tail_blocks: int, tail_segments: int, dk_fp32: bool = False, gate_slots: int = 0,
-                 kv_fragment: bool = False) -> None:
+                 kv_fragment: bool = False, sink_warps: int = 0) -> None:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
         self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
@@ -495,6 +501,10 @@ class BwdPlan:
             self.b_scr, self.s_q_pad, self.s_k_pad = b, -(-s_q // q_pad) * q_pad, -(-s_k // SEQ_PAD) * SEQ_PAD
             self.q_shape, self.k_shape, self.v_shape = (b, s_q, h, d), (b, s_k, h_k, d), (b, s_k, h_k, d_v)
         self.rows_shape = (self.b_scr, h, self.s_q_pad)
+        # The preprocess's sink gradient parts (sink_warps > 0): a slot per warp of each of its CTAs (grid
+        # x: kernels/common/bwd_pre.py; varlen: num_varlen_tiles_upper_bound, some never written: zeros).
+        pre_ctas = (s_q + b * (_PRE_TILE_M - 1) + _PRE_TILE_M - 1) // _PRE_TILE_M if p.is_varlen else self.s_q_pad // _PRE_TILE_M
+        self.sink_parts_shape = (self.b_scr, h, pre_ctas * sink_warps) if sink_warps else None
         self.acc_shape = (self.b_scr, h, self.s_q_pad * d)
         self.padded = d != p.head_dim or d_v != p.head_dim_v
         window_left, window_right = window_args(p) if main_key.local else (0, 0)
@@ -506,12 +516,14 @@ class BwdPlan:
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, varlen: VarlenArgs | None = None, dq: torch.Tensor | None = None,
         dk: torch.Tensor | None = None, dv: torch.Tensor | None = None, gate: tuple[torch.Tensor, ...] | None = None,
-        rows_dpsum: bool = False,
+        rows_dpsum: bool = False, sink: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """``backward`` of the plan's problem (see there); ``varlen``: the call's varlen tensors;
         ``gate``: the main kernel's gate slots (a gate key's plan: ``BwdSm90.backward_with_gate``).
         ``rows_dpsum`` (dense only): also the preprocess's ``rowsum(dout * out)`` in fp32, ``(batch,
-        nheads, seqlen_q)`` like the LSE (a view of its scratch; ``sinks.py``'s gradient reads it)."""
+        nheads, seqlen_q)`` like the LSE (a view of its scratch; ``sinks.py``'s gradient reads it).
+        ``sink`` (exactly for a plan made with ``sink``): the learnable sink's logits ``(nheads,)``, ``lse``
+        the sinked LSE; its gradient ``(nheads,)`` fp32 is then returned last."""
         p, key, d, d_v, dev = self.p, self.main_key, self.d, self.d_v, q.device
         if self.padded:
             q, k = (pad_head_dim(t, d) for t in (q, k))
@@ -556,7 +568,13 @@ class BwdPlan:
         if self.tail_blocks > 0 and not key.gqa:  # MHA: the split blocks' partial dK/dV sums and arrival counts
             tail_sums = torch.zeros(self.tail_blocks, 2, key.tile_n * max(d, d_v), dtype=f32, device=dev)
             sem_kv = torch.zeros(1, 1, self.tail_blocks, dtype=torch.int32, device=dev)
-        self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q)
+        sink_parts = None
+        if (sink is not None) != (self.sink_parts_shape is not None):
+            raise ValueError("sink must be given exactly to a plan made with sink=True")
+        if sink is not None:
+            sink = sink.detach().to(device=dev, dtype=f32).contiguous()
+            sink_parts = (torch.zeros if p.is_varlen else torch.empty)(self.sink_parts_shape, dtype=f32, device=dev)
+        self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q, sink, sink_parts)
         main_args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk_main, dv_main, sem_q, sem_kv, *self.scalars,
                      cu_q, cu_k, su_q, su_k)
         self.main(*main_args, None, *(self.no_gate if gate is None else gate))
@@ -573,11 +591,14 @@ class BwdPlan:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d_v != p.head_dim_v:
             dv = dv[..., : p.head_dim_v]
+        extra = ()
         if rows_dpsum:
             if p.is_varlen:
                 raise ValueError("rows_dpsum: dense problems only (varlen rows sit at padded scratch offsets)")
-            return dq, dk, dv, dpsum[:, :, : p.seqlen_q]
-        return dq, dk, dv
+            extra = (dpsum[:, :, : p.seqlen_q],)
+        if sink_parts is not None:
+            extra = (*extra, sink_parts.sum((0, 2)))
+        return (dq, dk, dv, *extra)
 
     def _dk_from_scratch(self, dk_main: torch.Tensor, cu_k: torch.Tensor | None,
                          su_k: torch.Tensor | None) -> torch.Tensor:

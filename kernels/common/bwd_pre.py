@@ -7,7 +7,11 @@ block, computed once (design doc 2.2), in fp32:
   and one MUFU.EX2; a row whose LSE is ``-inf`` (it sees no key) stores 0 (its scores are all
   masked, so P = 0 either way and no ``inf - inf`` arises); padding rows past ``seqlen_q`` store
   ``+inf`` and ``dPsum = 0``, so ``P = 0`` and ``dS = 0`` there (pitfall 19);
-- ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds.
+- ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds;
+- with ``sink_grad`` (a learnable sink per head, ``flashattn_hopper/sinks.py``): each warp's part of the
+  sink's gradient ``d sink_h = -sum_i exp(sink_h - LSE_i) * dPsum_i`` over its rows (LSE the sinked
+  one), one fp32 value per warp in ``mdSinkParts``; the host sums the parts (a fixed order: bitwise
+  stable, no atomics), where torch's four passes over the rows took ~17 us at 16k tokens.
 
 Constraints: O/dO ``(batch, seqlen_q, nheads, head_dim_v)`` 16-bit with 16-byte rows and aligned
 strides; LSE fp32 ``(batch, nheads, seqlen_q)``; scratch shapes per ``common/bwd_utils.py``
@@ -44,11 +48,13 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
-                 num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False):
+                 num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False,
+                 sink_grad: bool = False):
         """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``). ``pdl``
         (sm_90 only): launched as a programmatic dependent of the stream's previous kernel, it waits
         for that one before reading O, dO and LSE, and lets the main kernel launch once its loads
-        are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``)."""
+        are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``). ``sink_grad``: the
+        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if reason is not None:
@@ -59,6 +65,7 @@ class FlashBwdPreprocess:
         self.tile_m = tile_m
         self.num_threads = num_threads
         self.pdl = pdl
+        self.sink_grad = sink_grad
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
@@ -77,6 +84,10 @@ class FlashBwdPreprocess:
         mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, output (zeros)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
+        mSinkLogits: cute.Tensor | None,  # sink_grad only: (nheads,) fp32, natural log
+        # sink_grad only: (batch | 1, nheads, grid_x * warps) fp32, output: warp w of the CTA at grid
+        # x index bx writes slot bx * warps + w (varlen CTAs past the last sequence write nothing)
+        mdSinkParts: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
@@ -84,6 +95,8 @@ class FlashBwdPreprocess:
         for t in (mLSE, mLSE_log2, mdPsum, mdQaccum):
             if const_expr(t.element_type != Float32):
                 raise TypeError("LSE, LSE_log2, dPsum and dQaccum must be Float32")
+        if const_expr((mSinkLogits is not None) != self.sink_grad or (mdSinkParts is not None) != self.sink_grad):
+            raise TypeError("mSinkLogits and mdSinkParts must be given exactly when sink_grad")
         varlen = const_expr(mCuSeqlensQ is not None)
         # (s, d, h[, b]) and LSE (s, h[, b])
         mO, mdO = [
@@ -99,7 +112,7 @@ class FlashBwdPreprocess:
             num_batch = mO.shape[3]
             grid = [mLSE_log2.shape[2] // self.tile_m, mO.shape[2], num_batch]
         self.kernel(
-            mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ
+            mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ, mSinkLogits, mdSinkParts
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -114,6 +127,8 @@ class FlashBwdPreprocess:
         num_batch: Int32,
         mCuSeqlensQ: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
+        mSinkLogits: cute.Tensor | None,
+        mdSinkParts: cute.Tensor | None,
     ):
         block_x, head_idx, block_z = cute.arch.block_idx()
         if const_expr(self.pdl):
@@ -125,12 +140,12 @@ class FlashBwdPreprocess:
             if batch_idx >= 0:
                 self.row_block(
                     mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, m_block,
-                    head_idx, batch_idx,
+                    head_idx, batch_idx, mSinkLogits, mdSinkParts, block_x,
                 )
         else:
             self.row_block(
                 mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, block_x,
-                head_idx, block_z,
+                head_idx, block_z, mSinkLogits, mdSinkParts, block_x,
             )
 
     @cute.jit
@@ -147,8 +162,12 @@ class FlashBwdPreprocess:
         m_block: Int32,
         head_idx: Int32,
         batch_idx: Int32,
+        mSinkLogits: cute.Tensor | None,
+        mdSinkParts: cute.Tensor | None,
+        block_x: Int32,
     ):
-        """The ``tile_m`` padded rows ``m_block`` of one (sequence, head)."""
+        """The ``tile_m`` padded rows ``m_block`` of one (sequence, head); ``block_x``: the CTA's grid
+        index (its slots in ``mdSinkParts``)."""
         tidx, _, _ = cute.arch.thread_idx()
         seqlen = SeqlenInfo.create(batch_idx, mO.shape[0], Int32(0), mCuSeqlensQ, None, mSeqUsedQ)
         seqlen_q = seqlen.seqlen_q
@@ -198,6 +217,10 @@ class FlashBwdPreprocess:
         threads_per_row = copy_threads_per_row(self.head_dim_v, 8, self.num_threads)
         mLSE_log2_cur = mLSE_log2[scratch_b, head_idx, None]
         mdPsum_cur = mdPsum[scratch_b, head_idx, None]
+        sink_log2 = Float32(0.0)
+        sink_part = Float32(0.0)  # (this thread's rows' share of -d sink, kept by column-0 threads)
+        if const_expr(self.sink_grad):
+            sink_log2 = mSinkLogits[head_idx] * LOG2_E
         for m in cutlass.range_constexpr(num_rows):
             prod_row = prod[None, m, None]
             dot = Float32(0.0)
@@ -212,8 +235,18 @@ class FlashBwdPreprocess:
                     lse = rLSE[m]
                     lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
                     dpsum = dot
+                    if const_expr(self.sink_grad):
+                        # (a sink of -inf, or a row whose sinked LSE is -inf: no share, never NaN)
+                        if sink_log2 != -Float32.inf and lse != -Float32.inf:
+                            sink_part -= cute.math.exp2(sink_log2 - lse * LOG2_E) * dot
                 mLSE_log2_cur[pad_offset + row] = lse_log2
                 mdPsum_cur[pad_offset + row] = dpsum
+        if const_expr(self.sink_grad):
+            # Each warp's rows' sum, one slot per warp: the host adds the slots in a fixed order.
+            warp_sum = cute.arch.warp_reduction_sum(sink_part, threads_in_group=32)
+            warps = self.num_threads // 32
+            if cute.arch.lane_idx() == 0:
+                mdSinkParts[scratch_b, head_idx, block_x * warps + cute.arch.warp_idx()] = warp_sum
 
         copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
         gdQaccum = accum_tile(
