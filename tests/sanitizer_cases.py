@@ -86,6 +86,17 @@ def _gated_varlen() -> None:
     out.backward(torch.randn_like(out))
 
 
+def _sink_varlen() -> None:
+    """A learnable sink in the sm90 forward (its logits loaded at each tile's start) and its gradient in
+    the backward's preprocess (one part per warp of each CTA, some varlen CTAs past the last sequence),
+    odd lengths and an empty sequence, GQA."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, cu, max_len = _packed((333, 17, 130, 0, 1), grad=True)
+    sink = torch.randn(2, device="cuda", generator=gen).requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True, learnable_sink=sink)
+    out.backward(torch.randn_like(out))
+
+
 def _clusters() -> None:
     """The hdim 256 row's clusters of 2 (shipped from 8k tokens), forced at a short length."""
     from flashattn_hopper import configs
@@ -182,6 +193,8 @@ CASES: dict[str, Callable[[], None]] = {
     # Gated log-decay: the bias inside the sm90 forward.
     "default_gated_causal": _gated,
     "default_gated_varlen_causal": _gated_varlen,
+    # A learnable sink: in the sm90 forward, its gradient in the backward's preprocess.
+    "default_sink_varlen_causal": _sink_varlen,
     # The FP8 forward (dense non-causal: static persistent walk; varlen causal: dynamic handoff).
     "sm90_fp8_dense": _fp8(causal=False, varlen=False),
     "sm90_fp8_varlen_causal": _few_sms(_fp8(causal=True, varlen=True)),
