@@ -321,7 +321,7 @@ def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
     # used rows; unused rows' dq reads 0 in both.
     from flashattn_hopper.testing import rounding_atol
 
-    dout = torch.randn(int(rows.sum()), 8, 128, dtype=q.dtype, device="cuda", generator=gen)
+    dout = torch.randn(rows.numel(), 8, 128, dtype=q.dtype, device="cuda", generator=gen)
     grads = torch.autograd.grad(out[rows], leaves, dout)
     want = torch.autograd.grad(ref_out, ref_leaves, dout.double())
     pt = torch.autograd.grad(pt_out, pt_leaves, dout)
