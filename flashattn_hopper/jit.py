@@ -180,10 +180,17 @@ def target_arch() -> str:
     compiler): ``CUTE_DSL_ARCH``, else the current GPU's compute capability as the DSL names it
     (``sm_90a`` for 9.0, ``sm_86`` for 8.6; ``sm_100a`` without a GPU, as the DSL defaults)."""
     if "cutlass" in sys.modules:
-        from cutlass.base_dsl.dsl import BaseDSL
-
-        return str(BaseDSL._get_dsl().get_arch_enum())
+        return _dsl_arch()
     return os.environ.get("CUTE_DSL_ARCH") or _detected_arch()
+
+
+@functools.cache
+def _dsl_arch() -> str:
+    """The imported DSL's arch, fixed for the process: asked once (asking took ~15 us, on every gated
+    or sinked call through ``variant_key``)."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    return str(BaseDSL._get_dsl().get_arch_enum())
 
 
 @functools.cache

@@ -380,11 +380,13 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
 
 
 def _cpu_launch_stand_ins(monkeypatch, launch) -> None:
-    """The forward launchers on the CPU: no compile, ``launch`` for ``launch_forward``, device 0 with
-    132 SMs and a CPU tile counter."""
+    """The forward launchers on the CPU: no compile, no plans (the dense sink route's ``plan``), ``launch``
+    for ``launch_forward``, device 0 with 132 SMs and a CPU tile counter."""
     from flashattn_hopper.backends import common, sm90_fwd
 
     monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
+    monkeypatch.setattr(common.FwdLauncher, "plan", lambda self, q, p, key=None: None)
+    monkeypatch.setattr(common, "_SINK_PLANS", {})
     monkeypatch.setattr(common, "launch_forward", launch)
     monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
     monkeypatch.setattr(common, "device_index", lambda device: 0)

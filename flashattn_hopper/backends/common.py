@@ -218,6 +218,7 @@ def current_stream_arg(handle: int) -> Any:
 # Per-problem memos of the gated and sinked routes (``FwdLauncher.variant_key``, ``BwdSm80.cached_plan``),
 # bounded like api's plans: what a call's signature fixes, worked out once.
 _VARIANT_KEYS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+_SINK_PLANS: dict[tuple[Any, ...], Any] = {}  # (sink key, problem, device) -> FwdPlan | None (forward_with_sink)
 _MAX_MEMO = 1024
 
 
@@ -418,9 +419,12 @@ class FwdPlan:
         self.backend: str | None = None  # the backend the caller asked for (the backward's dispatch)
         self.bwd: dict[bool, Any] = {}  # deterministic -> the backward's plan (callers fill it)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lse``: the LSE buffer, given where the kernel reads it first (a sink key's logits)."""
         out = q.new_empty(self.out_shape)  # (q's dtype and device: fewer arguments to parse than torch.empty)
-        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        if lse is None:
+            lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         if self.counter_device is None:
             self.fn(q, k, v, out, lse, *self.head, None, None, None, None)
         else:
@@ -476,7 +480,6 @@ class FwdLauncher:
         plain, key = self.variant_key(p, varlen, sink=True, **overrides)
         if not even_unpacked and any(getattr(plain, name) != value for name, value in overrides.items()):
             return None
-        compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
         logits = sink.detach().to(device=q.device, dtype=torch.float32)
         # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
         if varlen is not None:
@@ -485,15 +488,31 @@ class FwdLauncher:
         else:
             lse = torch.empty((p.batch, p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)
             lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
+            # Dense: the sink key's plan, kept like a plain call's (``plan``): launch_forward's per-call
+            # padding checks, argument building and stream lookup took ~half a sinked call's host time.
+            memo = (key, p, q.device)
+            plan = _SINK_PLANS.get(memo, False)
+            if plan is False:
+                if len(_SINK_PLANS) >= _MAX_MEMO:
+                    _SINK_PLANS.clear()
+                plan = _SINK_PLANS[memo] = self.plan(q, p, key)
+            if plan is not None:
+                try:
+                    return plan(q, k, v, lse)
+                except (ValueError, TypeError):  # (TVM-FFI turned the inputs down: the general way copies them)
+                    pass
+        compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
-    def plan(self, q: torch.Tensor, p: AttnProblem) -> FwdPlan | None:
-        """A ``FwdPlan`` for a dense problem the kernel takes without padding, else None."""
+    def plan(self, q: torch.Tensor, p: AttnProblem, key: Any = None) -> FwdPlan | None:
+        """A ``FwdPlan`` for a dense problem the kernel takes without padding, else None; ``key``: a
+        variant of the problem's key (``variant_key``) instead of its own."""
         if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
-        key = self.key(p, target_arch(), None)  # type: ignore[attr-defined]
+        if key is None:
+            key = self.key(p, target_arch(), None)  # type: ignore[attr-defined]
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
         fn = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
