@@ -2,7 +2,7 @@
 
     python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
                              [--repeat N] [--deterministic] [--sm80] [--tiles 64:128x128:1:rows ...]
-                             [--hdim-v DV] [--group G]
+                             [--hdim-v DV] [--group G] [--energy]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
@@ -14,7 +14,9 @@ launcher with that tile at that head dim (``BwdSm90Tile``: tile_m x tile_n, Q/dO
 rows), called directly on our forward's out/lse (A/B of tiles in one interleaved run). Before timing, every column's gradients are checked against cuDNN's on the same inputs
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
-* h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer.
+* h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer. ``--energy``: under each row, every column's
+joules per backward, TFLOP/J, mean watts and end SM clock over ~2 s of back-to-back calls (NVML's energy counter
+through ``nvidia-smi``): from 4k an H100's backward runs at its 700 W cap, where speed follows energy per FLOP.
 """
 
 from __future__ import annotations
@@ -61,6 +63,39 @@ def tile_column(family, q, k, v, dout, causal: bool, deterministic: bool):
     return lambda: family.backward(dout, q, k, v, out, lse, p, None, deterministic)
 
 
+def gpu_counters() -> tuple[float, float]:
+    """(total energy in J since the driver loaded, SM clock in MHz) of GPU 0 (``nvidia-smi``: NVML's
+    counters without a Python binding on the GPU machine)."""
+    import subprocess
+
+    text = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=total_energy_consumption,clocks.sm",
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    energy_mj, clock = (float(x) for x in text.strip().split(","))
+    return energy_mj / 1000.0, clock
+
+
+def energy_per_call(fn, seconds: float = 2.0) -> tuple[float, float, float]:
+    """(J per call, mean W, SM MHz at the end) of ``fn`` run back to back for about ``seconds`` (warm,
+    synchronized before and after). Under the power cap a backward's speed is its energy per FLOP's:
+    this is what tells two kernels' joules apart (perf/NOTES.md session 26)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    calls = max(int(seconds / max(time.perf_counter() - start, 1e-6)), 1)
+    energy0, _ = gpu_counters()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    energy1, clock = gpu_counters()
+    return (energy1 - energy0) / calls, (energy1 - energy0) / elapsed, clock
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
@@ -72,6 +107,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
     ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
     ap.add_argument("--group", type=int, default=1, help="GQA: query heads per kv head (default 1: MHA)")
+    ap.add_argument("--energy", action="store_true",
+                    help="also each column's joules per backward, mean watts and end clock (about 2 s of calls each)")
     args = ap.parse_args(argv)
     if args.tiles and args.hdim_v:
         ap.error("--tiles times q/k's row only: with --hdim-v v would run padded to it (not supported)")
@@ -152,6 +189,11 @@ def main(argv: list[str]) -> int:
                 dims = f"{hdim}" if hdim_v == hdim else f"{hdim}/{hdim_v}"
                 print(f"| {dims} | {seqlen} | {'on' if causal else 'off'} | " + " | ".join(cells + ratios) + " |",
                       flush=True)
+                if args.energy:  # (after the table row: its own lines, Markdown comments)
+                    for name in timed:
+                        joules, watts, clock = energy_per_call(fns[name])
+                        print(f"<!-- energy {dims} {seqlen} {'on' if causal else 'off'} {name}: {joules * 1e3:.2f} mJ/call, "
+                              f"{flops / joules / 1e12:.2f} TFLOP/J, {watts:.0f} W, {clock:.0f} MHz -->", flush=True)
                 del fns
                 torch.cuda.empty_cache()
     return 0
