@@ -140,12 +140,13 @@ def sink_gradient(dout: torch.Tensor, out: torch.Tensor, sink: torch.Tensor, lse
     ``seqused_q`` (``out``: the sinked output, ``lse_sink``: the LSE with the sink). ``rows_dpsum``
     (dense): ``rowsum(dout * out)`` already taken, in the LSE's layout (the backward's preprocess)."""
     varlen = cu_q is not None
+    # (a -inf sink on a row that sees no key: exp(-inf - -inf) is NaN; its share is 0, as the preprocess's)
     if rows_dpsum is not None:
-        p_sink = torch.exp(sink.float()[None, :, None] - lse_sink)  # (b, h, s_q)
+        p_sink = torch.exp(sink.float()[None, :, None] - lse_sink).nan_to_num(0.0)  # (b, h, s_q)
         return (-(p_sink * rows_dpsum).sum((0, 2))).to(sink.dtype)
     dpsum = (dout.float() * out.float()).sum(-1)  # (b, s_q, h) / (total_q, h)
     sink_rows = sink.float()[None, :] if varlen else sink.float()[None, None, :]
-    p_sink = torch.exp(sink_rows - _per_row(lse_sink, varlen)[..., 0])
+    p_sink = torch.exp(sink_rows - _per_row(lse_sink, varlen)[..., 0]).nan_to_num(0.0)
     contrib = p_sink * dpsum
     if used_q is not None:
         contrib = torch.where(_row_mask(q, cu_q, used_q)[:, None], contrib, 0.0)

@@ -15,7 +15,7 @@ rows), called directly on our forward's out/lse (A/B of tiles in one interleaved
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
 * h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer. ``--energy``: under each row, every column's
-joules per backward, TFLOP/J, mean watts and end SM clock over ~2 s of back-to-back calls (NVML's energy counter
+joules per backward, TFLOP/J, mean watts and SM clock over ~2 s of back-to-back calls (NVML's energy counter
 through ``nvidia-smi``): from 4k an H100's backward runs at its 700 W cap, where speed follows energy per FLOP.
 """
 
@@ -63,21 +63,25 @@ def tile_column(family, q, k, v, dout, causal: bool, deterministic: bool):
     return lambda: family.backward(dout, q, k, v, out, lse, p, None, deterministic)
 
 
-def gpu_counters() -> tuple[float, float]:
-    """(total energy in J since the driver loaded, SM clock in MHz) of GPU 0 (``nvidia-smi``: NVML's
-    counters without a Python binding on the GPU machine)."""
+def gpu_query(field: str) -> float:
+    """One NVML reading of the current CUDA device (``nvidia-smi`` by the device's UUID: its own index
+    ignores CUDA_VISIBLE_DEVICES and may order cards otherwise), e.g. ``total_energy_consumption`` (mJ)."""
     import subprocess
 
-    text = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=total_energy_consumption,clocks.sm",
-                           "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
-    energy_mj, clock = (float(x) for x in text.strip().split(","))
-    return energy_mj / 1000.0, clock
+    uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    text = subprocess.run(["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return float(text)
+    except ValueError:
+        raise RuntimeError(f"nvidia-smi reads {field} as {text!r} on this GPU") from None
 
 
 def energy_per_call(fn, seconds: float = 2.0) -> tuple[float, float, float]:
-    """(J per call, mean W, SM MHz at the end) of ``fn`` run back to back for about ``seconds`` (warm,
-    synchronized before and after). Under the power cap a backward's speed is its energy per FLOP's:
-    this is what tells two kernels' joules apart (perf/NOTES.md session 26)."""
+    """(J per call, mean W, SM MHz while the calls run) of ``fn`` run back to back for about ``seconds``
+    (warm; the energy counter read before the first call is queued and after the last one ends, the
+    clock while the queue still runs). Under the power cap a backward's speed is its energy per FLOP's:
+    this tells two kernels' joules apart (perf/NOTES.md session 26)."""
     import time
 
     fn()
@@ -85,15 +89,16 @@ def energy_per_call(fn, seconds: float = 2.0) -> tuple[float, float, float]:
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    calls = max(int(seconds / max(time.perf_counter() - start, 1e-6)), 1)
-    energy0, _ = gpu_counters()
+    calls = max(int(seconds / max(time.perf_counter() - start, 1e-6)), 2)
+    energy0 = gpu_query("total_energy_consumption")
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    clock = gpu_query("clocks.sm")  # (the host queues faster than the GPU runs: the queue is still busy)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    energy1, clock = gpu_counters()
-    return (energy1 - energy0) / calls, (energy1 - energy0) / elapsed, clock
+    joules = (gpu_query("total_energy_consumption") - energy0) / 1000.0
+    return joules / calls, joules / elapsed, clock
 
 
 def main(argv: list[str]) -> int:
@@ -108,7 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
     ap.add_argument("--group", type=int, default=1, help="GQA: query heads per kv head (default 1: MHA)")
     ap.add_argument("--energy", action="store_true",
-                    help="also each column's joules per backward, mean watts and end clock (about 2 s of calls each)")
+                    help="also each column's joules per backward, mean watts and clock (about 2 s of calls each)")
     args = ap.parse_args(argv)
     if args.tiles and args.hdim_v:
         ap.error("--tiles times q/k's row only: with --hdim-v v would run padded to it (not supported)")

@@ -27,7 +27,8 @@ def variant_keys(spec, arch: str) -> list:
             keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False)
                      for in_gemm in (True, False)]
     if spec.kind == "bwd_sm80" and keys:
-        # The preprocess with a learnable sink's gradient parts (sinks.py's eager backward), dense.
-        pre = next(key for key in keys if key.kernel == "bwd_pre_sm80" and key.head_dim == 128 and not key.varlen)
-        keys.append(dataclasses.replace(pre, sink=True))
+        # The preprocess with a learnable sink's gradient parts (sinks.py's eager backward), dense and varlen.
+        for varlen in (False, True):
+            pre = next(key for key in keys if key.kernel == "bwd_pre_sm80" and key.head_dim == 128 and key.varlen == varlen)
+            keys.append(dataclasses.replace(pre, sink=True))
     return keys

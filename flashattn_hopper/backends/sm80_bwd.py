@@ -133,10 +133,11 @@ def tail_plan(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, tile_m: int
     return tail, segments
 
 
-def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
+def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1, align: int = 16) -> Any:
     """A fake tensor with ``to_cute``'s ABI: dynamic shapes and strides, unit last stride. Every extent
     must be symbolic: ``to_cute`` passes all of them, and a static one shifts the strides the kernel
-    reads (a static 2 once made the split tail's dV sums land on the dK sums two blocks on)."""
+    reads (a static 2 once made the split tail's dV sums land on the dK sums two blocks on). ``align``:
+    the data pointer's alignment in bytes the call checks (a user's tensor read as it is: its own)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
@@ -144,7 +145,7 @@ def _fake(dtype: Any, shape: tuple[Any, ...], divisibility: int = 1) -> Any:
         raise TypeError(f"fake tensor extents must be symbolic (cute.sym_int), got {shape}")
 
     strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(len(shape) - 1))
-    return make_fake_tensor(dtype, shape, stride=(*strides, 1), assumed_align=16)
+    return make_fake_tensor(dtype, shape, stride=(*strides, 1), assumed_align=align)
 
 
 def _fake_packed(dtype: Any, total: Any, heads: Any, dim: Any) -> Any:
@@ -350,7 +351,8 @@ class BwdSm80:
                 _fake(f32, (b, h, acc_len), 4),
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
-            sink = (_fake(f32, (h,)), _fake(f32, (b, h, cute.sym_int()))) if pre.sink else (None, None)
+            # (the sink's logits as the user's fp32 tensor: a view may start at any 4-byte offset)
+            sink = (_fake(f32, (h,), align=4), _fake(f32, (b, h, cute.sym_int()))) if pre.sink else (None, None)
             return ffi_compile(kernel, *fakes, *ints, *sink, options=options)
         if key.kernel == "bwd_post_sm80":
             from ..kernels.common.bwd_post import FlashBwdPostprocess

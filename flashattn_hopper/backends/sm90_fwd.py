@@ -367,7 +367,7 @@ def gate_slice(key: FwdSm90Key) -> bool:
     from ..kernels.sm90.fwd_budget import gate_in_gemm
 
     own_sO = key.persistent or key.head_dim_v > key.head_dim
-    return key.gate_slice and gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
+    return key.gate and key.gate_slice and gate_in_gemm(2, key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.num_stages, own_sO, key.q_stages)
 
 
 def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:
