@@ -330,6 +330,23 @@ def test_sink_in_kernel_varlen_seqused(monkeypatch, backend, causal):
 
 
 @pytest.mark.gpu
+def test_sink_view_at_an_offset():
+    """A sink that is a view into a larger fp32 parameter at a 4-byte offset (packed parameters): the
+    forward and the backward's preprocess read it as it is (the kernels' checks asked 16-byte alignment
+    of it once), dsink equal to the same call's with a fresh copy of the logits."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(4))
+    packed = torch.randn(9, device="cuda", generator=gen)
+    grads = []
+    for sink in (packed[1:5], packed[1:5].clone()):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+        out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3])
+        grads.append(torch.autograd.grad(out, leaves, dout))
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), *grads):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 def test_sink_gradient_deterministic_is_bitwise_stable(backend):
     """``deterministic=True`` with a sink: dq, dk, dv and dsink bit for bit the same over runs (the sink's
