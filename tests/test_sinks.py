@@ -336,12 +336,14 @@ def test_sink_view_at_an_offset():
     of it once), dsink equal to the same call's with a fresh copy of the logits."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v, dout = (torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(4))
-    packed = torch.randn(9, device="cuda", generator=gen)
+    packed = torch.randn(9, device="cuda", generator=gen).requires_grad_()
+    fresh = packed.detach()[1:5].clone().requires_grad_()
     grads = []
-    for sink in (packed[1:5], packed[1:5].clone()):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
-        out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3])
-        grads.append(torch.autograd.grad(out, leaves, dout))
+    for leaf, sink in ((packed, packed[1:5]), (fresh, fresh)):  # (the view: a data pointer 4 bytes on)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [leaf]
+        out = flash_attn_func(*leaves[:3], causal=True, learnable_sink=sink)
+        grads.append(list(torch.autograd.grad(out, leaves, dout)))
+    grads[0][3] = grads[0][3][1:5]
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), *grads):
         assert torch.equal(a, b), name
 
