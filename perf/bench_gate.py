@@ -26,6 +26,11 @@ import torch
 from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 
 
+# The order systems are timed in within a round: the in-kernel variants next to our plain call, each peer
+# next to ours.
+TIMING_ORDER = ["ours", "ours_sink_k", "ours_gate", "fla_gate", "ours_gate_a", "ours_sink", "fla_sink", "fa4_sink"]
+
+
 def sink_path(fn, in_kernel: bool, module: str = "sinks"):
     """``fn`` with ``flashattn_hopper.<module>.IN_KERNEL`` set to ``in_kernel`` while it runs (the sink
     in the forward kernel's finalize or joined after it; the gate's bias in the sm90 forward kernel or
@@ -114,7 +119,10 @@ def main(argv: list[str]) -> int:
             fwd_flops = 4 * batch * nheads * seqlen ** 2 * hdim / 2
             tflops: dict[str, object] = dict(notes)
             for part, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
-                names = [c for c in fns if c.startswith(part)]
+                # Timed in TIMING_ORDER (the table keeps its columns): each variant right after the call
+                # it is a ratio to, so a clock drift under the power cap between columns timed seconds
+                # apart does not enter those ratios (16k cells read 4-6 % apart otherwise, session 26).
+                names = sorted((c for c in fns if c.startswith(part)), key=lambda c: TIMING_ORDER.index(c.split(":")[1]))
                 tflops.update(time_interleaved(timer, fns, names, args.repeat, flops))
 
             def ratio(a: str, b: str) -> str:
