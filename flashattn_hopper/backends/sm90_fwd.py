@@ -9,6 +9,7 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +360,7 @@ class FwdSm90(FwdLauncher):
                                 cluster_m=1)[1]
 
 
+@functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
 def gate_slice(key: FwdSm90Key) -> bool:
     """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
     where the key asks for it (``gate_slice``: long keys) and it fits, ``fwd_budget.gate_in_gemm`` with the
