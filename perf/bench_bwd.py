@@ -64,17 +64,30 @@ def tile_column(family, q, k, v, dout, causal: bool, deterministic: bool):
 
 
 def gpu_query(field: str) -> float:
-    """One NVML reading of the current CUDA device (``nvidia-smi`` by the device's UUID: its own index
-    ignores CUDA_VISIBLE_DEVICES and may order cards otherwise), e.g. ``total_energy_consumption`` (mJ)."""
+    """One NVML reading of the current CUDA device, e.g. ``total_energy_consumption`` (mJ) or ``clocks.sm``
+    (MHz): through ``pynvml`` where it imports, else ``nvidia-smi``, both by the device's UUID (an index
+    ignores CUDA_VISIBLE_DEVICES and may order cards otherwise)."""
     import subprocess
 
-    uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
-    text = subprocess.run(["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     try:
-        return float(text)
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        if field == "total_energy_consumption":
+            return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        if field == "clocks.sm":
+            return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    run = subprocess.run(["nvidia-smi", f"--id={uuid}", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    try:
+        return float(run.stdout.strip())
     except ValueError:
-        raise RuntimeError(f"nvidia-smi reads {field} as {text!r} on this GPU") from None
+        raise RuntimeError(f"nvidia-smi reads {field} as {run.stdout.strip()!r} ({run.stderr.strip()[:200]!r}, "
+                           f"rc {run.returncode}) on this GPU") from None
 
 
 def energy_per_call(fn, seconds: float = 2.0) -> tuple[float, float, float]:

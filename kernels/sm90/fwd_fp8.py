@@ -205,7 +205,11 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         transpose into the next sVt stage. Warp w takes the groups of 16 keys ``kg = w, w + 3, ...``
         and every 32-column block ``cb`` of them; lane ``(t, c)`` (c = lane % 8, t = lane // 8) reads
         keys ``16 kg + 2t + {0, 1, 8, 9}`` at columns ``32 cb + 4c .. + 3`` and writes rows
-        ``32 cb + 4c .. + 3`` of sVt at keys ``16 kg + 4t .. + 3`` (both sides 32 distinct banks).
+        ``32 cb + 4c .. + 3`` of sVt at keys ``16 kg + 4t .. + 3``. Store j of a lane writes row
+        ``4c + (j ^ m)``, ``m = (c >> 1) % 4``: the 8 lanes c of one store then hit 8 distinct rows mod 8,
+        whose swizzled 16-byte chunks are 8 distinct bank groups (row ``4c + j`` for every lane put 8
+        rows on 2 chunk positions: 4-way conflicts, ncu's 6.6-7.9-way on the H100). The xor costs no
+        instruction: the byte permutes take lane-constant selectors instead of immediates.
 
         Addresses by hand from the tiles' structure (``_tile_offset``): the swizzle's row bits are a
         lane's constants and the rest is additive, so each access costs a few integer ops (the
@@ -220,11 +224,22 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         vt_words = cute.make_tensor(cute.recast_ptr(storage.sVt.data_ptr(), dtype=Int32),
                                     cute.make_layout(n * dv * self.num_stages // 4))
         # Lane constants: the swizzle's xor of each row the lane touches (sV rows 2t, 2t + 1 mod 8;
-        # sVt rows 4c + j mod 8), and the lane's part of each address.
+        # sVt rows 4c + (j ^ m) mod 8), and the lane's part of each address.
+        # sVt's row offset and the swizzle's chunk xor occupy disjoint bits (chunk bits 4 .. 3 +
+        # log2(A / 16), row bits from log2(A)), so one register per store holds both: the address is
+        # ``vt_col + (vt_lane[j] ^ (chunk << 4))``.
+        m = (c >> 1) % 4
         v_xor = [_row_xor(2 * t + e, v_atom) for e in (0, 1)]
-        vt_xor = [_row_xor(4 * c + j, vt_atom) for j in range(4)]
         v_lane = (2 * t) * v_atom + 4 * (c % 4)  # + chunk * 16
-        vt_lane = (4 * c) * vt_atom + 4 * t
+        vt_rows = [4 * c + (m ^ j) for j in range(4)]
+        vt_lane = [(row * vt_atom + 4 * t) | (_row_xor(row, vt_atom) << 4) for row in vt_rows]
+        # Permute selectors: store j takes word j ^ m of the four (m's bit 1 swaps the interleaves'
+        # halves, bit 0 the final halves).
+        swap_il, swap_h = m >> 1, m % 2
+        il_first = _INTERLEAVE_LO + swap_il * (_INTERLEAVE_HI - _INTERLEAVE_LO)
+        il_second = _INTERLEAVE_HI - swap_il * (_INTERLEAVE_HI - _INTERLEAVE_LO)
+        h_first = _HALVES_LO + swap_h * (_HALVES_HI - _HALVES_LO)
+        h_second = _HALVES_HI - swap_h * (_HALVES_HI - _HALVES_LO)
         key_groups = n // 16
         nw = self.num_transpose_warps
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -244,7 +259,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                             v_rows = stage_bytes + kg * (16 * v_atom) + v_lane
                             # sVt: key group kg is 16-byte chunk kg % (A / 16) of atom column kg // (A / 16)
                             chunks = vt_atom // 16
-                            vt_col = stage_bytes + vt_lane + (kg // chunks) * (dv * vt_atom)
+                            vt_col = stage_bytes + (kg // chunks) * (dv * vt_atom)
                             vt_chunk = kg % chunks
                             for cb in cutlass.range_constexpr(dv // 32):
                                 atom_col, in_atom = (32 * cb) // v_atom, (32 * cb) % v_atom
@@ -253,14 +268,14 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                     v_words[(v_col + dk * v_atom + ((((in_atom >> 4) + c // 4) ^ v_xor[dk % 2]) << 4)) >> 2]
                                     for dk in (0, 1, 8, 9)
                                 ]
-                                lo01 = Int32(cute.arch.prmt(r[0], r[1], _INTERLEAVE_LO))
-                                hi01 = Int32(cute.arch.prmt(r[0], r[1], _INTERLEAVE_HI))
-                                lo23 = Int32(cute.arch.prmt(r[2], r[3], _INTERLEAVE_LO))
-                                hi23 = Int32(cute.arch.prmt(r[2], r[3], _INTERLEAVE_HI))
-                                for j, (a, b, sel) in enumerate(((lo01, lo23, _HALVES_LO), (lo01, lo23, _HALVES_HI),
-                                                                 (hi01, hi23, _HALVES_LO), (hi01, hi23, _HALVES_HI))):
-                                    row_bytes = (32 * cb + j) * vt_atom
-                                    vt_words[(vt_col + row_bytes + ((vt_chunk ^ vt_xor[j]) << 4)) >> 2] = (
+                                first01 = Int32(cute.arch.prmt(r[0], r[1], il_first))
+                                second01 = Int32(cute.arch.prmt(r[0], r[1], il_second))
+                                first23 = Int32(cute.arch.prmt(r[2], r[3], il_first))
+                                second23 = Int32(cute.arch.prmt(r[2], r[3], il_second))
+                                for j, (a, b, sel) in enumerate(((first01, first23, h_first), (first01, first23, h_second),
+                                                                 (second01, second23, h_first), (second01, second23, h_second))):
+                                    row_bytes = (32 * cb) * vt_atom
+                                    vt_words[(vt_col + row_bytes + (vt_lane[j] ^ (vt_chunk << 4))) >> 2] = (
                                         Int32(cute.arch.prmt(a, b, sel))
                                     )
                     cute.arch.sync_warp()  # every lane's reads of V[n] are done before lane 0 releases it
