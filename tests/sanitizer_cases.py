@@ -134,18 +134,19 @@ def _pack_gqa() -> None:
     flash_attn_func(q, k, v, causal=True, backend="sm90")
 
 
-def _fp8(causal: bool, varlen: bool) -> Callable[[], None]:
+def _fp8(causal: bool, varlen: bool, d: int = 128) -> Callable[[], None]:
     """The FP8 forward: V transposed by the producer warpgroup's spare warps into sVt (generic stores
-    the WGMMA reads), GQA 2:1, odd lengths, several key blocks per tile."""
+    the WGMMA reads), GQA 2:1, odd lengths, several key blocks per tile. ``d`` 256: sO in V's TMA
+    stages (the next tile's V loads wait for the O store, ``o_aliases_v``)."""
     def run() -> None:
         ones = torch.ones(len(VARLEN_LENS) if varlen else 1, 1, device="cuda")
         if varlen:
-            q, k, v, cu, max_len = _packed(VARLEN_LENS)
+            q, k, v, cu, max_len = _packed(VARLEN_LENS, d=d)
             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             flash_attn_varlen_func(q8, k8, v8, cu, cu, max_len, max_len, causal=causal, q_descale=ones,
                                    k_descale=ones, v_descale=ones)
         else:
-            q, k, v = _qkv(300, 300)
+            q, k, v = _qkv(300, 300, d=d)
             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             flash_attn_func(q8, k8, v8, causal=causal, q_descale=ones, k_descale=ones, v_descale=ones)
     return run
@@ -198,6 +199,8 @@ CASES: dict[str, Callable[[], None]] = {
     # The FP8 forward (dense non-causal: static persistent walk; varlen causal: dynamic handoff).
     "sm90_fp8_dense": _fp8(causal=False, varlen=False),
     "sm90_fp8_varlen_causal": _few_sms(_fp8(causal=True, varlen=True)),
+    "sm90_fp8_wide_dense": _few_sms(_fp8(causal=False, varlen=False, d=256)),
+    "sm90_fp8_wide_varlen_causal": _few_sms(_fp8(causal=True, varlen=True, d=256)),
     # The default path: the sm90 forward, then the backward that serves sm90.
     "default_fwd_bwd_varlen_causal": _varlen(None, backward=True, causal=True),
 }
