@@ -230,7 +230,7 @@ def span_pays(tile_m: int, seqlen_q: int) -> bool:
 FWD_SM90_FP8_TILES: dict[int, FwdTileSm90] = {
     64: FwdTileSm90(tile_m=192, tile_n=128, intra_wg_overlap=True, pingpong=True, persistent=True),
     128: FwdTileSm90(tile_m=128, tile_n=192, intra_wg_overlap=True, pingpong=True, persistent=True),
-    256: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
+    256: FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
 
 

@@ -136,8 +136,8 @@ def _pack_gqa() -> None:
 
 def _fp8(causal: bool, varlen: bool, d: int = 128) -> Callable[[], None]:
     """The FP8 forward: V transposed by the producer warpgroup's spare warps into sVt (generic stores
-    the WGMMA reads), GQA 2:1, odd lengths, several key blocks per tile. ``d`` 256: sO in V's TMA
-    stages (the next tile's V loads wait for the O store, ``o_aliases_v``)."""
+    the WGMMA reads), GQA 2:1, odd lengths, several key blocks per tile. ``d`` 256: 64-byte sVt
+    swizzle atoms (tile_n 64), the widest transpose."""
     def run() -> None:
         ones = torch.ones(len(VARLEN_LENS) if varlen else 1, 1, device="cuda")
         if varlen:

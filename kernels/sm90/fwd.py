@@ -506,7 +506,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
 
         storage = SmemAllocator().allocate(SharedStorage)
         sO_storage = None
-        if const_expr(not (self.o_aliases_q or self.o_aliases_v)):
+        if const_expr(not self.o_aliases_q):
             storage, sO_storage = storage.base, storage.sO
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync.consumer_release arrives from lane 0 of each warp (pitfall 6); with
@@ -534,7 +534,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 )
             ),
             vt=self._vt_pipeline(storage) if const_expr(self.transposes_v) else None,
-            o_free=self._o_free_pipeline(storage) if const_expr(self.o_aliases_v) else None,
         )
         # The dynamic scheduler's tile handoff (mbarriers too: initialised before the fence below).
         handoff = None
@@ -550,13 +549,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # sO: its own buffer, the front of sQ's (large enough: head_dim_v <= head_dim there), or (FP8,
-        # o_aliases_v) V's TMA stages seen as o_dtype
-        if const_expr(self.o_aliases_v):
-            sO = storage.sV.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.o_dtype)
-        else:
-            sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
-            sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
+        sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
+        sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # has_gate: gate_in_gemm: (K's extra slice's TMA coordinates, sKx (tile_n, GATE_K, K stages), sQx
         # (tile_m, GATE_K)); else (mGate's TMA coordinates, the bias of each K stage (box, stages) in smem,
         # each stage's row 128-byte aligned).
@@ -660,13 +655,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # every stage of both, reading only its own ring's), so each knows both rings' states.
         ring_count_a, ring_count_b = Int32(0), Int32(0)
         handoff_state = walk.handoff.consumer_state() if const_expr(self.dynamic_schedule) else None
-        o_free_state = None
-        if const_expr(self.o_aliases_v):
-            # sO lives in V's stages: one token up front (V's first loads find them free), then one
-            # per tile once its O store has read sO (``_o_stored``).
-            o_free_state = self._o_stored(
-                pipes.o_free, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1), tidx
-            )
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             ring_offset, other_offset, other_delta = None, None, None
@@ -769,8 +757,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), sO, tiled_mma_pv,
                         tma_atom_O, tidx, wg_idx, row0, tile.seqlen_q * self.pack_gqa,
                     )
-                if const_expr(self.o_aliases_v):
-                    o_free_state = self._o_stored(pipes.o_free, o_free_state, tidx)
                 if has_keys:
                     q_state.advance()
             tile_idx, handoff_state = walk.scheduler.next_tile_consumer(tile_idx, walk.handoff, handoff_state)

@@ -73,18 +73,9 @@ def _buffer(num_bytes: int) -> int:
 
 def fp8_smem_bytes(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int) -> int:
     """The FP8 kernel's storage (kernels/sm90/fwd_fp8.py): e4m3 Q and K/V stages, as many e4m3 V^T
-    stages, a bf16 sO of its own unless it must share V's stages (``fp8_o_in_v``), mbarriers."""
-    own_o = 0 if fp8_o_in_v(head_dim, head_dim_v, tile_m, tile_n, kv_stages) else _buffer(tile_m * head_dim_v * 2)
-    return smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False) + _buffer(tile_n * head_dim_v * kv_stages) + own_o
-
-
-def fp8_o_in_v(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int) -> bool:
-    """Whether the FP8 kernel's bf16 sO lives in the e4m3 V stages as TMA loads them (as FA3 unions them):
-    where its own sO would not fit and V's stages hold it (hdim 256 at 128 x 128: 288 KB with its own sO,
-    224 KB without). V is only read by the transposing warps, so the next tile's V loads wait for the
-    epilogue's store instead (``Pipelines.o_free``)."""
-    base = smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False) + _buffer(tile_n * head_dim_v * kv_stages)
+    stages, a bf16 sO of its own, mbarriers."""
     return (
-        base + _buffer(tile_m * head_dim_v * 2) > SMEM_CAPACITY
-        and tile_m * head_dim_v * 2 <= tile_n * head_dim_v * kv_stages
+        smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False)
+        + _buffer(tile_n * head_dim_v * kv_stages)
+        + _buffer(tile_m * head_dim_v * 2)
     )

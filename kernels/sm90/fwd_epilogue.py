@@ -7,7 +7,6 @@ mixin of ``FlashFwdSm90``; it reads the kernel's static configuration (``o_dtype
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
@@ -38,19 +37,6 @@ class FwdSm90Epilogue:
         warpgroup (warpgroup-local epilogue) or of the first one."""
         group_threads = _WG_THREADS if self.wg_local_epilogue else self.num_mma_threads
         return (tidx % group_threads) // 32 == 0
-
-    @cute.jit
-    def _o_stored(self, o_free: pipeline.PipelineAsync, state: pipeline.PipelineState, tidx: Int32):
-        """``o_aliases_v``: this tile's O store has read sO (the storer warps waited for their TMA
-        stores' reads; varlen: the group's barrier after its copy), so the storer warps hand V's
-        stages back to the producer's loads. Returns the state advanced."""
-        if self._is_o_storer(tidx):
-            # (varlen: the group's generic-proxy reads of sO before V's TMA writes into it)
-            cute.arch.fence_view_async_shared()
-            o_free.producer_acquire(state)
-            o_free.producer_commit(state)
-        state.advance()
-        return state
 
     @cute.jit
     def load_sink_logits(
@@ -141,6 +127,3 @@ class FwdSm90Epilogue:
             store_rows_predicated(
                 sO_rows, gO, group_tidx, seqlen_q - gO_row_block * rows, self.o_dtype, group_threads
             )
-            if const_expr(self.o_aliases_v):
-                # every thread's reads of sO are done before the storer warp frees V's stages
-                cute.arch.barrier(barrier_id=barrier_id, number_of_threads=group_threads)

@@ -61,7 +61,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import acc_to_frag_a_fp8, make_smem_layout_sm90
 from .fwd import _MAX_ACC_REGS, FlashFwdSm90
-from .fwd_budget import SMEM_CAPACITY, fp8_o_in_v, fp8_smem_bytes
+from .fwd_budget import SMEM_CAPACITY, fp8_smem_bytes
 from .fwd_parts import MmaParts, Pipelines, TileWalk
 
 # (producer warpgroup, MMA warpgroup) registers per thread: the transposing warps hold 16 bytes of
@@ -70,14 +70,11 @@ from .fwd_parts import MmaParts, Pipelines, TileWalk
 # 3 MMA warpgroups: at 32 the transposing warps spilled (6 LDL/STL, hdim 64 causal); 152 holds S 64 + O 32 +
 # P 16 without spills or serialized WGMMAs (SASS), not yet timed against 160.
 _REGISTERS_FP8 = {1: (56, 256), 2: (56, 224), 3: (40, 152)}
-_REGISTERS_FP8_WIDE = (24, 240)
 # Byte selectors of prmt.b32 (bytes 0-3 from the first operand, 4-7 from the second).
 _INTERLEAVE_LO = 0x5140  # a0 b0 a1 b1
 _INTERLEAVE_HI = 0x7362  # a2 b2 a3 b3
 _HALVES_LO = 0x5410  # a0 a1 b0 b1
 _HALVES_HI = 0x7632  # a2 a3 b2 b3
-_SECOND_SELECTOR = _INTERLEAVE_LO ^ _INTERLEAVE_HI  # = _HALVES_LO ^ _HALVES_HI (0x2222)
-assert _SECOND_SELECTOR == _HALVES_LO ^ _HALVES_HI
 
 
 class FlashFwdSm90Fp8(FlashFwdSm90):
@@ -116,21 +113,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             lazy_rescale=False,
         )
         self.producer_regs, self.mma_regs = _REGISTERS_FP8[self.num_mma_wg]
-        if self.num_mma_wg == 2 and tile_n * head_dim_v >= 128 * 256:
-            # hdim 256 at 128 x 128: S 64 + O 128 + P 16 spilled in the loop at 224 and 232; at 240 only at
-            # tile start/end, and the transposing warps spill at 24 (FA3's split, whose LDSM/STSM transpose needs fewer)
-            self.producer_regs, self.mma_regs = _REGISTERS_FP8_WIDE
         # The launch gives every thread the same registers (a multiple of 8 of 64K / threads); the
         # warpgroups' setmaxnreg split must not ask for more in all (an increase would wait forever).
         warpgroups = 1 + self.num_mma_wg
         assert self.producer_regs + self.num_mma_wg * self.mma_regs <= 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
-        # (bf16 O cannot share the e4m3 sQ, half its size: sO has its own buffer, or V's stages where
-        # that does not fit (fp8_o_in_v); can_implement checks one of them fits)
-        assert not self.o_aliases_q, "FlashFwdSm90Fp8 needs its own sO or V's stages for it"
-        self.o_aliases_v = fp8_o_in_v(head_dim, head_dim_v, tile_m, tile_n, num_stages)
-        if self.o_aliases_v:
-            # V's next loads wait for each O store to have read sO (o_free), so no store is left pending
-            self.defer_store_wait = False
+        # (bf16 O cannot share the e4m3 sQ, half its size: can_implement checks the own sO fits)
+        assert not self.o_aliases_q, "FlashFwdSm90Fp8 needs its own sO"
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
@@ -186,16 +174,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_transpose_warps * 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
             barrier_storage=storage.mbar_vt.data_ptr(), defer_sync=True,
-        )
-
-    def _o_free_pipeline(self, storage) -> pipeline.PipelineAsync:
-        """``o_aliases_v``: the O storer warps (one per epilogue group) -> the producer warp, one stage."""
-        groups = self.num_mma_wg if const_expr(self.wg_local_epilogue) else 1
-        return pipeline.PipelineAsync.create(
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * groups),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True,
         )
 
     def _tiled_mmas(self):
@@ -258,17 +236,20 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # Lane constants: the swizzle's xor of each row the lane touches (sV rows 2t, 2t + 1 mod 8;
         # sVt rows 4c + (j ^ m) mod 8), and the lane's part of each address.
         # sVt's row offset and the swizzle's chunk xor occupy disjoint bits (chunk bits 4 .. 3 +
-        # log2(A / 16), row bits from log2(A)), so one register holds both; and since row
-        # 4c + (m ^ j) = (4c + m) ^ j, store j's differs from store 0's by a constant xor
-        # (``_vt_row_xor``): the address is ``vt_col + (vt_lane ^ K_j ^ (chunk << 4))``.
+        # log2(A / 16), row bits from log2(A)), so one register per store holds both: the address is
+        # ``vt_col + (vt_lane[j] ^ (chunk << 4))``.
         m = (c >> 1) % 4
         v_xor = [_row_xor(2 * t + e, v_atom) for e in (0, 1)]
         v_lane = (2 * t) * v_atom + 4 * (c % 4)  # + chunk * 16
-        vt_lane = ((4 * c + m) * vt_atom + 4 * t) | (_row_xor(4 * c + m, vt_atom) << 4)
+        vt_rows = [4 * c + (m ^ j) for j in range(4)]
+        vt_lane = [(row * vt_atom + 4 * t) | (_row_xor(row, vt_atom) << 4) for row in vt_rows]
         # Permute selectors: store j takes word j ^ m of the four (m's bit 1 swaps the interleaves'
-        # halves, bit 0 the final halves); each second selector is the first ^ 0x2222.
-        il_first = _INTERLEAVE_LO + (m >> 1) * (_INTERLEAVE_HI - _INTERLEAVE_LO)
-        h_first = _HALVES_LO + (m % 2) * (_HALVES_HI - _HALVES_LO)
+        # halves, bit 0 the final halves).
+        swap_il, swap_h = m >> 1, m % 2
+        il_first = _INTERLEAVE_LO + swap_il * (_INTERLEAVE_HI - _INTERLEAVE_LO)
+        il_second = _INTERLEAVE_HI - swap_il * (_INTERLEAVE_HI - _INTERLEAVE_LO)
+        h_first = _HALVES_LO + swap_h * (_HALVES_HI - _HALVES_LO)
+        h_second = _HALVES_HI - swap_h * (_HALVES_HI - _HALVES_LO)
         key_groups = n // 16
         nw = self.num_transpose_warps
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -297,7 +278,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                     v_words[(v_col + dk * v_atom + ((((in_atom >> 4) + c // 4) ^ v_xor[dk % 2]) << 4)) >> 2]
                                     for dk in (0, 1, 8, 9)
                                 ]
-                                il_second, h_second = il_first ^ _SECOND_SELECTOR, h_first ^ _SECOND_SELECTOR
                                 first01 = Int32(cute.arch.prmt(r[0], r[1], il_first))
                                 second01 = Int32(cute.arch.prmt(r[0], r[1], il_second))
                                 first23 = Int32(cute.arch.prmt(r[2], r[3], il_first))
@@ -305,8 +285,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                 for j, (a, b, sel) in enumerate(((first01, first23, h_first), (first01, first23, h_second),
                                                                  (second01, second23, h_first), (second01, second23, h_second))):
                                     row_bytes = (32 * cb) * vt_atom
-                                    lane_j = vt_lane ^ (_vt_row_xor(j, vt_atom) ^ (vt_chunk << 4))
-                                    vt_words[(vt_col + row_bytes + lane_j) >> 2] = (
+                                    vt_words[(vt_col + row_bytes + (vt_lane[j] ^ (vt_chunk << 4))) >> 2] = (
                                         Int32(cute.arch.prmt(a, b, sel))
                                     )
                     cute.arch.sync_warp()  # every lane's reads of V[n] are done before lane 0 releases it
@@ -333,9 +312,3 @@ def _atom_bytes(row_bytes: int) -> int:
 def _row_xor(row, atom_bytes: int):
     """The value the swizzle xors into the 16-byte chunk index of a row (depends on row mod 8 only)."""
     return ((row * atom_bytes) >> 7) & (atom_bytes // 16 - 1)
-
-
-def _vt_row_xor(j: int, atom_bytes: int) -> int:
-    """What turns a lane's sVt word for row r (offset | swizzle chunk xor << 4, ``transpose_v``) into
-    row r ^ j's, for r's low bits zero where j has ones: (j A) | (the swizzle's xor of j A) << 4."""
-    return (j * atom_bytes) | (_row_xor(j, atom_bytes) << 4)

@@ -49,9 +49,6 @@ class FwdSm90Load:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         kv_state_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         handoff_state = walk.handoff.producer_state() if const_expr(walk.handoff is not None) else None
-        # FP8 with sO in V's stages: each tile's loads wait for the previous tile's O store (a token
-        # per tile; the MMA warps give the first one up front).
-        o_free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1) if const_expr(self.o_aliases_v) else None
         tile_idx = walk.scheduler.first_tile()
         while tile_idx < walk.scheduler.num_tiles:
             if const_expr(self.span_heads):
@@ -61,10 +58,6 @@ class FwdSm90Load:
             else:
                 has_tile, batch_idx, head_idx, seqlen, tile = self.tile_work(walk, tile_idx)
                 if has_tile:
-                    if const_expr(self.o_aliases_v):
-                        pipes.o_free.consumer_wait(o_free_state)
-                        pipes.o_free.consumer_release(o_free_state)
-                        o_free_state.advance()
                     if tile.n_block_max > tile.n_block_min:
                         head_idx_kv = head_idx // walk.qhead_per_kvhead
                         # This (batch, head)'s (seqlen, head_dim) views (varlen: shifted to the

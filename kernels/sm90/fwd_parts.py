@@ -84,9 +84,6 @@ class Pipelines:
     v: pipeline.PipelineTmaAsync
     # FP8 only: the transposing warps -> MMA warps, V^T in K-major smem (kernels/sm90/fwd_fp8.py)
     vt: pipeline.PipelineAsync | None = None
-    # FP8 with sO in V's stages (``o_aliases_v``): the O storers -> the producer warp, one token per tile
-    # (plus one at the start) saying the epilogue's store has read sO, so V's next loads may overwrite it
-    o_free: pipeline.PipelineAsync | None = None
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,6 @@ class FwdSm90Smem:
             sV: buffer(cute.cosize(sV_layout))
             if const_expr(self.transposes_v):  # FP8: V^T (K-major) stages and their barriers
                 mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                mbar_o: cute.struct.MemRange[cutlass.Int64, 2]  # o_free's (o_aliases_v)
                 sVt: buffer(cute.cosize(self._vt_layout()))
             if const_expr(self.gate_in_gemm):
                 # the QK^T GEMM's extra k16 slice: K's per stage (K's TMA barrier), Q's once
@@ -86,7 +85,7 @@ class FwdSm90Smem:
             elif const_expr(self.has_gate):  # the gate's bias per key of each K stage (K's TMA barrier)
                 sGate: buffer(gate_stage_floats(self.tile_n) * self.num_stages * self.num_rings, cutlass.Float32)
 
-        if const_expr(self.o_aliases_q or self.o_aliases_v):
+        if const_expr(self.o_aliases_q):
             return SharedStorage
 
         # A persistent CTA's own sO: the next tile's Q loads while this tile's O is still being stored.

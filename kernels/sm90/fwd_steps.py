@@ -138,7 +138,6 @@ class FwdSm90Steps:
     num_transpose_warps = 0
     p_max_offset = 0.0
     block_scales = False
-    o_aliases_v = False  # FP8: sO in V's TMA stages (fwd_budget.fp8_o_in_v)
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
