@@ -122,11 +122,12 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 
 # A gated sm90 forward takes the keys' bias as an extra k16 slice of the QK^T GEMM (no add per score)
 # from this many keys (varlen: max_seqlen_k given as an int), where the slice fits the key's smem
-# (kernels/sm90/fwd_budget.py ``gate_in_gemm``). Its host-built slice costs per token at every seqlen
-# (six small ops over a (tokens, heads, 16) buffer) while the kernel's saving grows with the keys: on an
-# H100 (perf/NOTES.md session 26) wall -1 / -4.5 % at 4k (hdim 64 / 128), -6.5 / -11 % at 16k, +9 % at
-# hdim 64 1k.
-FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 4096
+# (kernels/sm90/fwd_budget.py ``gate_in_gemm``). The slice is built per call, a cost per token at every
+# seqlen, while the kernel's saving grows with the keys. Built by one Triton kernel (CUDA with Triton) it
+# pays from 1k keys (H100, perf/NOTES.md session 27: gated / plain at hdim 64 1k 0.73 -> 0.80, 2k 0.76 ->
+# 0.88); built by six torch ops (``_TORCH``) only from 4k (session 26: +9 % at hdim 64 1k).
+FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
+FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q

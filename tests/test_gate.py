@@ -263,6 +263,31 @@ def test_gate_k_slice_is_the_bias_parts_in_the_kernel_layout(varlen):
     assert torch.equal(gate_k_slice(torch.zeros_like(bias), torch.bfloat16, varlen), torch.zeros_like(k_slice))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_gate_k_slice_triton_is_the_torch_build_bitwise(dtype, varlen):
+    """On CUDA the slice is one Triton kernel (``kernels/triton/gate_slice.py``): bit for bit the torch build,
+    from bias rows padded as ``gate._kernel_rows`` pads them, over magnitudes from subnormal to 1e4, -0.0, and
+    shapes that end mid-block (keys and heads)."""
+    pytest.importorskip("triton")
+    from flashattn_hopper.backends.sm90_fwd import gate_k_slice, gate_k_slice_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, heads, keys in ((2, 3, 37), (1, 32, 1000), (3, 20, 129)):
+        shape = (heads, batch * keys) if varlen else (batch, heads, keys)
+        n = shape[-1]
+        rows = torch.empty(*shape[:-1], -(-n // 4) * 4, device="cuda")[..., :n]
+        magnitude = torch.tensor([1e-3, 1.0, 30.0, 1e4], device="cuda")
+        pick = torch.randint(0, 4, shape, device="cuda", generator=gen)
+        rows.copy_(torch.randn(shape, device="cuda", generator=gen) * magnitude[pick])
+        rows[(0,) * rows.dim()] = -0.0
+        rows[..., 1] = 1e-40
+        got, want = gate_k_slice(rows, dtype, varlen), gate_k_slice_torch(rows, dtype, varlen)
+        assert got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (batch, heads, keys)
+
+
 def test_gated_forward_kernels_build_where_the_plain_ones_do():
     """The gated sm90 forward takes the bias as an extra k16 slice of the QK^T GEMM only where that slice's
     smem fits beside the key's own sO and Q ring, else the fp32 bias rows; the kernel and the launcher

@@ -353,9 +353,12 @@ class FwdSm90(FwdLauncher):
     def gate_key(self, p: AttnProblem, varlen: VarlenArgs | None) -> FwdSm90Key:
         """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
         (the combinations the gate's tests run), the bias as the QK^T GEMM's k16 slice asked for from
-        ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys (varlen: ``max_seqlen_k`` given as an int)."""
+        ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys (``_TORCH`` where the slice is built by torch
+        ops: no Triton) (varlen: ``max_seqlen_k`` given as an int)."""
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
-        long_keys = isinstance(keys, int) and keys >= configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K
+        min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
+                    else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
+        long_keys = isinstance(keys, int) and keys >= min_keys
         return self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
                                 cluster_m=1)[1]
 
@@ -377,7 +380,17 @@ def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.
     ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``) as ``GATE_PARTS`` 16-bit parts per key and
     query head, each the rest of the ones before rounded (as ``gate._parts``: their sum is the bias to fp32's
     precision), zeros in the other columns; ``(batch, seqlen_k, nheads, GATE_K)`` | ``(total_k, nheads,
-    GATE_K)``, ``dtype`` (q's). Six small ops, written into one buffer (this runs on every gated call)."""
+    GATE_K)``, ``dtype`` (q's). This runs on every gated call: on CUDA with Triton one kernel
+    (``kernels/triton/gate_slice.py``, bit for bit the build below), else six small ops into one buffer."""
+    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+
+    if bias.is_cuda and _has_triton():
+        return _gate_k_slice_triton(bias, dtype, varlen, GATE_K, GATE_PARTS)
+    return gate_k_slice_torch(bias, dtype, varlen)
+
+
+def gate_k_slice_torch(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:
+    """``gate_k_slice`` by torch ops (any device)."""
     from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
 
     rows = bias.t() if varlen else bias.transpose(1, 2)  # keys before heads, as k
@@ -389,6 +402,33 @@ def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.
         if i + 1 < GATE_PARTS:
             rest = rest - k_slice[..., i]  # (fp32: the bf16 part promotes)
     return k_slice
+
+
+@functools.lru_cache(maxsize=1)
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _gate_k_slice_triton(bias: torch.Tensor, dtype: torch.dtype, varlen: bool, slice_cols: int,
+                         parts: int) -> torch.Tensor:
+    """``gate_k_slice`` by one Triton kernel (CUDA ``bias``)."""
+    from ..kernels.triton.gate_slice import gate_slice_kernel
+
+    rows = bias.unsqueeze(0) if varlen else bias  # (batch, nheads, seqlen_k)
+    batch, nheads, seqlen = rows.shape
+    k_slice = torch.empty(batch, seqlen, nheads, slice_cols, dtype=dtype, device=bias.device)
+    if k_slice.numel() > 0:
+        block_h = min(_next_pow2(nheads), 16)
+        grid = (-(-seqlen // 64), -(-nheads // block_h), batch)
+        gate_slice_kernel[grid](rows, k_slice, seqlen, nheads, rows.stride(0), rows.stride(1), rows.stride(2),
+                                PARTS=parts, SLICE=slice_cols, BLOCK_S=64, BLOCK_H=block_h, num_warps=4)
+    return k_slice[0] if varlen else k_slice
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _fp8_problem(hdim: int) -> AttnProblem:

@@ -1,0 +1,78 @@
+"""The gated forward's k16 slice, in one process: how it is built and from how many keys (not a test).
+
+    python perf/ab_gate_slice.py [--hdims 64 128] [--seqlens 1024 2048 4096 16384] [--rounds 3] [--compile-only]
+
+Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad; bf16, 16k tokens, hidden 2048,
+``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
+process so the power cap's drift reaches all alike: ``torch_4k`` (the slice built by six torch ops, from
+4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),
+``triton_1k`` (Triton, slice from 1024 keys), beside the plain causal call. The settings are switched by
+patching ``sm90_fwd._has_triton`` and ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` (both read per call).
+Prints a Markdown table of do_bench medians (us) and each setting's ratio to the plain call.
+``--compile-only``: one call per setting, nothing timed (run cells in parallel processes to fill the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+SETTINGS = {"torch_4k": (False, 4096), "triton_4k": (True, 4096), "triton_1k": (True, 1024)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args(argv)
+
+    from flashattn_hopper import configs, flash_attn_func
+    from flashattn_hopper.backends import sm90_fwd
+
+    def use(setting: str) -> None:
+        triton_on, min_keys = SETTINGS[setting]
+        sm90_fwd._has_triton = (lambda: True) if triton_on else (lambda: False)
+        configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = min_keys
+
+    if not args.compile_only:
+        print(f"# gated forward's slice settings, {torch.cuda.get_device_name()}, rounds={args.rounds}\n")
+        print("| hdim | seqlen | plain | " + " | ".join(SETTINGS) + " | " + " | ".join(f"plain / {s}" for s in SETTINGS) + " |")
+        print("|---|---|---|" + "---|" * (2 * len(SETTINGS)))
+    for hdim in args.hdims:
+        nheads = 2048 // hdim
+        for seqlen in args.seqlens:
+            batch = max(16384 // seqlen, 1)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
+                       for _ in range(3))
+            g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
+            calls = {"plain": (None, lambda: flash_attn_func(q, k, v, causal=True))}
+            for setting in SETTINGS:
+                calls[setting] = (setting, lambda: flash_attn_func(q, k, v, causal=True, log_decay=g))
+            for setting, fn in calls.values():
+                if setting is not None:
+                    use(setting)
+                fn()
+            torch.cuda.synchronize()
+            if args.compile_only:
+                continue
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, (setting, fn) in calls.items():
+                    if setting is not None:
+                        use(setting)
+                    times[name].append(do_bench(fn, warmup=25, rep=200) * 1e3)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            print(f"| {hdim} | {seqlen} | " + " | ".join(f"{med[n]:.1f}" for n in calls) + " | "
+                  + " | ".join(f"{med['plain'] / med[s]:.3f}" for s in SETTINGS) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
