@@ -57,13 +57,8 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     """``G = cumsum(g)`` in fp32 along the sequence axis, restarting at each sequence (varlen:
     ``log_decay`` ``(total_k, nheads)``; dense ``(batch, seqlen_k, nheads)``)."""
     # The scans run along the last axis (PyTorch's scan over an outer axis of (b, s, h) took 0.29 ms
-    # at 16k tokens x 32 heads on an H100, about the forward kernel's time); eager dense CUDA calls take
-    # the Triton scan (backends/gate_scan.py: ~29 us of torch's transposing copy and scan -> two passes).
+    # at 16k tokens x 32 heads on an H100, about the forward kernel's time).
     if cu_seqlens_k is None:
-        from .backends import gate_scan
-
-        if gate_scan.applies(log_decay):
-            return gate_scan.GateCumsum.apply(log_decay)
         return torch.cumsum(log_decay.float().transpose(1, 2), dim=-1).transpose(1, 2)
     # Varlen: one scan over all packed rows, each sequence's start subtracted; in fp64, so that a long
     # pack's running total (|G| summed over sequences) costs no fp32 digits of a sequence's own G.

@@ -288,33 +288,6 @@ def test_gate_k_slice_triton_is_the_torch_build_bitwise(dtype, varlen):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (batch, heads, keys)
 
 
-@pytest.mark.gpu
-def test_gate_cumsum_triton_scan_forward_and_reverse():
-    """Dense CUDA G = cumsum(g) by the Triton scan (``backends/gate_scan.py``) and its backward (the reverse
-    cumsum of dG) against fp64, within fp32's rounding of the running totals (torch.cumsum's fp32 scan errs
-    alike), over odd lengths, chunk edges, long sequences (chunks grow past 256 keys) and strided inputs."""
-    pytest.importorskip("triton")
-    from flashattn_hopper.backends import gate_scan
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, seqlen, heads in ((2, 37, 3), (1, 1000, 20), (3, 257, 32), (1, 20000, 2), (1, 65536, 1)):
-        g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, heads, device="cuda", generator=gen) * 2 + 4)
-        assert gate_scan.applies(g)
-        leaf = g.clone().requires_grad_()
-        G = gate.cumulative(leaf, None)
-        want = torch.cumsum(g.double(), 1)
-        tol = 4 * 2.0 ** -24 * (want.abs() + 1) * max(seqlen, 256) ** 0.5
-        assert G.shape == g.shape and G.dtype == torch.float32
-        assert bool(((G.double() - want).abs() <= tol).all()), (batch, seqlen, heads)
-        dG = torch.randn(G.shape, device="cuda", generator=gen)
-        (dg,) = torch.autograd.grad(G, leaf, dG)
-        want_dg = dG.double().flip(1).cumsum(1).flip(1)
-        tol_dg = 4 * 2.0 ** -24 * (want_dg.abs() + dG.double().abs().cumsum(1).max()) * max(seqlen, 256) ** 0.5
-        assert bool(((dg.double() - want_dg).abs() <= tol_dg).all()), (batch, seqlen, heads)
-    strided = torch.randn(4, 300, 6, device="cuda", generator=gen)[:, ::2, ::2]
-    assert torch.allclose(gate.cumulative(strided, None), torch.cumsum(strided.double(), 1).float(), atol=1e-4)
-
-
 def test_gated_forward_kernels_build_where_the_plain_ones_do():
     """The gated sm90 forward takes the bias as an extra k16 slice of the QK^T GEMM only where that slice's
     smem fits beside the key's own sO and Q ring, else the fp32 bias rows; the kernel and the launcher
