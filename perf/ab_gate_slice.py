@@ -1,6 +1,7 @@
-"""The gated forward's k16 slice, in one process: how it is built and from how many keys (not a test).
+"""The gated call's per-call passes, in one process: settings A/B'd against each other (not a test).
 
     python perf/ab_gate_slice.py [--hdims 64 128] [--seqlens 1024 2048 4096 16384] [--rounds 3] [--compile-only]
+                                 [--grad]
 
 Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad; bf16, 16k tokens, hidden 2048,
 ``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
@@ -8,6 +9,8 @@ process so the power cap's drift reaches all alike: ``torch_4k`` (the slice buil
 4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),
 ``triton_1k`` (Triton, slice from 1024 keys), beside the plain causal call. The settings are switched by
 patching ``sm90_fwd._has_triton`` and ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` (both read per call).
+``--grad``: forward + backward (``autograd.grad`` to q,
+k, v and g; the plain call's to q, k, v), not the forward alone.
 Prints a Markdown table of do_bench medians (us) and each setting's ratio to the plain call.
 ``--compile-only``: one call per setting, nothing timed (run cells in parallel processes to fill the cache).
 """
@@ -30,6 +33,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--grad", action="store_true")
     args = ap.parse_args(argv)
 
     from flashattn_hopper import configs, flash_attn_func
@@ -52,9 +56,24 @@ def main(argv: list[str]) -> int:
             q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
                        for _ in range(3))
             g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
-            calls = {"plain": (None, lambda: flash_attn_func(q, k, v, causal=True))}
+            if args.grad:
+                q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
+                dout = torch.randn_like(q)
+
+                def plain():
+                    return torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+
+                def gated():
+                    return torch.autograd.grad(flash_attn_func(q, k, v, causal=True, log_decay=g), (q, k, v, g), dout)
+            else:
+                def plain():
+                    return flash_attn_func(q, k, v, causal=True)
+
+                def gated():
+                    return flash_attn_func(q, k, v, causal=True, log_decay=g)
+            calls = {"plain": (None, plain)}
             for setting in SETTINGS:
-                calls[setting] = (setting, lambda: flash_attn_func(q, k, v, causal=True, log_decay=g))
+                calls[setting] = (setting, gated)
             for setting, fn in calls.values():
                 if setting is not None:
                     use(setting)
