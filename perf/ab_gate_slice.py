@@ -3,7 +3,7 @@
     python perf/ab_gate_slice.py [--hdims 64 128] [--seqlens 1024 2048 4096 16384] [--rounds 3] [--compile-only]
                                  [--grad]
 
-Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad; bf16, 16k tokens, hidden 2048,
+Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad unless ``--grad``; bf16, 16k tokens, hidden 2048,
 ``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
 process so the power cap's drift reaches all alike: ``torch_4k`` (the slice built by six torch ops, from
 4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),

@@ -16,7 +16,7 @@ rows), called directly on our forward's out/lse (A/B of tiles in one interleaved
 median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
 * h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer. ``--energy``: under each row, every column's
 joules per backward, TFLOP/J, mean watts and SM clock over ~2 s of back-to-back calls (NVML's energy counter
-through ``nvidia-smi``): from 4k an H100's backward runs at its 700 W cap, where speed follows energy per FLOP.
+through ``pynvml``, else ``nvidia-smi``): from 4k an H100's backward runs at its 700 W cap, where speed follows energy per FLOP.
 """
 
 from __future__ import annotations

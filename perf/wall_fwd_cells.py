@@ -26,6 +26,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--gate", action="store_true", help="bf16 with log_decay (the gated forward)")
     args = ap.parse_args(argv)
+    if args.gate and args.dtype != "bf16":
+        ap.error("--gate times the bf16 gated forward (FP8 has no gate)")
 
     from flashattn_hopper import flash_attn_func, fp8
 

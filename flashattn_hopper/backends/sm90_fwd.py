@@ -384,7 +384,8 @@ def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.
     (``kernels/triton/gate_slice.py``, bit for bit the build below), else six small ops into one buffer."""
     from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
 
-    if bias.is_cuda and _has_triton():
+    batch = 1 if varlen else bias.shape[0]
+    if bias.is_cuda and _has_triton() and batch <= 65535:  # (batch is the kernel's grid z)
         return _gate_k_slice_triton(bias, dtype, varlen, GATE_K, GATE_PARTS)
     return gate_k_slice_torch(bias, dtype, varlen)
 
@@ -406,9 +407,14 @@ def gate_k_slice_torch(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> 
 
 @functools.lru_cache(maxsize=1)
 def _has_triton() -> bool:
-    import importlib.util
+    """Whether the Triton slice kernel imports (installed and working), once per process."""
+    import importlib
 
-    return importlib.util.find_spec("triton") is not None
+    try:
+        importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.kernels.triton.gate_slice")
+    except Exception:  # noqa: BLE001 - missing or broken: the torch build serves
+        return False
+    return True
 
 
 def _gate_k_slice_triton(bias: torch.Tensor, dtype: torch.dtype, varlen: bool, slice_cols: int,
@@ -416,14 +422,19 @@ def _gate_k_slice_triton(bias: torch.Tensor, dtype: torch.dtype, varlen: bool, s
     """``gate_k_slice`` by one Triton kernel (CUDA ``bias``)."""
     from ..kernels.triton.gate_slice import gate_slice_kernel
 
-    rows = bias.unsqueeze(0) if varlen else bias  # (batch, nheads, seqlen_k)
+    rows = (bias.unsqueeze(0) if varlen else bias).float()  # (batch, nheads, seqlen_k)
     batch, nheads, seqlen = rows.shape
     k_slice = torch.empty(batch, seqlen, nheads, slice_cols, dtype=dtype, device=bias.device)
     if k_slice.numel() > 0:
         block_h = min(_next_pow2(nheads), 16)
         grid = (-(-seqlen // 64), -(-nheads // block_h), batch)
-        gate_slice_kernel[grid](rows, k_slice, seqlen, nheads, rows.stride(0), rows.stride(1), rows.stride(2),
-                                PARTS=parts, SLICE=slice_cols, BLOCK_S=64, BLOCK_H=block_h, num_warps=4)
+        args = (rows, k_slice, seqlen, nheads, rows.stride(0), rows.stride(1), rows.stride(2))
+        meta = dict(PARTS=parts, SLICE=slice_cols, BLOCK_S=64, BLOCK_H=block_h, num_warps=4)
+        if not bias.is_cuda or bias.device.index == torch.cuda.current_device():
+            gate_slice_kernel[grid](*args, **meta)
+        else:  # Triton launches on the current device and stream: make them the bias's
+            with torch.cuda.device(bias.device):
+                gate_slice_kernel[grid](*args, **meta)
     return k_slice[0] if varlen else k_slice
 
 

@@ -65,8 +65,9 @@ from .fwd_budget import SMEM_CAPACITY, fp8_smem_bytes
 from .fwd_parts import MmaParts, Pipelines, TileWalk
 
 # (producer warpgroup, MMA warpgroup) registers per thread: the transposing warps hold 16 bytes of
-# V in flight and their addresses; producer + sum of MMA <= 504 (the launch's 168 per thread x 3 or
-# 4 warpgroups: a setmaxnreg increase beyond what the decreases freed waits forever; (32, 240) hung).
+# V in flight and their addresses; producer + sum of MMA <= the launch's registers per thread (a multiple
+# of 8 of 64K / threads: 168 at 3 warpgroups, 128 at 4) x the warpgroups: a setmaxnreg increase beyond what
+# the decreases freed waits forever ((32, 240) hung at 3 warpgroups; the assert in __init__ checks it).
 # 3 MMA warpgroups: at 32 the transposing warps spilled (6 LDL/STL, hdim 64 causal); 152 holds S 64 + O 32 +
 # P 16 without spills or serialized WGMMAs (SASS), not yet timed against 160.
 _REGISTERS_FP8 = {1: (56, 256), 2: (56, 224), 3: (40, 152)}
@@ -218,8 +219,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         ``32 cb + 4c .. + 3`` of sVt at keys ``16 kg + 4t .. + 3``. Store j of a lane writes row
         ``4c + (j ^ m)``, ``m = (c >> 1) % 4``: the 8 lanes c of one store then hit 8 distinct rows mod 8,
         whose swizzled 16-byte chunks are 8 distinct bank groups (row ``4c + j`` for every lane put 8
-        rows on 2 chunk positions: 4-way conflicts, ncu's 6.6-7.9-way on the H100). The xor costs no
-        instruction: the byte permutes take lane-constant selectors instead of immediates.
+        rows on 2 chunk positions: 4-way conflicts, ncu's 6.6-7.9-way on the H100). Picking word j ^ m costs
+        no instruction (the byte permutes take lane-constant selectors instead of immediates); the per-store
+        row offsets hold one register each (SASS: about one more instruction per store).
 
         Addresses by hand from the tiles' structure (``_tile_offset``): the swizzle's row bits are a
         lane's constants and the rest is additive, so each access costs a few integer ops (the

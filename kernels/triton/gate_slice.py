@@ -4,8 +4,8 @@
 Purpose: the gated forward takes the keys' bias ``-G_j / softmax_scale`` through the QK^T GEMM as one more
 k16 slice of K (``kernels/sm90/fwd.py`` ``gate_in_gemm``): per (key, query head) ``PARTS`` 16-bit values, each
 the rest of the ones before it rounded to nearest (their sum is the fp32 bias to ~24 bits), then zeros to 16
-columns. The torch build took six strided ops over the 32-byte rows on every gated call (~25-35 us at 16k
-tokens x 32 heads); this is one pass: each program reads a (keys x heads) tile of the fp32 bias rows and
+columns. The torch build took six strided ops over the 32-byte rows on every gated call (H100, 2026-11-26,
+perf/NOTES.md session 27: 4k-key gated forwards -5.9 % wall with this kernel instead); this is one pass: each program reads a (keys x heads) tile of the fp32 bias rows and
 writes the tile's whole slice rows, bit for bit the torch build (the same round-to-nearest conversions and
 fp32 subtractions in the same order).
 
@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# (lengths and strides vary per call, varlen's total_k above all: one compiled variant, not one per
+# divisibility class)
+@triton.jit(do_not_specialize=["seqlen", "nheads", "stride_bb", "stride_bh", "stride_bs"])
 def gate_slice_kernel(
     bias_ptr, out_ptr, seqlen, nheads, stride_bb, stride_bh, stride_bs,
     PARTS: tl.constexpr, SLICE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
