@@ -77,3 +77,20 @@ def test_backward_on_two_devices(backend):
         assert torch.cuda.current_device() == 0
     for name, a, b in zip(("dq", "dk", "dv"), deterministic[1], deterministic[0]):
         assert torch.equal(a, b), f"{name}: deterministic gradients differ between devices"
+
+
+def test_gated_forward_on_a_device_that_is_not_current():
+    """A gated forward (``log_decay``) with 1024 keys builds K's k16 slice by a Triton kernel before the launch
+    (``sm90_fwd.gate_k_slice``): on device 1 while device 0 is current it must run there too, and give what
+    the same call on device 0 gives, bit for bit (same kernels, same inputs); the current device stays 0."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the gate's slice is the sm90 forward's")
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1024, 4, 64, generator=gen).bfloat16() for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 1024, 4, generator=gen) * 2 + 4)
+    outs = [flash_attn_func(*(t.to(f"cuda:{i}") for t in (q, k, v)), causal=True, log_decay=g.to(f"cuda:{i}"))
+            for i in (1, 0)]
+    assert outs[0].device == torch.device("cuda:1")
+    assert torch.equal(outs[0].cpu(), outs[1].cpu())
+    assert torch.cuda.current_device() == 0
