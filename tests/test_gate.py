@@ -315,6 +315,30 @@ def test_gated_forward_kernels_build_where_the_plain_ones_do():
     assert seen == {True, False}
 
 
+@pytest.mark.parametrize("triton_builds", [True, False], ids=["triton", "torch"])
+def test_gate_slice_threshold_follows_how_the_slice_is_built(monkeypatch, triton_builds):
+    """The gated key asks for the k16 slice from ``FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys where Triton builds the
+    slice (one kernel) and from ``..._TORCH`` keys where torch ops do (six per call: the slice paid only from 4k);
+    dense and varlen (``max_seqlen_k`` as an int) alike."""
+    from flashattn_hopper import configs, dispatch
+    from flashattn_hopper.backends import sm90_fwd
+    from flashattn_hopper.backends.common import VarlenArgs
+    from flashattn_hopper.validate import AttnProblem
+
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: triton_builds)
+    threshold = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if triton_builds
+                 else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
+    assert configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K < configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH
+    family = dispatch.FWD_KERNELS["sm90"]
+    for keys, varlen in itertools.product((1023, 1024, 2048, 4096), (False, True)):
+        p = AttnProblem(batch=2, seqlen_q=keys, seqlen_k=keys, nheads=4, nheads_k=4, head_dim=64, head_dim_v=64,
+                        dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1, window_right=0,
+                        softcap=0.0, is_varlen=varlen)
+        cu = torch.zeros(3, dtype=torch.int32)
+        key = family.gate_key(p, VarlenArgs(cu, cu, None, None, keys, keys) if varlen else None)
+        assert key.gate and key.gate_slice == (keys >= threshold), (keys, varlen, key.name)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(log_decay=[0.0]), TypeError, "log_decay must be a tensor"),
     (dict(log_decay=torch.zeros(1, 8, 3)), ValueError, r"log_decay must have shape \(batch, seqlen_k, nheads\) = \(1, 8, 2\)"),
