@@ -60,7 +60,7 @@ from ..common.utils import (
 )
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
-from .fwd_budget import GATE_BOX_SLACK, GATE_K, gate_in_gemm, gate_stage_floats
+from .fwd_budget import GATE_BOX_SLACK, GATE_K, acc_registers, gate_in_gemm, gate_stage_floats
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
@@ -328,8 +328,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             # it arrives with K's TMA (no multicast).
             return "has_gate needs no pack_gqa, no span_heads, no softcap and no clusters"
         num_wg = tile_m // 64
-        threads = num_wg * _WG_THREADS
-        acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (2 * threads)
+        acc_regs = acc_registers(tile_m, tile_n, head_dim_v)
         if acc_regs > _MAX_ACC_REGS[num_wg]:
             return (
                 f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[num_wg]} "

@@ -10,6 +10,13 @@ SMEM_ALIGN = 1024  # 128-byte-swizzled TMA/WGMMA buffers must start on a 1024-by
 SMEM_CAPACITY = 227 * 1024  # dynamic smem per CTA on H100/H200
 
 
+def acc_registers(tile_m: int, tile_n: int, head_dim_v: int, p_bytes: int = 2) -> int:
+    """Registers per MMA thread (64 rows per warpgroup) that S (fp32), O (fp32) and P (``p_bytes`` per
+    element: 2 for 16-bit inputs, 1 for e4m3) take."""
+    threads = tile_m // 64 * 128
+    return (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n * p_bytes // (4 * threads)
+
+
 def smem_bytes(
     elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
     own_sO: bool, q_stages: int = 1, gate: bool = False, gate_slice: bool = False,

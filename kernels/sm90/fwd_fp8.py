@@ -61,7 +61,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import acc_to_frag_a_fp8, make_smem_layout_sm90
 from .fwd import _MAX_ACC_REGS, FlashFwdSm90
-from .fwd_budget import SMEM_CAPACITY, fp8_smem_bytes
+from .fwd_budget import SMEM_CAPACITY, acc_registers, fp8_smem_bytes
 from .fwd_parts import MmaParts, Pipelines, TileWalk
 
 # (producer warpgroup, MMA warpgroup) registers per thread: the transposing warps hold 16 bytes of
@@ -145,8 +145,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # (the 16-bit rules but shared memory and registers, counted here: e4m3 P takes half bf16's)
         if reason is not None and "shared memory" not in reason and "registers per MMA thread" not in reason:
             return reason
-        threads = tile_m // 64 * 128
-        acc_regs = (tile_m * tile_n + tile_m * head_dim_v) // threads + tile_m * tile_n // (4 * threads)
+        acc_regs = acc_registers(tile_m, tile_n, head_dim_v, p_bytes=1)
         if acc_regs > _MAX_ACC_REGS[tile_m // 64]:
             return f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[tile_m // 64]}); use a smaller tile_n"
         smem = fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)

@@ -5,9 +5,9 @@ Purpose: the gated forward takes the keys' bias ``-G_j / softmax_scale`` through
 k16 slice of K (``kernels/sm90/fwd.py`` ``gate_in_gemm``): per (key, query head) ``PARTS`` 16-bit values, each
 the rest of the ones before it rounded to nearest (their sum is the fp32 bias to ~24 bits), then zeros to 16
 columns. The torch build took six strided ops over the 32-byte rows on every gated call (H100, 2026-11-26,
-perf/NOTES.md session 27: 4k-key gated forwards -5.9 % wall with this kernel instead); this is one pass: each program reads a (keys x heads) tile of the fp32 bias rows and
-writes the tile's whole slice rows, bit for bit the torch build (the same round-to-nearest conversions and
-fp32 subtractions in the same order).
+perf/NOTES.md session 27: 4k-key gated forwards -5.9 % wall with this kernel instead). This is one pass:
+each program reads a (keys x heads) tile of the fp32 bias rows and writes the tile's whole slice rows, bit
+for bit the torch build (the same round-to-nearest conversions and fp32 subtractions in the same order).
 
 Layouts: bias ``(batch, nheads, seqlen_k)`` fp32 with any strides (varlen: batch 1, ``(nheads, total_k)``
 viewed so); out ``(batch, seqlen_k, nheads, SLICE)`` contiguous, fp16 or bf16.
