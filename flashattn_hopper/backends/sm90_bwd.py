@@ -33,8 +33,6 @@ class BwdSm90Tile:
     num_stages: int = 2  # Q / dO ring stages
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
-    dq_key_split: bool = False  # tile_m 128: each warpgroup a partial dQ over its keys, summed in smem
-    wg_stagger: bool = False  # dq_key_split: warpgroup 1 starts after warpgroup 0's first P^T
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -42,7 +40,7 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, dq_key_split=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
@@ -75,8 +73,6 @@ class BwdSm90Key(KernelKey):
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
-    dq_key_split: bool = False  # BwdSm90Tile's
-    wg_stagger: bool = False
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -144,9 +140,7 @@ class BwdSm90(BwdSm80):
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
-            **({"dq_transposed": True} if t.dq_transposed else {}),
-            **({"dq_key_split": True, "wg_stagger": t.wg_stagger} if t.dq_key_split and not flags.get("gate") else {}),
-            **flags,
+            **({"dq_transposed": True} if t.dq_transposed else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -232,7 +226,6 @@ class BwdSm90(BwdSm80):
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),
-            **({"dq_key_split": True, "wg_stagger": k.wg_stagger} if k.dq_key_split else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -140,13 +140,11 @@ class FlashBwdSm90(FlashBwdSm90Store):
         head_dim_v: int | None = None,
         has_gate: bool = False,
         dq_transposed: bool = False,
-        dq_key_split: bool = False,
-        wg_stagger: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, dq_key_split=dq_key_split)
+                                    dq_transposed=dq_transposed)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -171,17 +169,6 @@ class FlashBwdSm90(FlashBwdSm90Store):
         # M is 64 per warpgroup, so 80 query rows cannot be dQ's M; the kernel computes dQ^T = K^T dS^T
         # (M = head_dim, 64 per warpgroup; N = 80 queries) and the postprocess transposes it back.
         self.dq_transposed = dq_transposed
-        # tile_m 128: each warpgroup computes a partial dQ over its own 64 keys (all 128 rows), the two
-        # summed in sdQ (warpgroup 1 adds its partial to warpgroup 0's, then the writer's one bulk add),
-        # so a warpgroup's dQ GEMM reads only its own dS^T: no barrier of both warpgroups per block
-        # (DS_READY), which kept their exp2 / dS passes in phase with the tensor pipe idle. The partial
-        # sums' order (warpgroup 0's first) is fixed: deterministic as before. sdQ has two stages
-        # (warpgroup 0 may write block j + 1 while the writer still adds block j), sdSt one (each
-        # warpgroup rewrites only its own rows, after its own dQ GEMM of the block before has read them).
-        self.dq_key_split = dq_key_split
-        # dq_key_split: warpgroup 1 starts its first block once warpgroup 0 has formed its first P^T, so
-        # that one's exp2 pass runs under the other's GEMMs from the start.
-        self.wg_stagger = wg_stagger and dq_key_split
         # tile_m 80 and 128: S^T and dP^T (40 / 64 registers each) stay in flight together, but fp32
         # P^T is not kept for dS^T beside them (ptxas serialized every WGMMA and spilled): dS^T is formed
         # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next) before
@@ -193,8 +180,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
-        self.pds_stages = 1 if dq_key_split else 2  # sdSt buffers (bwd_wide.py adds two for P^T)
-        self.sdq_stages = 2 if dq_key_split else 1
+        self.pds_stages = 2  # sdSt buffers (bwd_wide.py adds two for P^T)
         self.num_mma_threads = self.num_mma_wg * _WG_THREADS
         self.num_threads = self.num_mma_threads + _WG_THREADS
         elem = dtype.width // 8
@@ -214,9 +200,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, dq_key_split=False) -> str | None:
-        if dq_key_split and (tile_m != 128 or has_gate):
-            return "dq_key_split needs tile_m 128 (64 x 128 partials of 64 registers) and no gate"
+                      dq_transposed=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -244,18 +228,16 @@ class FlashBwdSm90(FlashBwdSm90Store):
             return "the gate's bias enters the raw score, which the softcap would pass through tanh"
         if num_stages not in (1, 2):
             return f"num_stages must be 1 or 2, got {num_stages}"
-        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate, dq_key_split) > _SMEM_CAPACITY:
+        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None
 
     @staticmethod
-    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False, dq_key_split=False) -> int:
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False) -> int:
         elem = dtype.width // 8
-        ds_stages, dq_stages = (1, 2) if dq_key_split else (2, 1)
-        operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + ds_stages * tile_m * tile_n) * elem
+        operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * tile_m * 4 if has_gate else 0
-        return (operands + dq_stages * tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums
-                + 1024 + 256)
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -290,9 +272,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
             sdO: buffer(layouts["sdO"])
             sdSt: buffer(layouts["sdSt"])
             # fp32 dQ staging: the m_block's tile in the dQ MMA's fragment order (``dq_staging``).
-            sdQ: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.tile_m * self.head_dim * self.sdq_stages], _SMEM_ALIGN
-            ]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
 
@@ -313,10 +293,6 @@ class FlashBwdSm90(FlashBwdSm90Store):
         )
         if const_expr(self.dq_transposed):
             return sdp, dkv, tiled_mma_dqt_sm90(self.dtype, self.tile_m, wg)
-        if const_expr(self.dq_key_split):  # one warpgroup's partial: M = tile_m (two atoms), K = its 64 keys
-            return sdp, dkv, hopper_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.head_dim),
-            )
         return sdp, dkv, tiled_mma_dq_sm90(self.dtype, self.head_dim, self.dq_split_rows, wg)
 
     # ------------------------------------------------------------------ host entry point
@@ -696,12 +672,6 @@ class FlashBwdSm90(FlashBwdSm90Store):
         if const_expr(self.dq_transposed):  # dQ^T = K^T dS^T: the same two views, roles swapped
             tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
             tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sdSt)))
-        elif const_expr(self.dq_key_split):  # this warpgroup's 64 keys of dS^T (one stage) and of K
-            wg_dq = tiled_mma_dq.get_slice(0)
-            sdSt_wg = cute.flat_divide(sdSt[None, None, 0], (64, self.tile_m))[None, None, wg_idx, 0]
-            sK_wg = cute.flat_divide(sK, (64, d))[None, None, wg_idx, 0]
-            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt_wg)))
-            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK_wg)))
         else:
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
@@ -716,7 +686,7 @@ class FlashBwdSm90(FlashBwdSm90Store):
         ).get_slice(tidx)
         tdSsdS = r2s_dS.partition_D(sdSt)
         tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
-        tdQsdQ = self.dq_partial_staging(sdQ, tidx) if const_expr(self.dq_key_split) else self.dq_staging(sdQ, tidx)
+        tdQsdQ = self.dq_staging(sdQ, tidx)
         key_bias = key_sums = None
         if const_expr(self.has_gate):
             key_bias = bwd_gate.load_key_bias(gate, tScS_mn, n_block, self.tile_n, seqlen.seqlen_k)
@@ -727,12 +697,9 @@ class FlashBwdSm90(FlashBwdSm90Store):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.wg_stagger):
-            if wg_idx == 1 and m_block_min < m_block_max:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.STAGGER), number_of_threads=self.num_mma_threads)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
-            ds_stage = 0 if const_expr(self.dq_key_split) else (m_block - m_block_min) % 2
+            ds_stage = (m_block - m_block_min) % 2
             pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
             wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
@@ -750,10 +717,6 @@ class FlashBwdSm90(FlashBwdSm90Store):
             else:
                 warpgroup.wait_group(1)  # S^T has landed
                 self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
-                if const_expr(self.wg_stagger):
-                    if wg_idx == 0 and m_block == m_block_min:
-                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.STAGGER),
-                                                 number_of_threads=self.num_mma_threads)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
@@ -775,26 +738,17 @@ class FlashBwdSm90(FlashBwdSm90Store):
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
             # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
             cute.arch.fence_view_async_shared()
-            if const_expr(self.dq_key_split):  # (this warpgroup's dQ GEMM reads its own rows only)
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY_WG) + wg_idx, number_of_threads=_WG_THREADS)
-            else:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
             # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
             if const_expr(self.dq_transposed):
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
-            elif const_expr(self.dq_key_split):
-                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True, wg_wait=-1)
             else:
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
             wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
-            if const_expr(self.dq_key_split):
-                self.dq_partial_to_smem(acc_dQ, tdQsdQ, m_block - m_block_min, wg_idx)
-            else:
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
             warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
             pipe_q.consumer_release(state)
             state.advance()

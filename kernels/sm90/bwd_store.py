@@ -34,10 +34,6 @@ class NamedBarrierBwd(enum.IntEnum):
     DQ_FULL = 6  # warpgroup k on id + k (and the writer): its half of this m_block's dQ is in sdQ
     DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
     DQ_EMPTY = 9  # warpgroup k on id + k (and the writer): the reduce-add of its half has read sdQ
-    # dq_key_split (one id per sdQ stage s; DQ_FULL + s and DQ_EMPTY + s then count stages, not warpgroups):
-    DQ_HALF = 11  # on id + s, warpgroup 0 arrives, warpgroup 1 waits: warpgroup 0's partial is in stage s
-    DS_READY_WG = 13  # warpgroup k on id + k alone: its dS^T rows are in smem
-    STAGGER = 15  # wg_stagger: warpgroup 0 arrives after its first P^T, warpgroup 1 waits before its first GEMM
 
 
 class FlashBwdSm90Store:
@@ -66,44 +62,6 @@ class FlashBwdSm90Store:
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg_idx, number_of_threads=self.dq_sync_threads)
 
-    def dq_partial_staging(self, sdQ, tidx: Int32):
-        """dq_key_split: this thread's view ``(4, n, part, stage)`` of both sdQ stages. A warpgroup's
-        partial covers all tile_m rows (two M atoms); atom k's values go where thread ``tidx % 128`` of
-        warpgroup k puts them in the rows split (``dq_staging``), so the writer's adds and the
-        postprocess are the rows split's."""
-        part = self.tile_m * self.head_dim // 2
-        base = sdQ.iterator + (tidx % _WG_THREADS) * 4
-        base = cute.make_ptr(Float32, base.toint(), base.memspace, assumed_align=16)
-        layout = cute.make_layout((4, part // (_WG_THREADS * 4), 2, 2), stride=(1, _WG_THREADS * 4, part, 2 * part))
-        return cute.make_tensor(base, layout)
-
-    @cute.jit
-    def dq_partial_to_smem(self, acc_dQ, tdQsdQ, block: Int32, wg_idx: Int32):
-        """dq_key_split: the ``block``-th (from 0) m_block's partial dQ of this warpgroup into sdQ stage
-        ``block % 2``. Warpgroup 0 stores its partial once the writer has read the stage (two blocks
-        ago) and tells warpgroup 1; warpgroup 1 adds its own to it and tells the writer."""
-        stage = block % 2
-        view = tdQsdQ[None, None, None, stage]
-        acc = cute.make_tensor(acc_dQ.iterator, cute.make_layout(view.shape))
-        if wg_idx == 0:
-            if block >= 2:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + stage,
-                                  number_of_threads=self.dq_sync_threads)
-            cute.autovec_copy(acc, view)
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_HALF) + stage,
-                                     number_of_threads=2 * _WG_THREADS)
-        else:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_HALF) + stage, number_of_threads=2 * _WG_THREADS)
-            for j in cutlass.range_constexpr(cute.size(view.shape[1]) * 2):
-                part = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(view[None, j % cute.size(view.shape[1]), j // cute.size(view.shape[1])], part)
-                for i in cutlass.range_constexpr(4):
-                    part[i] = part[i] + acc[i, j % cute.size(view.shape[1]), j // cute.size(view.shape[1])]
-                cute.autovec_copy(part, view[None, j % cute.size(view.shape[1]), j // cute.size(view.shape[1])])
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL) + stage,
-                                     number_of_threads=self.dq_sync_threads)
-
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
@@ -126,17 +84,7 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
-            if const_expr(self.dq_key_split):
-                # Stage s = block % 2: hand it back to warpgroup 0 once the add of two blocks ago has read
-                # it (at most the last add, of the other stage, still reading).
-                block = m_block - m_block_min
-                if block >= 2:
-                    if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(1, read=True)
-                    cute.arch.sync_warp()
-                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + block % 2,
-                                             number_of_threads=self.dq_sync_threads)
-            elif m_block > m_block_min:
+            if m_block > m_block_min:
                 # Hand each warpgroup its part back once the previous block's add of it has read it
                 # (bulk groups complete in order: part k's before part k + 1's).
                 for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -151,24 +99,14 @@ class FlashBwdSm90Store:
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
-            if const_expr(self.dq_key_split):  # the summed tile of stage block % 2, one add
-                stage = (m_block - m_block_min) % 2
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + stage,
-                                  number_of_threads=self.dq_sync_threads)
+            # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
+            # groups (commit and waits are per thread).
+            for wg in cutlass.range_constexpr(self.num_mma_wg):
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
                 if lane == 0:
-                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems, sdQ.iterator + stage * tile_elems,
-                                        tile_elems * 4)
+                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
+                                        half * 4)
                     cute.arch.cp_async_bulk_commit_group()
-            else:
-                # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
-                # groups (commit and waits are per thread).
-                for wg in cutlass.range_constexpr(self.num_mma_wg):
-                    cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg,
-                                      number_of_threads=self.dq_sync_threads)
-                    if lane == 0:
-                        bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half,
-                                            sdQ.iterator + wg * half, half * 4)
-                        cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.has_gate):
                 bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
                                         seqlen.seqlen_q)
