@@ -154,16 +154,19 @@ def _autocast(*tensors: Any) -> tuple[Any, ...]:
 def _fp8_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: dict[str, Any], softmax_scale: Any,
                    causal: Any, window_size: Any, softcap: Any, backend: Any) -> tuple[Any, ...] | None:
     """The ``_PLANS`` signature of a dense FP8 call whose options passed the fast path's type checks and
-    whose only extras are per-tensor descales (``(batch, nheads_k)`` tensors, or None as if left out); else
-    None."""
+    whose only extras are descales, all per tensor (2-D tensors) or all per block (3-D), or None as if
+    left out; else None."""
     if not set(extras).issubset(fp8.DESCALE_NAMES) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         return None
-    scales = []
+    scales, dims = [], set()
     for name in fp8.DESCALE_NAMES:
         value = extras.get(name)
-        if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
+        if value is not None and (not isinstance(value, torch.Tensor) or value.dim() not in (2, 3)):
             return None
         scales.append(None if value is None else (value.shape, value.dtype, value.get_device()))
+        dims |= set() if value is None else {value.dim()}
+    if len(dims) > 1:  # (per tensor and per block mixed: the general path says what is wrong)
+        return None
     return ("e4m3", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
             v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend, *scales)
 
@@ -176,8 +179,9 @@ def _fp8_call(
 ) -> Any:
     """FP8 inputs (``fp8.py``): the plain forward only (under torch.compile as the ``fwd_fp8`` custom op);
     the options that need more say so. ``plain_options`` (dense calls whose options passed the fast
-    path's type checks): a call with per-tensor descales is cached like a 16-bit call (``Fp8Plan``:
-    no validation, key building or descale assembly beyond one stack)."""
+    path's type checks): a call with per-tensor or per-block descales is cached like a 16-bit call
+    (``Fp8Plan``: no validation or key building; the descales assembled in one stack, or per block one
+    copy each where their shapes differ)."""
     signature = None
     if plain_options and varlen is None:
         signature = _fp8_signature(q, k, v, extras, softmax_scale, causal, window_size, softcap, backend)
@@ -207,7 +211,8 @@ def _fp8_call(
             p = validate.validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, fp8=True)
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
-            _PLANS[signature] = dispatch.FWD_KERNELS["sm90"].plan_fp8(q, p)
+            block_scales = any(isinstance(d, torch.Tensor) and d.dim() == 3 for d in extras.values())
+            _PLANS[signature] = dispatch.FWD_KERNELS["sm90"].plan_fp8(q, p, block_scales)
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 

@@ -1,9 +1,12 @@
 """Kernel time per backward call of our sm90 backward, by kernel, under torch.profiler (not a test).
 
     python perf/prof_bwd.py [--hdims 64 128] [--seqlens 1024 4096 16384] [--causal off on]
-                            [--group G] [--calls 20]
+                            [--group G] [--calls 20] [--sustained SECONDS]
 
-Prints one line per shape: the sum of all kernels' time per call and the main kernel's (the longest).
+Prints one line per shape: the sum of all kernels' time per call and the main kernel's (the longest);
+``--sustained``: also the wall time per call, joules, watts and SM clock over SECONDS of back-to-back calls
+(``ab_trees.py --metric sustained``): at the power cap a change's effect on energy per FLOP shows there, not
+in the profiler's short burst.
 It is how source trees are compared (perf/NOTES.md, sessions 24-25): once per tree on the same GPU
 machine in one call, the trees alternated over a few rounds, which ``perf/ab_trees.py`` does:
 
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--causal", choices=["off", "on"], nargs="+", default=["off", "on"])
     ap.add_argument("--group", type=int, default=1, help="query heads per kv head")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--sustained", type=float, default=0.0,
+                    help="also SECONDS of back-to-back calls per shape: wall us per call, joules, SM clock "
+                         "(from 4k the H100 backward runs at its power cap, where the profiler's 20 calls are too short)")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}, bf16, group {args.group}, {args.calls} calls per shape")
     for hdim in args.hdims:
@@ -58,9 +64,19 @@ def main() -> None:
                         for _ in range(2))
                 leaves = tuple(t.requires_grad_() for t in (q, k, v))
                 out = flash_attn_func(*leaves, causal=causal, backend="sm90")
-                rows = kernel_times(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), args.calls)
+                def fn():
+                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+                rows = kernel_times(fn, args.calls)
+                sustained = ""
+                if args.sustained > 0:
+                    from bench_bwd import energy_per_call
+
+                    joules, watts, clock = energy_per_call(fn, args.sustained)
+                    sustained = (f" sustained {joules / watts * 1e6:.1f} us, {joules * 1e3:.1f} mJ, {watts:.0f} W, "
+                                 f"{clock:.0f} MHz")
                 print(f"g{args.group} hdim{hdim} s{seqlen} c{int(causal)}: total {sum(t for t, _ in rows):.1f} "
-                      f"main {rows[0][0]:.1f} us", flush=True)
+                      f"main {rows[0][0]:.1f} us{sustained}", flush=True)
 
 
 if __name__ == "__main__":

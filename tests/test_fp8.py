@@ -180,10 +180,10 @@ def test_triton_quantizer_compiles_for_sm90():
         triton.compile(ASTSource(quantize_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
 
 
-def test_fp8_call_signatures_cover_per_tensor_descales_only():
-    """``api._fp8_signature``: dense calls whose extras are per-tensor descales get a plan signature that
-    records each descale's shape, dtype and device (or its absence); per-block descales, other extras or
-    non-tensor descales go the general way (None)."""
+def test_fp8_call_signatures_cover_descales_of_one_kind():
+    """``api._fp8_signature``: dense calls whose extras are descales, all per tensor or all per block, get a
+    plan signature that records each descale's shape, dtype and device (or its absence); the two kinds
+    mixed, other extras or non-tensor descales go the general way (None)."""
     from flashattn_hopper import api
 
     q8 = torch.zeros(1, 8, 4, 64).to(torch.float8_e4m3fn)
@@ -197,5 +197,7 @@ def test_fp8_call_signatures_cover_per_tensor_descales_only():
     assert sig(q_descale=None) == sig()  # None is "not given" (FA3-style wrappers pass it)
     assert sig(q_descale=d) != sig(k_descale=d) != sig()  # which descales are given is part of it
     assert sig(q_descale=d) != sig(q_descale=d.double())
-    assert sig(q_descale=torch.ones(1, 4, 1)) is None  # per block
+    block = torch.ones(1, 4, 1)
+    assert sig(q_descale=block) is not None and sig(q_descale=block) != sig(q_descale=torch.ones(1, 4, 2))
+    assert sig(q_descale=block, k_descale=d) is None  # per block and per tensor mixed
     assert sig(q_descale=1.0) is None and sig(dropout_p=0.0) is None

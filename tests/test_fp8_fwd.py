@@ -265,6 +265,38 @@ def test_fp8_cached_calls_take_their_plan(monkeypatch):
         flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", ["stack", "copies"])
+def test_fp8_block_scale_calls_take_their_plan(monkeypatch, case):
+    """Per-block descales are cached too (``Fp8Plan`` with ``fp8_block_scales``): after one general call the
+    same bits without the general path, all three given (``stack``: MHA, as many key blocks as query
+    blocks, one stack; ``copies``: GQA at hdim 256, where the shapes differ) and with one left out; a call
+    mixing per-tensor and per-block descales is not planned (the general path's error)."""
+    from flashattn_hopper import api, fp8
+
+    d, heads_k = (128, 4) if case == "stack" else (256, 2)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (_rows_varied(2, 500, h, d, gen=gen) for h in (4, heads_k, heads_k))
+    quant = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False)
+    scales = dict(q_descale=quant.q_descale, k_descale=quant.k_descale, v_descale=quant.v_descale)
+    api.clear_plans()
+    first = flash_attn_func(quant.q, quant.k, quant.v, causal=True, **scales)
+    no_v = flash_attn_func(quant.q, quant.k, quant.v, causal=True, q_descale=quant.q_descale,
+                           k_descale=quant.k_descale)
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("the call took the general path, not its plan")
+
+    monkeypatch.setattr(fp8, "attention", general_path)
+    for _ in range(2):
+        assert torch.equal(flash_attn_func(quant.q, quant.k, quant.v, causal=True, **scales), first)
+        assert torch.equal(flash_attn_func(quant.q, quant.k, quant.v, causal=True, q_descale=quant.q_descale,
+                                           k_descale=quant.k_descale), no_v)
+    mixed = dict(scales, v_descale=quant.v_descale[:, :, 0].contiguous())
+    assert api._fp8_signature(quant.q, quant.k, quant.v, mixed, None, True, (-1, -1), 0.0, None) is None
+
+
 def _rows_varied(*shape, gen):
     """Random values whose rows differ in magnitude (0.25x-4x): per-block scales then differ per block."""
     x = torch.randn(*shape, generator=gen, device="cuda")

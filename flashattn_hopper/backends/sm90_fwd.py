@@ -247,12 +247,13 @@ class FwdSm90(FwdLauncher):
             compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale), out_dtype=torch.bfloat16
         )
 
-    def plan_fp8(self, q: torch.Tensor, p: AttnProblem) -> Fp8Plan | None:
-        """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales that the kernel takes without
-        padding, else None (the call's checks, ``fp8.attention``, passed first)."""
+    def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False) -> Fp8Plan | None:
+        """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales (``block_scales``: per tile of
+        rows, ``fp8.descales``) that the kernel takes without padding, else None (the call's checks,
+        ``fp8.attention``, passed first)."""
         if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
-        key = self.fp8_key(p, target_arch())
+        key = self.fp8_key(p, target_arch(), block_scales=block_scales)
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
         fn = compile_cache.get(key, self.compile)
@@ -260,7 +261,11 @@ class FwdSm90(FwdLauncher):
         max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
         window_left, window_right = window_args(p) if key.local else (0, 0)
         head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
-        ones = torch.ones(p.batch, p.nheads_k, dtype=torch.float32, device=q.device)
+        if block_scales:  # (3, batch, nheads, blocks) of ones: the descales of the tensors a call leaves out
+            q_blocks, k_blocks = -(-p.seqlen_q // key.tile_m), -(-p.seqlen_k // key.tile_n)
+            ones = torch.ones(3, p.batch, p.nheads, max(q_blocks, k_blocks), dtype=torch.float32, device=q.device)
+        else:
+            ones = torch.ones(p.batch, p.nheads_k, dtype=torch.float32, device=q.device)
         return Fp8Plan(fn, key, p, self, head, None if counter is None else index, ones)
 
     def kernel(self, key: FwdSm90Key) -> Any:
@@ -473,20 +478,30 @@ def _dynamic(key: FwdSm90Key) -> bool:
 
 class Fp8Plan(FwdPlan):
     """``FwdPlan`` of an e4m3 call (``FwdSm90.plan_fp8``): q, k, v go in as their bytes, O comes out
-    bf16, and the call's ``q/k/v_descale`` (``(batch, nheads_k)`` fp32 each, or None: 1; the
-    signature fixed their shapes, dtypes and device) are stacked into the kernel's ``(3, batch,
-    nheads_k)`` in one launch."""
+    bf16, and the call's ``q/k/v_descale`` (the signature fixed their shapes, dtypes and device; None: 1)
+    become the kernel's descales: per tensor (``(batch, nheads_k)`` each) stacked into ``(3, batch,
+    nheads_k)`` in one launch; per block (``key.fp8_block_scales``: ``fp8.descales``' shapes) stacked
+    likewise where all three are given at one shape (MHA, as many key blocks as query blocks), else
+    copied into a copy of the ``(3, batch, nheads, blocks)`` ones, one launch each."""
 
     __slots__ = ("ones",)
 
     def __init__(self, fn: Any, key: Any, problem: AttnProblem, family: Any, head: tuple[Any, ...],
                  counter_device: int | None, ones: torch.Tensor) -> None:
         super().__init__(fn, key, problem, family, head, counter_device)
-        self.ones = ones  # the descale of a tensor the call gives none for
+        self.ones = ones  # the descale of a tensor the call gives none for (per block: all three's)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  descales: tuple[torch.Tensor | None, ...] = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
-        descale = torch.stack([self.ones if d is None else d for d in descales])
+        if not self.key.fp8_block_scales:
+            descale = torch.stack([self.ones if d is None else d for d in descales])
+        elif all(d is not None and d.shape == self.ones.shape[1:] for d in descales):
+            descale = torch.stack(descales)  # type: ignore[arg-type]
+        else:
+            descale = self.ones.clone()
+            for i, d in enumerate(descales):
+                if d is not None:
+                    descale[i, :, : d.shape[1], : d.shape[2]] = d
         out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
