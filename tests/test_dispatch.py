@@ -460,19 +460,3 @@ def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
     for key in keys:
         if key.kernel == "bwd_sm80" and getattr(key, "tail_split", False):
             assert dataclasses.replace(key, tail_split=False) in keys
-
-
-def test_permuted_stats_order_matches_the_preprocess():
-    """The sm90 backward's LSE_log2 / dPsum order: the host's gather index (``stats_rows_order``, for
-    ``rows_dpsum``) is the preprocess's ``stats_position`` row by row, a permutation within each 16 rows that
-    puts a WGMMA thread's query columns 8 j + 2 (lane % 4) + {0, 1}, j = 2 g, 2 g + 1, side by side."""
-    from flashattn_hopper.backends.sm80_bwd import stats_rows_order
-    from flashattn_hopper.kernels.common.bwd_pre import stats_position
-
-    order = stats_rows_order(64, torch.device("cpu")).tolist()
-    assert order == [stats_position(r) for r in range(64)]
-    assert sorted(order[16:32]) == list(range(16, 32))
-    for lane in range(4):
-        for group in range(4):
-            columns = [8 * (2 * group + c // 2) + 2 * lane + c % 2 for c in range(4)]
-            assert [stats_position(q) for q in columns] == [16 * group + 4 * lane + i for i in range(4)]

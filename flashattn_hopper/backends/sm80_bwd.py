@@ -53,7 +53,6 @@ class BwdPreKey(KernelKey):
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
     sink: bool = False  # also a learnable sink's gradient parts (FlashBwdPreprocess ``sink_grad``)
-    permuted_stats: bool = False  # LSE_log2 / dPsum in the sm90 main kernels' order (``stats_position``)
 
 
 @dataclass(frozen=True)
@@ -245,14 +244,12 @@ class BwdSm80:
         post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k, main=main)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
-                      varlen=is_varlen, seqused=su_q, sink=sink, permuted_stats=self.permuted_stats),
+                      varlen=is_varlen, seqused=su_q, sink=sink),
             main, post_dq, post_kv,
         )
 
     # The split tail (a segments kernel for the last wave of dense unmasked calls): this family's.
     splits_tail = True
-    # The main kernel reads LSE_log2 / dPsum in the row order (sm90's: ``stats_position``'s).
-    permuted_stats = False
     # Tensor slots after the main kernel's split-tail argument (sm90: the gate's bias and dG's sums).
     gate_slots = 0
 
@@ -346,7 +343,7 @@ class BwdSm80:
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
                 dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
-                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, permuted_stats=pre.permuted_stats,
+                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink,
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
@@ -456,17 +453,7 @@ class BwdSm80:
                                                    main_key.tile_n, sms)
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
                        tail_segments, dk_fp32, self.gate_slots, kv_fragment=post_kv_key.wg_blocks,
-                       sink_warps=_pre_threads(pre_key.head_dim_v) // 32 if sink else 0,
-                       permuted_stats=pre_key.permuted_stats)
-
-
-@functools.lru_cache(maxsize=64)
-def stats_rows_order(rows: int, device: torch.device) -> torch.Tensor:
-    """Index that gathers ``rows`` (a multiple of 16) permuted LSE_log2 / dPsum values back into row order:
-    row r sits at ``kernels/common/bwd_pre.stats_position(r)`` (the same formula; that module imports the
-    DSL)."""
-    r = torch.arange(rows, dtype=torch.int64)
-    return ((r // 16) * 16 + ((r // 2) % 4) * 4 + ((r // 8) % 2) * 2 + r % 2).to(device)
+                       sink_warps=_pre_threads(pre_key.head_dim_v) // 32 if sink else 0)
 
 
 def wgmma_rows_order(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -495,9 +482,8 @@ class BwdPlan:
 
     def __init__(self, p: AttnProblem, main_key: BwdKey, fns: tuple[Any, ...], deterministic: bool,
                  tail_blocks: int, tail_segments: int, dk_fp32: bool = False, gate_slots: int = 0,
-                 kv_fragment: bool = False, sink_warps: int = 0, permuted_stats: bool = False) -> None:
+                 kv_fragment: bool = False, sink_warps: int = 0) -> None:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
-        self.permuted_stats = permuted_stats  # dPsum's rows in ``stats_position`` order (rows_dpsum undoes it)
         self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
@@ -611,8 +597,6 @@ class BwdPlan:
         if rows_dpsum:
             if p.is_varlen:
                 raise ValueError("rows_dpsum: dense problems only (varlen rows sit at padded scratch offsets)")
-            if self.permuted_stats:  # (the row order back: one gather, on the sink-with-gate path only)
-                dpsum = dpsum[:, :, stats_rows_order(self.s_q_pad, dpsum.device)]
             extra = (dpsum[:, :, : p.seqlen_q],)
         if sink_parts is not None:
             extra = (*extra, sink_parts.sum((0, 2)))

@@ -22,7 +22,7 @@ from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 from .sm80_bwd import (
-    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
+    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
 
 
@@ -96,9 +96,6 @@ class BwdSm90(BwdSm80):
         return super().can_implement(p, deterministic)
 
     splits_tail = False  # (its key's tail_split stays False: the launcher shared with sm80 reads it)
-    # LSE_log2 / dPsum in ``stats_position`` order: a thread's four query columns in one 128-bit load
-    # (kernels/sm90/bwd.py ``column_stats``; both main kernels read them so).
-    permuted_stats = True
     gate_slots = 3  # the main kernel's mGate, mdGq, mdGk (None without a gate)
 
     def can_gate(self, p: AttnProblem) -> bool:
@@ -179,16 +176,12 @@ class BwdSm90(BwdSm80):
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the preprocess in this family's
-        LSE_log2 / dPsum order (``permuted_stats``). (The row-order preprocess and the row-major postprocess are
-        the sm80 family's keys.)"""
+        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
         tile_80 = self.tile_80_key(arch)
         return [
-            # the preprocess storing LSE_log2 / dPsum in this family's order (the row order's is sm80's)
-            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128, permuted_stats=True),
             self._post_keys(arch, "bf16", 128, 128)[0],
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],

@@ -38,15 +38,6 @@ from .seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from .utils import LOG2_E, assume_strides_aligned, select_head, select_modes
 
 
-def stats_position(row):
-    """Where row ``row`` of LSE_log2 / dPsum goes with ``permuted_stats`` (a permutation within each 16
-    rows; ``row`` an Int32 or an int): bits ``(b3 b2 b1 b0)`` -> ``(b2 b1 b3 b0)``. A WGMMA accumulator
-    thread of the sm90 backward's S^T holds query columns ``8 j + 2 (lane % 4) + {0, 1}``, so its columns
-    ``4 g .. 4 g + 3`` land side by side at ``16 g + 4 (lane % 4)``: one 128-bit shared load where the row
-    order took two 64-bit ones (``kernels/sm90/bwd.py`` ``column_stats``)."""
-    return (row // 16) * 16 + ((row // 2) % 4) * 4 + ((row // 8) % 2) * 2 + row % 2
-
-
 class FlashBwdPreprocess:
     """Grid ``(seqlen_q_padded / tile_m, nheads, batch)``; threads row-major over 16-byte chunks.
 
@@ -58,13 +49,12 @@ class FlashBwdPreprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
                  num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False,
-                 sink_grad: bool = False, permuted_stats: bool = False):
+                 sink_grad: bool = False):
         """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``). ``pdl``
         (sm_90 only): launched as a programmatic dependent of the stream's previous kernel, it waits
         for that one before reading O, dO and LSE, and lets the main kernel launch once its loads
         are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``). ``sink_grad``: the
-        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``). ``permuted_stats``: LSE_log2 and dPsum
-        rows in the order of ``stats_position`` within each 16 rows (the sm90 main kernels' 128-bit reads)."""
+        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if reason is not None:
@@ -76,7 +66,6 @@ class FlashBwdPreprocess:
         self.num_threads = num_threads
         self.pdl = pdl
         self.sink_grad = sink_grad
-        self.permuted_stats = permuted_stats
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
@@ -250,9 +239,8 @@ class FlashBwdPreprocess:
                         # (a sink of -inf, or a row whose sinked LSE is -inf: no share, never NaN)
                         if sink_log2 != -Float32.inf and lse != -Float32.inf:
                             sink_part -= cute.math.exp2(sink_log2 - lse * LOG2_E) * dot
-                slot = stats_position(row) if const_expr(self.permuted_stats) else row
-                mLSE_log2_cur[pad_offset + slot] = lse_log2
-                mdPsum_cur[pad_offset + slot] = dpsum
+                mLSE_log2_cur[pad_offset + row] = lse_log2
+                mdPsum_cur[pad_offset + row] = dpsum
         if const_expr(self.sink_grad):
             # Each warp's rows' sum, one slot per warp: the host adds the slots in a fixed order.
             warp_sum = cute.arch.warp_reduction_sum(sink_part, threads_in_group=32)

@@ -40,7 +40,6 @@ from cutlass.memory import SmemAllocator
 
 from . import bwd_gate
 from .bwd_store import _WG_THREADS, FlashBwdSm90Store, NamedBarrierBwd
-from ..common.bwd_pre import stats_position
 from ..common.bwd_utils import m_block_min_max, scratch_offset, tiled_mma_dq_sm90, tiled_mma_dqt_sm90
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
@@ -786,12 +785,11 @@ class FlashBwdSm90(FlashBwdSm90Store):
             # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
             apply_softcap(acc_S, softcap_scale)
             warpgroup.wait_group(0)  # dP^T has landed
-            for g in cutlass.range_constexpr(num_cols // 4):
-                dpsum = self.column_stats(sdPsum, tScS_mn, stage, g)
-                for c in cutlass.range_constexpr(4 * g, 4 * g + 4):
-                    for r in cutlass.range_constexpr(num_rows):
-                        t = acc_S_mn[r, c]
-                        acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum[c % 4]) * (Float32(1.0) - t * t)
+            for c in cutlass.range_constexpr(num_cols):
+                dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(num_rows):
+                    t = acc_S_mn[r, c]
+                    acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
         self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
         if const_expr(softcap_scale is None):
             warpgroup.wait_group(0)  # dP^T has landed
@@ -810,39 +808,22 @@ class FlashBwdSm90(FlashBwdSm90Store):
         if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
             mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
         acc_S_mn = acc_rows_cols(acc_S)
-        for g in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1]) // 4):
-            lse = self.column_stats(sLSE, tScS_mn, stage, g)
-            for c in cutlass.range_constexpr(4 * g, 4 * g + 4):
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
-                    score = acc_S_mn[r, c]
-                    if const_expr(key_bias is not None):
-                        score = score + key_bias[r]
-                    acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse[c % 4], fastmath=True)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+            lse = sLSE[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
+                score = acc_S_mn[r, c]
+                if const_expr(key_bias is not None):
+                    score = score + key_bias[r]
+                acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
 
     @cute.jit
     def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
         """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T, fp32 or 16-bit)."""
         acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
-        for g in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1]) // 4):
-            dpsum = self.column_stats(sdPsum, tScS_mn, stage, g)
-            for c in cutlass.range_constexpr(4 * g, 4 * g + 4):
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
-                    p = acc_S_mn[r, c]
-                    if const_expr(acc_S.element_type != Float32):
-                        p = p.to(Float32)
-                    acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum[c % 4])
-
-    @cute.jit
-    def column_stats(self, sStats, tScS_mn, stage: Int32, group: cutlass.Constexpr[int]):
-        """This thread's LSE_log2 or dPsum (``sStats``, stage ``stage``) of its score columns ``4 group ..
-        4 group + 3``, one 128-bit load: the preprocess stores the rows permuted within each 16
-        (``common/bwd_pre.stats_position``), so that those four queries (``8 j + 2 (lane % 4) + {0, 1}``,
-        j = 2 group, 2 group + 1) sit side by side at ``16 group + 4 (lane % 4)``. In row order they took
-        two 64-bit loads, ~3.8 wavefronts each (H100 ncu, perf/NOTES.md session 28)."""
-        position = stats_position(tScS_mn[0, 4 * group][1])
-        column = sStats[None, stage]
-        base = column.iterator + position
-        base = cute.make_ptr(Float32, base.toint(), base.memspace, assumed_align=16)
-        values = cute.make_rmem_tensor(4, Float32)
-        cute.autovec_copy(cute.make_tensor(base, cute.make_layout(4)), values)
-        return values
+        for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                p = acc_S_mn[r, c]
+                if const_expr(acc_S.element_type != Float32):
+                    p = p.to(Float32)
+                acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum)
