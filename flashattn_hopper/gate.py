@@ -53,19 +53,12 @@ from .sinks import join_sink, sink_gradient
 _PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
 
 
-# Dense sequences up to this many keys take G from one Triton program per (head block, batch entry)
-# (``kernels/triton/gate_scan.py``): each walks its sequence, so longer ones keep torch's parallel scan.
-SCAN_KERNEL_MAX_SEQLEN = 2048
-
-
 def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
     """``G = cumsum(g)`` in fp32 along the sequence axis, restarting at each sequence (varlen:
     ``log_decay`` ``(total_k, nheads)``; dense ``(batch, seqlen_k, nheads)``)."""
     # The scans run along the last axis (PyTorch's scan over an outer axis of (b, s, h) took 0.29 ms
     # at 16k tokens x 32 heads on an H100, about the forward kernel's time).
     if cu_seqlens_k is None:
-        if _scan_kernel_serves(log_decay):
-            return _DenseCumsum.apply(log_decay)
         return torch.cumsum(log_decay.float().transpose(1, 2), dim=-1).transpose(1, 2)
     # Varlen: one scan over all packed rows, each sequence's start subtracted; in fp64, so that a long
     # pack's running total (|G| summed over sequences) costs no fp32 digits of a sequence's own G.
@@ -79,45 +72,6 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     marks[starts] = starts  # (empty sequences share a start: the same value written twice)
     first = torch.cummax(marks[:total], dim=0).values
     return (scan[:, 1:] - scan[:, first]).t().float()
-
-
-def _scan_kernel_serves(log_decay: torch.Tensor) -> bool:
-    """Whether the dense ``G`` comes from the Triton scan: eager CUDA calls of short sequences with Triton."""
-    batch, seqlen = log_decay.shape[0], log_decay.shape[1]
-    if not (log_decay.is_cuda and 0 < seqlen <= SCAN_KERNEL_MAX_SEQLEN and 0 < batch <= 65535
-            and log_decay.shape[2] > 0) or torch.compiler.is_compiling():
-        return False
-    from .backends.sm90_fwd import _has_triton
-
-    return _has_triton()
-
-
-class _DenseCumsum(torch.autograd.Function):
-    """Dense ``G`` by ``kernels/triton/gate_scan.py``; its gradient is the reverse cumsum, taken as
-    torch's autograd takes that of ``torch.cumsum`` (the same ops as the torch route's backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, log_decay: torch.Tensor) -> torch.Tensor:
-        from .kernels.triton.gate_scan import gate_cumsum_kernel
-
-        batch, seqlen, nheads = log_decay.shape
-        out = torch.empty(batch, nheads, seqlen, dtype=torch.float32, device=log_decay.device)
-        block_h = 8
-        args = (log_decay, out, seqlen, nheads, *log_decay.stride())
-        grid = (-(-nheads // block_h), batch)
-        meta = dict(BLOCK_S=256, BLOCK_H=block_h, num_warps=4)
-        if log_decay.device.index == torch.cuda.current_device():
-            gate_cumsum_kernel[grid](*args, **meta)
-        else:  # Triton launches on the current device and stream: make them g's
-            with torch.cuda.device(log_decay.device):
-                gate_cumsum_kernel[grid](*args, **meta)
-        ctx.dtype = log_decay.dtype
-        return out.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        rows = grad.transpose(1, 2)
-        return rows.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).to(ctx.dtype)
 
 
 def _parts(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The gated call's per-call passes, in one process: settings A/B'd against each other (not a test).
 
     python perf/ab_gate_slice.py [--hdims 64 128] [--seqlens 1024 2048 4096 16384] [--rounds 3] [--compile-only]
-                                 [--grad] [--scan]
+                                 [--grad]
 
 Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad unless ``--grad``; bf16, 16k tokens, hidden 2048,
 ``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
@@ -9,8 +9,6 @@ process so the power cap's drift reaches all alike: ``torch_4k`` (the slice buil
 4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),
 ``triton_1k`` (Triton, slice from 1024 keys), beside the plain causal call. The settings are switched by
 patching ``sm90_fwd._has_triton`` and ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` (both read per call).
-``--scan``: instead, G's scan by torch (``torch_scan``) or by the Triton kernel up to 2048 keys
-(``triton_scan``, ``gate.SCAN_KERNEL_MAX_SEQLEN``), the slice from 1024 keys in both.
 ``--grad``: forward + backward (``autograd.grad`` to q,
 k, v and g; the plain call's to q, k, v), not the forward alone.
 Prints a Markdown table of do_bench medians (us) and each setting's ratio to the plain call.
@@ -26,9 +24,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-# (Triton on, the slice's min keys, the Triton scan's max keys: gate.SCAN_KERNEL_MAX_SEQLEN)
-SLICE_SETTINGS = {"torch_4k": (False, 4096, 0), "triton_4k": (True, 4096, 0), "triton_1k": (True, 1024, 0)}
-SCAN_SETTINGS = {"torch_scan": (True, 1024, 0), "triton_scan": (True, 1024, 2048)}
+SETTINGS = {"torch_4k": (False, 4096), "triton_4k": (True, 4096), "triton_1k": (True, 1024)}
 
 
 def main(argv: list[str]) -> int:
@@ -38,24 +34,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--grad", action="store_true")
-    ap.add_argument("--scan", action="store_true", help="A/B G's scan (torch / Triton) instead of the slice's build")
     args = ap.parse_args(argv)
-    SETTINGS = SCAN_SETTINGS if args.scan else SLICE_SETTINGS
 
     from flashattn_hopper import configs, flash_attn_func
-    from flashattn_hopper import gate
     from flashattn_hopper.backends import sm90_fwd
 
     def use(setting: str) -> None:
-        triton_on, min_keys, scan_max = SETTINGS[setting]
+        triton_on, min_keys = SETTINGS[setting]
         sm90_fwd._has_triton = (lambda: True) if triton_on else (lambda: False)
         configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = min_keys
-        gate.SCAN_KERNEL_MAX_SEQLEN = scan_max
 
     if not args.compile_only:
-        what = "G's scan" if args.scan else "slice"
-        print(f"# gated {'forward + backward' if args.grad else 'forward'}'s {what} settings, "
-              f"{torch.cuda.get_device_name()}, rounds={args.rounds}\n")
+        print(f"# gated forward's slice settings, {torch.cuda.get_device_name()}, rounds={args.rounds}\n")
         print("| hdim | seqlen | plain | " + " | ".join(SETTINGS) + " | " + " | ".join(f"plain / {s}" for s in SETTINGS) + " |")
         print("|---|---|---|" + "---|" * (2 * len(SETTINGS)))
     for hdim in args.hdims:

@@ -288,32 +288,6 @@ def test_gate_k_slice_triton_is_the_torch_build_bitwise(dtype, varlen):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (batch, heads, keys)
 
 
-@pytest.mark.gpu
-def test_dense_cumulative_by_the_triton_scan():
-    """Dense sequences up to ``gate.SCAN_KERNEL_MAX_SEQLEN`` keys take G from ``kernels/triton/gate_scan.py``:
-    against torch's fp32 scan within fp32 rounding of the running sums, over lengths that end mid-chunk, bf16
-    and fp32 gates, a strided view; G's gradient is torch's route's (the reverse cumsum), and longer
-    sequences keep torch's scan."""
-    pytest.importorskip("triton")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for batch, keys, heads, dtype in ((2, 1, 3, torch.float32), (3, 300, 20, torch.bfloat16),
-                                      (1, gate.SCAN_KERNEL_MAX_SEQLEN, 32, torch.float32)):
-        g = torch.nn.functional.logsigmoid(torch.randn(batch, keys, 2 * heads, device="cuda", generator=gen) * 2 + 3)
-        g = g.to(dtype)[:, :, ::2].requires_grad_()  # (heads at stride 2)
-        assert gate._scan_kernel_serves(g)
-        G = gate.cumulative(g, None)
-        want = torch.cumsum(g.detach().float().transpose(1, 2), dim=-1).transpose(1, 2)
-        tol = 1e-6 * want.abs().amax(1, keepdim=True) * max(keys, 1) ** 0.5 + 1e-7
-        assert G.shape == want.shape and bool(((G.detach() - want).abs() <= tol).all()), (batch, keys, heads)
-        w = torch.randn(G.shape, device="cuda", generator=gen)
-        (got,) = torch.autograd.grad(G, g, w)
-        g_ref = g.detach().clone().requires_grad_()
-        (ref,) = torch.autograd.grad(torch.cumsum(g_ref.float().transpose(1, 2), dim=-1).transpose(1, 2), g_ref, w)
-        assert got.dtype == g.dtype and torch.equal(got, ref), (batch, keys, heads)
-    long_g = torch.zeros(1, gate.SCAN_KERNEL_MAX_SEQLEN + 1, 4, device="cuda")
-    assert not gate._scan_kernel_serves(long_g)
-
-
 def test_gated_forward_kernels_build_where_the_plain_ones_do():
     """The gated sm90 forward takes the bias as an extra k16 slice of the QK^T GEMM only where that slice's
     smem fits beside the key's own sO and Q ring, else the fp32 bias rows; the kernel and the launcher
