@@ -684,3 +684,53 @@ def test_gated_route_cache_still_checks_strides():
     q_strided = torch.randn(1, 64, 64, 2, dtype=torch.bfloat16, device="cuda", generator=gen).transpose(-1, -2)
     with pytest.raises(ValueError, match="q"):
         flash_attn_func(q_strided, k, v, causal=True, log_decay=g)
+
+
+@pytest.mark.parametrize("causal, seqlen", [(True, 1024), (False, 200), (True, 4096)],
+                         ids=["causal-rows", "full-rows", "causal-slice"])
+def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, causal, seqlen):
+    """Dense gated forwards keep a plan (``sm90_fwd.GatePlan``, like a plain call's): its call hands the
+    compiled kernel what ``launch_forward`` does (the same tensors in the same slots, the same scalars, the
+    tile counter where the schedule is dynamic), for the fp32 bias rows and the k16 slice alike, and the
+    second call of a problem takes the kept plan. CPU: the kernel and device lookups are stand-ins."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper.backends import common, sm90_fwd
+    from flashattn_hopper.validate import AttnProblem
+
+    calls = []
+    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
+    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    counter = torch.zeros(1, dtype=torch.int32)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: False)  # (the slice by torch ops on the CPU)
+    monkeypatch.setattr(sm90_fwd, "_GATE_PLANS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    family = sm90_fwd.FwdSm90()
+    batch, heads = 2, 4
+    p = AttnProblem(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads=heads, nheads_k=heads, head_dim=128,
+                    head_dim_v=128, dtype=torch.bfloat16, softmax_scale=0.125, causal=causal,
+                    window_left=-1, window_right=0 if causal else -1, softcap=0.0, is_varlen=False)
+    q, k, v = (torch.zeros(batch, seqlen, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(batch, heads, seqlen)
+    key = family.gate_key(p, None)
+    gate = sm90_fwd.gate_k_slice(bias, q.dtype, False) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
+    extra = family.extra_args(key, q.device, 0)
+    common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
+                          (extra[0], extra[1], gate, None))
+    family.forward_with_gate(q, k, v, p, None, bias)  # makes the plan
+    family.forward_with_gate(q, k, v, p, None, bias)  # takes it
+    assert len(sm90_fwd._GATE_PLANS) == 1 and len(calls) == 3
+    general, *planned = calls
+    for args in planned:
+        assert len(args) == len(general)
+        for i, (a, b) in enumerate(zip(args, general)):
+            if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
+                assert a.shape == b.shape and a.dtype == b.dtype
+            elif i == 11:  # the gate: built per call, equal contents
+                assert torch.equal(a, b)
+            elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                assert a is b, i
+            else:
+                assert a == b and type(a) is type(b), (i, a, b)

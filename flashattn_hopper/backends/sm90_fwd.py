@@ -348,12 +348,40 @@ class FwdSm90(FwdLauncher):
         k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
         TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key``."""
         key = self.gate_key(p, varlen)
-        compiled = compile_cache.get(key, self.compile)
-        ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         bias = bias.to(device=q.device)
         gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_slice(key) else aligned_rows(bias)
+        if varlen is None:
+            # Dense: the gated key's plan, kept like a plain call's: at 1k keys a gated call is host-bound,
+            # and launch_forward's per-call checks and argument building are ~20-40 us of it.
+            memo = (key, p, q.device)
+            plan = _GATE_PLANS.get(memo, False)
+            if plan is False:
+                if len(_GATE_PLANS) >= _MAX_GATE_PLANS:
+                    _GATE_PLANS.clear()
+                plan = _GATE_PLANS[memo] = self.gate_plan(q, p, key)
+            if plan is not None:
+                try:
+                    return plan(q, k, v, gate)
+                except (ValueError, TypeError):  # (TVM-FFI turned the inputs down: the general way copies them)
+                    pass
+        compiled = compile_cache.get(key, self.compile)
+        ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
+
+    def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
+        """A ``GatePlan`` of the dense gated ``key`` (``gate_key``) for ``p``, None where the kernel takes the
+        inputs padded (launch_forward's way)."""
+        if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+            return None
+        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
+            return None
+        fn = compile_cache.get(key, self.compile)
+        index = device_index(q.device)
+        max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
+        window_left, window_right = window_args(p) if key.local else (0, 0)
+        head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
+        return GatePlan(fn, key, p, self, head, None if counter is None else index)
 
     def gate_key(self, p: AttnProblem, varlen: VarlenArgs | None) -> FwdSm90Key:
         """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
@@ -474,6 +502,25 @@ def pack_gqa_factor(p: AttnProblem, tile_m: int, varlen: bool) -> int:
 def _dynamic(key: FwdSm90Key) -> bool:
     """Persistent causal/local kernels take tiles from an atomic counter (costs differ per tile)."""
     return key.persistent and (key.causal or key.local)
+
+
+class GatePlan(FwdPlan):
+    """``FwdPlan`` of a dense gated call (``FwdSm90.gate_plan``): the call's gate tensor (K's k16 slice or the
+    fp32 bias rows, as ``forward_with_gate`` builds it) goes into the kernel's gate slot."""
+
+    __slots__ = ()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        counter = None if self.counter_device is None else tile_counter(self.counter_device)
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, None, None, None, None)
+        return out, lse
+
+
+_GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem, device) -> plan (forward_with_gate)
+_MAX_GATE_PLANS = 1024
 
 
 class Fp8Plan(FwdPlan):
