@@ -128,9 +128,6 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 # 0.88); built by six torch ops (``_TORCH``) only from 4k (session 26: +9 % at hdim 64 1k).
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
-# Where the slice does not fit beside a key's Q ring (hdim 128 up to 2k queries), the gated key gives up
-# the ring (q_stages 1) to take the slice instead of the fp32 add per score (sm90_fwd.gate_key).
-FWD_SM90_GATE_SLICE_OVER_Q_RING = True
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q

@@ -1,7 +1,7 @@
 """The gated call's per-call passes, in one process: settings A/B'd against each other (not a test).
 
     python perf/ab_gate_slice.py [--hdims 64 128] [--seqlens 1024 2048 4096 16384] [--rounds 3] [--compile-only]
-                                 [--grad] [--ring]
+                                 [--grad]
 
 Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad unless ``--grad``; bf16, 16k tokens, hidden 2048,
 ``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
@@ -9,8 +9,6 @@ process so the power cap's drift reaches all alike: ``torch_4k`` (the slice buil
 4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),
 ``triton_1k`` (Triton, slice from 1024 keys), beside the plain causal call. The settings are switched by
 patching ``sm90_fwd._has_triton`` and ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` (both read per call).
-``--ring``: instead, the Q ring with the fp32 add per score (``ring_fp32_add``) against no ring with the slice
-(``ringless_slice``, ``configs.FWD_SM90_GATE_SLICE_OVER_Q_RING``): hdim 128 up to 2k queries, where both do not fit.
 ``--grad``: forward + backward (``autograd.grad`` to q,
 k, v and g; the plain call's to q, k, v), not the forward alone.
 Prints a Markdown table of do_bench medians (us) and each setting's ratio to the plain call.
@@ -26,9 +24,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-# (Triton on, the slice's min keys, configs.FWD_SM90_GATE_SLICE_OVER_Q_RING)
-SLICE_SETTINGS = {"torch_4k": (False, 4096, False), "triton_4k": (True, 4096, False), "triton_1k": (True, 1024, False)}
-RING_SETTINGS = {"ring_fp32_add": (True, 1024, False), "ringless_slice": (True, 1024, True)}
+SETTINGS = {"torch_4k": (False, 4096), "triton_4k": (True, 4096), "triton_1k": (True, 1024)}
 
 
 def main(argv: list[str]) -> int:
@@ -38,19 +34,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--grad", action="store_true")
-    ap.add_argument("--ring", action="store_true",
-                    help="A/B the Q ring with the fp32 add against no ring with the slice (hdim 128 up to 2k)")
     args = ap.parse_args(argv)
-    SETTINGS = RING_SETTINGS if args.ring else SLICE_SETTINGS
 
     from flashattn_hopper import configs, flash_attn_func
     from flashattn_hopper.backends import sm90_fwd
 
     def use(setting: str) -> None:
-        triton_on, min_keys, over_ring = SETTINGS[setting]
+        triton_on, min_keys = SETTINGS[setting]
         sm90_fwd._has_triton = (lambda: True) if triton_on else (lambda: False)
         configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = min_keys
-        configs.FWD_SM90_GATE_SLICE_OVER_Q_RING = over_ring
 
     if not args.compile_only:
         print(f"# gated forward's slice settings, {torch.cuda.get_device_name()}, rounds={args.rounds}\n")

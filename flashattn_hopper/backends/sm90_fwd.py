@@ -387,20 +387,13 @@ class FwdSm90(FwdLauncher):
         """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
         (the combinations the gate's tests run), the bias as the QK^T GEMM's k16 slice asked for from
         ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys (``_TORCH`` where the slice is built by torch
-        ops: no Triton) (varlen: ``max_seqlen_k`` given as an int); where the slice does not fit beside the
-        key's Q ring, without the ring (``configs.FWD_SM90_GATE_SLICE_OVER_Q_RING``)."""
+        ops: no Triton) (varlen: ``max_seqlen_k`` given as an int)."""
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
         long_keys = isinstance(keys, int) and keys >= min_keys
-        key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
-                               cluster_m=1)[1]
-        if long_keys and key.q_stages > 1 and configs.FWD_SM90_GATE_SLICE_OVER_Q_RING and not gate_slice(key):
-            ringless = self.variant_key(p, varlen, gate=True, gate_slice=True, pack_gqa=1, span_heads=False,
-                                        cluster_m=1, q_stages=1)[1]
-            if gate_slice(ringless):
-                return ringless
-        return key
+        return self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
+                                cluster_m=1)[1]
 
 
 @functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
