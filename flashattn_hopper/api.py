@@ -27,8 +27,13 @@ _MAX_PLANS = 4096  # signatures kept (then the table starts over): shapes that v
 
 
 def clear_plans() -> None:
-    """Forget the cached call plans (they hold no memory but the compiled functions' references)."""
+    """Forget the cached call plans, the gated and sinked forwards' too (they hold no tensors, only the
+    compiled functions' references)."""
+    from .backends import common, sm90_fwd
+
     _PLANS.clear()
+    sm90_fwd._GATE_PLANS.clear()
+    common._SINK_PLANS.clear()
 
 
 def _fwd(
@@ -180,8 +185,8 @@ def _fp8_call(
     """FP8 inputs (``fp8.py``): the plain forward only (under torch.compile as the ``fwd_fp8`` custom op);
     the options that need more say so. ``plain_options`` (dense calls whose options passed the fast
     path's type checks): a call with per-tensor or per-block descales is cached like a 16-bit call
-    (``Fp8Plan``: no validation or key building; the descales assembled in one stack, or per block one
-    copy each where their shapes differ)."""
+    (``Fp8Plan``: no validation or key building; the descales assembled by one stack, or per block by a
+    fill of ones and a copy per given descale where they do not stack)."""
     signature = None
     if plain_options and varlen is None:
         signature = _fp8_signature(q, k, v, extras, softmax_scale, causal, window_size, softcap, backend)

@@ -73,8 +73,9 @@ def main() -> None:
                     from bench_bwd import energy_per_call
 
                     joules, watts, clock = energy_per_call(fn, args.sustained)
-                    sustained = (f" sustained {joules / watts * 1e6:.1f} us, {joules * 1e3:.1f} mJ, {watts:.0f} W, "
-                                 f"{clock:.0f} MHz")
+                    if watts > 0:  # (an energy counter that did not move gives no time)
+                        sustained = (f" sustained {joules / watts * 1e6:.1f} us, {joules * 1e3:.1f} mJ, "
+                                     f"{watts:.0f} W, {clock:.0f} MHz")
                 print(f"g{args.group} hdim{hdim} s{seqlen} c{int(causal)}: total {sum(t for t, _ in rows):.1f} "
                       f"main {rows[0][0]:.1f} us{sustained}", flush=True)
 

@@ -201,3 +201,39 @@ def test_fp8_call_signatures_cover_descales_of_one_kind():
     assert sig(q_descale=block) is not None and sig(q_descale=block) != sig(q_descale=torch.ones(1, 4, 2))
     assert sig(q_descale=block, k_descale=d) is None  # per block and per tensor mixed
     assert sig(q_descale=1.0) is None and sig(dropout_p=0.0) is None
+
+
+@pytest.mark.parametrize("head_dim, heads_k, seqlen", [(128, 4, 256), (128, 2, 500), (256, 1, 300)],
+                         ids=["stack", "gqa-copies", "mqa-copies"])
+def test_fp8_plan_assembles_the_general_descales(head_dim, heads_k, seqlen):
+    """``Fp8Plan`` (per tensor and per block, every mix of given and left-out descales, a transposed view)
+    hands the kernel exactly ``fp8.descales``' tensor, contiguous. CPU: the kernel is a stand-in."""
+    from flashattn_hopper import validate
+    from flashattn_hopper.backends import sm90_fwd
+
+    gen = torch.Generator().manual_seed(head_dim + heads_k)
+    q8 = torch.zeros(2, seqlen, 4, head_dim).to(torch.float8_e4m3fn)
+    k8 = torch.zeros(2, seqlen, heads_k, head_dim).to(torch.float8_e4m3fn)
+    p = validate.AttnProblem(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads=4, nheads_k=heads_k,
+                             head_dim=head_dim, head_dim_v=head_dim, dtype=torch.float8_e4m3fn, softmax_scale=0.1,
+                             causal=True, window_left=-1, window_right=0, softcap=0.0, is_varlen=False)
+    tile_m, tile_n = fp8.kernel_tiles(head_dim)
+    q_blocks, k_blocks = -(-seqlen // tile_m), -(-seqlen // tile_n)
+    for block in (False, True):
+        key = sm90_fwd.FwdSm90().fp8_key(p, "sm_90a", block_scales=block)
+        shapes = ([(2, 4, q_blocks), (2, heads_k, k_blocks), (2, heads_k, k_blocks)] if block
+                  else [(2, heads_k)] * 3)
+        fill = (3, 2, 4, max(q_blocks, k_blocks)) if block else (2, heads_k)
+        for given in [(1, 1, 1), (1, 1, 0), (0, 1, 0), (0, 0, 0)]:
+            if block and not any(given):
+                continue  # (no descale at all: the per-tensor signature)
+            scales = [torch.rand(s, generator=gen) + 0.5 if g else None for s, g in zip(shapes, given)]
+            if scales[1] is not None:  # a strided view
+                scales[1] = scales[1].transpose(0, 1).contiguous().transpose(0, 1)
+            launched = []
+            plan = sm90_fwd.Fp8Plan(lambda *args: launched.append(args), key, p, None, (0.1, 0, 0, 1.0, 132), None, fill)
+            for _ in range(2):  # (the first call decides whether they stack)
+                plan(q8, k8, k8, tuple(scales))
+            want = fp8.descales(dict(zip(fp8.DESCALE_NAMES, scales)), p, q8.device)
+            got = launched[-1][12]
+            assert got.is_contiguous() and torch.equal(got, want), (block, given)

@@ -270,15 +270,16 @@ def test_fp8_cached_calls_take_their_plan(monkeypatch):
 @pytest.mark.parametrize("case", ["stack", "copies"])
 def test_fp8_block_scale_calls_take_their_plan(monkeypatch, case):
     """Per-block descales are cached too (``Fp8Plan`` with ``fp8_block_scales``): after one general call the
-    same bits without the general path, all three given (``stack``: MHA, as many key blocks as query
-    blocks, one stack; ``copies``: GQA at hdim 256, where the shapes differ) and with one left out; a call
-    mixing per-tensor and per-block descales is not planned (the general path's error)."""
+    same bits without the general path, all three given (``stack``: MHA at a length with as many key blocks
+    as query blocks, one stack; ``copies``: GQA at hdim 256, where the shapes differ) and with one left out
+    (fresh ones and copies); a call mixing per-tensor and per-block descales gets no plan signature."""
     from flashattn_hopper import api, fp8
 
-    d, heads_k = (128, 4) if case == "stack" else (256, 2)
+    d, heads_k, seqlen = (128, 4, 256) if case == "stack" else (256, 2, 500)
     gen = torch.Generator(device="cuda").manual_seed(12)
-    q, k, v = (_rows_varied(2, 500, h, d, gen=gen) for h in (4, heads_k, heads_k))
+    q, k, v = (_rows_varied(2, seqlen, h, d, gen=gen) for h in (4, heads_k, heads_k))
     quant = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False)
+    assert (quant.q_descale.shape == quant.k_descale.shape) == (case == "stack")
     scales = dict(q_descale=quant.q_descale, k_descale=quant.k_descale, v_descale=quant.v_descale)
     api.clear_plans()
     first = flash_attn_func(quant.q, quant.k, quant.v, causal=True, **scales)

@@ -719,9 +719,15 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     extra = family.extra_args(key, q.device, 0)
     common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
                           (extra[0], extra[1], gate, None))
+
+    def general_launch(*args, **kwargs):
+        raise AssertionError("the gated call took launch_forward, not its plan")
+
+    monkeypatch.setattr(sm90_fwd, "launch_forward", general_launch)
     family.forward_with_gate(q, k, v, p, None, bias)  # makes the plan
     family.forward_with_gate(q, k, v, p, None, bias)  # takes it
     assert len(sm90_fwd._GATE_PLANS) == 1 and len(calls) == 3
+    assert isinstance(next(iter(sm90_fwd._GATE_PLANS.values())), sm90_fwd.GatePlan)
     general, *planned = calls
     for args in planned:
         assert len(args) == len(general)

@@ -19,7 +19,7 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
+    _MAX_MEMO, DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, launch_forward, mask_flags,
     num_sms, target_arch, tile_counter, window_args,
 )
@@ -248,8 +248,8 @@ class FwdSm90(FwdLauncher):
         )
 
     def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False) -> Fp8Plan | None:
-        """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales (``block_scales``: per tile of
-        rows, ``fp8.descales``) that the kernel takes without padding, else None (the call's checks,
+        """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales (``block_scales``: per block,
+        ``fp8.descales``) that the kernel takes without padding, else None (the call's checks,
         ``fp8.attention``, passed first)."""
         if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
@@ -261,12 +261,12 @@ class FwdSm90(FwdLauncher):
         max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
         window_left, window_right = window_args(p) if key.local else (0, 0)
         head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
-        if block_scales:  # (3, batch, nheads, blocks) of ones: the descales of the tensors a call leaves out
+        if block_scales:  # the kernel's (3, batch, nheads, blocks) (``fp8.descales``)
             q_blocks, k_blocks = -(-p.seqlen_q // key.tile_m), -(-p.seqlen_k // key.tile_n)
-            ones = torch.ones(3, p.batch, p.nheads, max(q_blocks, k_blocks), dtype=torch.float32, device=q.device)
+            fill_shape: tuple[int, ...] = (3, p.batch, p.nheads, max(q_blocks, k_blocks))
         else:
-            ones = torch.ones(p.batch, p.nheads_k, dtype=torch.float32, device=q.device)
-        return Fp8Plan(fn, key, p, self, head, None if counter is None else index, ones)
+            fill_shape = (p.batch, p.nheads_k)
+        return Fp8Plan(fn, key, p, self, head, None if counter is None else index, fill_shape)
 
     def kernel(self, key: FwdSm90Key) -> Any:
         """The kernel object for ``key`` (its static configuration; not yet compiled)."""
@@ -356,7 +356,7 @@ class FwdSm90(FwdLauncher):
             memo = (key, p, q.device)
             plan = _GATE_PLANS.get(memo, False)
             if plan is False:
-                if len(_GATE_PLANS) >= _MAX_GATE_PLANS:
+                if len(_GATE_PLANS) >= _MAX_MEMO:
                     _GATE_PLANS.clear()
                 plan = _GATE_PLANS[memo] = self.gate_plan(q, p, key)
             if plan is not None:
@@ -374,7 +374,7 @@ class FwdSm90(FwdLauncher):
         inputs padded (launch_forward's way)."""
         if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
-        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
+        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v or key.softcap:  # (no softcap with a gate)
             return None
         fn = compile_cache.get(key, self.compile)
         index = device_index(q.device)
@@ -520,35 +520,42 @@ class GatePlan(FwdPlan):
 
 
 _GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem, device) -> plan (forward_with_gate)
-_MAX_GATE_PLANS = 1024
 
 
 class Fp8Plan(FwdPlan):
     """``FwdPlan`` of an e4m3 call (``FwdSm90.plan_fp8``): q, k, v go in as their bytes, O comes out
-    bf16, and the call's ``q/k/v_descale`` (the signature fixed their shapes, dtypes and device; None: 1)
-    become the kernel's descales: per tensor (``(batch, nheads_k)`` each) stacked into ``(3, batch,
-    nheads_k)`` in one launch; per block (``key.fp8_block_scales``: ``fp8.descales``' shapes) stacked
-    likewise where all three are given at one shape (MHA, as many key blocks as query blocks), else
-    copied into a copy of the ``(3, batch, nheads, blocks)`` ones, one launch each."""
+    bf16, and the call's ``q/k/v_descale`` (the signature fixed which are given and their shapes, dtypes and
+    device; None: 1) become the kernel's descales: per tensor (``(batch, nheads_k)`` each) stacked into
+    ``(3, batch, nheads_k)``; per block (``key.fp8_block_scales``, ``fp8.descales``' shapes: q's per tile of
+    rows, k's and v's per key block) stacked where all three are given at the full ``(batch, nheads,
+    blocks)`` (MHA, as many key blocks as query blocks), else each given one copied into fresh ones. The
+    plan holds no tensor: a CUDA graph that captured a call must not read one that an evicted plan frees."""
 
-    __slots__ = ("ones",)
+    __slots__ = ("fill_shape", "stack")
 
     def __init__(self, fn: Any, key: Any, problem: AttnProblem, family: Any, head: tuple[Any, ...],
-                 counter_device: int | None, ones: torch.Tensor) -> None:
+                 counter_device: int | None, fill_shape: tuple[int, ...]) -> None:
         super().__init__(fn, key, problem, family, head, counter_device)
-        self.ones = ones  # the descale of a tensor the call gives none for (per block: all three's)
+        self.fill_shape = fill_shape  # the ones of an omitted descale (per block: of all three)
+        self.stack: bool | None = None  # per block: whether the calls' descales stack (their first call says)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  descales: tuple[torch.Tensor | None, ...] = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.key.fp8_block_scales:
-            descale = torch.stack([self.ones if d is None else d for d in descales])
-        elif all(d is not None and d.shape == self.ones.shape[1:] for d in descales):
-            descale = torch.stack(descales)  # type: ignore[arg-type]
+            ones = None
+            if any(d is None for d in descales):
+                ones = torch.ones(self.fill_shape, dtype=torch.float32, device=q.device)
+            descale = torch.stack([ones if d is None else d for d in descales])  # type: ignore[misc]
         else:
-            descale = self.ones.clone()
-            for i, d in enumerate(descales):
-                if d is not None:
-                    descale[i, :, : d.shape[1], : d.shape[2]] = d
+            if self.stack is None:
+                self.stack = all(d is not None and tuple(d.shape) == self.fill_shape[1:] for d in descales)
+            if self.stack:
+                descale = torch.stack(descales)  # type: ignore[arg-type]
+            else:
+                descale = torch.ones(self.fill_shape, dtype=torch.float32, device=q.device)
+                for i, d in enumerate(descales):
+                    if d is not None:
+                        descale[i, :, : d.shape[1], : d.shape[2]] = d
         out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
