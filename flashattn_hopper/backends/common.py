@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -490,12 +491,7 @@ class FwdLauncher:
             lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
             # Dense: the sink key's plan, kept like a plain call's (``plan``): launch_forward's per-call
             # padding checks, argument building and stream lookup took ~half a sinked call's host time.
-            memo = (key, p, q.device)
-            plan = _SINK_PLANS.get(memo, False)
-            if plan is False:
-                if len(_SINK_PLANS) >= _MAX_MEMO:
-                    _SINK_PLANS.clear()
-                plan = _SINK_PLANS[memo] = self.plan(q, p, key)
+            plan = kept_plan(_SINK_PLANS, (key, p, q.device), lambda: self.plan(q, p, key))
             if plan is not None:
                 try:
                     return plan(q, k, v, lse)
@@ -532,6 +528,17 @@ class FwdLauncher:
         """A family's own call-time kernel arguments (see ``compile_forward``) for a launch on the
         stream ``stream_handle`` (None: the device's current stream); none by default."""
         return ()
+
+
+def kept_plan(plans: dict[tuple[Any, ...], Any], memo: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """``plans[memo]``, built by ``build()`` (a plan or None: kept either way) on the first call; the dict
+    is emptied when it reaches ``_MAX_MEMO`` entries."""
+    plan = plans.get(memo, False)
+    if plan is False:
+        if len(plans) >= _MAX_MEMO:
+            plans.clear()
+        plan = plans[memo] = build()
+    return plan
 
 
 def device_index(device: torch.device) -> int:

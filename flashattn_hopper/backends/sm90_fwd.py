@@ -19,9 +19,9 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
-    _MAX_MEMO, DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
+    DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, launch_forward, mask_flags,
-    num_sms, target_arch, tile_counter, window_args,
+    kept_plan, num_sms, target_arch, tile_counter, window_args,
 )
 
 
@@ -256,17 +256,12 @@ class FwdSm90(FwdLauncher):
         key = self.fp8_key(p, target_arch(), block_scales=block_scales)
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
-        fn = compile_cache.get(key, self.compile)
-        index = device_index(q.device)
-        max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
-        window_left, window_right = window_args(p) if key.local else (0, 0)
-        head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
         if block_scales:  # the kernel's (3, batch, nheads, blocks) (``fp8.descales``)
             q_blocks, k_blocks = -(-p.seqlen_q // key.tile_m), -(-p.seqlen_k // key.tile_n)
             fill_shape: tuple[int, ...] = (3, p.batch, p.nheads, max(q_blocks, k_blocks))
         else:
             fill_shape = (p.batch, p.nheads_k)
-        return Fp8Plan(fn, key, p, self, head, None if counter is None else index, fill_shape)
+        return Fp8Plan(*self._plan_parts(q, p, key), fill_shape)
 
     def kernel(self, key: FwdSm90Key) -> Any:
         """The kernel object for ``key`` (its static configuration; not yet compiled)."""
@@ -351,14 +346,9 @@ class FwdSm90(FwdLauncher):
         bias = bias.to(device=q.device)
         gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_slice(key) else aligned_rows(bias)
         if varlen is None:
-            # Dense: the gated key's plan, kept like a plain call's: at 1k keys a gated call is host-bound,
-            # and launch_forward's per-call checks and argument building are ~20-40 us of it.
-            memo = (key, p, q.device)
-            plan = _GATE_PLANS.get(memo, False)
-            if plan is False:
-                if len(_GATE_PLANS) >= _MAX_MEMO:
-                    _GATE_PLANS.clear()
-                plan = _GATE_PLANS[memo] = self.gate_plan(q, p, key)
+            # Dense: the gated key's plan, kept like a plain call's: launch_forward's per-call checks and
+            # argument building were ~40 us of a gated call's host time (H100: 183 -> 141 us, NOTES s28).
+            plan = kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key))
             if plan is not None:
                 try:
                     return plan(q, k, v, gate)
@@ -376,12 +366,17 @@ class FwdSm90(FwdLauncher):
             return None
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v or key.softcap:  # (no softcap with a gate)
             return None
+        return GatePlan(*self._plan_parts(q, p, key))
+
+    def _plan_parts(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> tuple[Any, ...]:
+        """``(fn, key, p, family, head, counter_device)`` of a gate or FP8 plan (no softcap): the compiled
+        function, the scalars up to ``max_ctas``, the tile counter's device where the schedule is dynamic."""
         fn = compile_cache.get(key, self.compile)
         index = device_index(q.device)
         max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
         window_left, window_right = window_args(p) if key.local else (0, 0)
         head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
-        return GatePlan(fn, key, p, self, head, None if counter is None else index)
+        return fn, key, p, self, head, None if counter is None else index
 
     def gate_key(self, p: AttnProblem, varlen: VarlenArgs | None) -> FwdSm90Key:
         """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
