@@ -31,7 +31,8 @@ from ..common.bwd_utils import accum_tile, red_add_tile, semaphore_signal, semap
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, store_rows_predicated, wgmma
 from ..common.utils import convert_to_16bit, transpose_view
-from .bwd import _SMEM_CAPACITY, _WG_THREADS, FlashBwdSm90, NamedBarrierBwd
+from .bwd import _SMEM_CAPACITY, FlashBwdSm90
+from .bwd_store import _WG_THREADS, NamedBarrierBwd
 
 
 class FlashBwdSm90Wide(FlashBwdSm90):

@@ -1,0 +1,222 @@
+"""The MMA warpgroups' m_block loop of the Hopper backward (``sm90/bwd.py``): ``FlashBwdSm90Loop``.
+
+Purpose: split from the kernel class by role (as ``bwd_store.py``): per m_block, each MMA warpgroup's S^T and
+dP^T GEMMs, the exp2 pass (P^T), dS^T, and the dV / dQ / dK GEMMs with dS^T's smem hand-off and dQ's to the
+writer warp (``mma``); the score coordinates and mask (``score_coords_and_mask``); P^T and dS^T in registers
+(``probs``, ``ds_from_probs``, ``probs_and_ds`` with softcap, shared with ``bwd_wide.py``). The kernel class
+(``FlashBwdSm90``) holds the configuration this mixin reads (tiles, flags, barriers' thread counts).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warp, warpgroup
+
+from . import bwd_gate
+from .bwd_store import _WG_THREADS, NamedBarrierBwd
+from ..common.mask import AttentionMask
+from ..common.seqlen import SeqlenInfo
+from ..common.sm90_utils import acc_to_frag_a_sm90, wgmma
+from ..common.softmax import apply_softcap
+from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
+
+
+class FlashBwdSm90Loop:
+    """The MMA warpgroups' loop of ``FlashBwdSm90`` (a mixin: the kernel class holds the configuration)."""
+
+    @cute.jit
+    def mma(
+        self,
+        sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ,
+        pipe_kv: pipeline.PipelineTmaAsync,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_do: pipeline.PipelineTmaAsync,
+        seqlen: SeqlenInfo,
+        n_block: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+        scale_log2: Float32,
+        softcap_scale: Float32 | None,
+        window_left: Int32,
+        window_right: Int32,
+        sQuerySums: cute.Tensor,
+        gate: cute.Tensor | None,
+        dgk: cute.Tensor | None,
+    ):
+        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv). ``gate``
+        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums."""
+        tidx = cute.arch.thread_idx()[0] - _WG_THREADS
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * _WG_THREADS)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * _WG_THREADS)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        d = self.head_dim
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        if const_expr(self.dq_transposed):  # dQ^T = K^T dS^T: the same two views, roles swapped
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sdSt)))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdSt)))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        # dS^T (16-bit, C layout) -> sdSt with stmatrix, as the forward stores O.
+        r2s_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
+        tdSsdS = r2s_dS.partition_D(sdSt)
+        tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
+        tdQsdQ = self.dq_staging(sdQ, tidx)
+        key_bias = key_sums = None
+        if const_expr(self.has_gate):
+            key_bias = bwd_gate.load_key_bias(gate, tScS_mn, n_block, self.tile_n, seqlen.seqlen_k)
+            key_sums = cute.make_rmem_tensor(key_bias.shape, Float32)
+            key_sums.fill(0.0)
+
+        if m_block_min < m_block_max:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            stage = state.index
+            ds_stage = (m_block - m_block_min) % 2
+            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+            if const_expr(self.has_softcap):
+                self.probs_and_ds(
+                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                    softcap_scale,
+                )
+                # dV += P^T dO with P^T straight from registers.
+                tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            else:
+                warpgroup.wait_group(1)  # S^T has landed
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
+                rP = convert_to_16bit(acc_S, self.dtype)
+                tdVrP.store(acc_to_frag_a_sm90(rP).load())
+                # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
+                # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
+                # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
+                warpgroup.wait_group(0)  # dP^T has landed
+                self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                if const_expr(not self.dv_after_sums):
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            rdS = convert_to_16bit(acc_dP, self.dtype)
+            if const_expr(self.has_gate):
+                # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
+                # staged at once; two slots by block parity, as sdSt: the writer read block j's
+                # before the DQ_EMPTY this block's dq_to_smem(j + 1) waited for.
+                bwd_gate.stage_sums(rdS, key_sums, sQuerySums, ds_stage, tidx // 32, self.tile_m)
+                if const_expr(self.dv_after_sums):
+                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+            cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+            tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+            # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
+            if const_expr(self.dq_transposed):
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
+            else:
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+            pipe_do.consumer_release(state)  # dP^T and dV have read dO
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+            warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+            pipe_q.consumer_release(state)
+            state.advance()
+        if const_expr(self.has_gate):
+            bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
+        return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):
+        """``(tScS_mn, mask)``: the (key, query) coordinates of each of this thread's S^T values (the
+        query column picks LSE / dPsum and the mask) and this sequence's mask."""
+        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
+        window_l = window_left if const_expr(self.is_local) else None
+        window_r = window_right if const_expr(self.is_local) else None
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k, window_l, window_r)
+        return tScS_mn, mask
+
+    @cute.jit
+    def probs_and_ds(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, mask: AttentionMask,
+                     thr_sdp, m_block: Int32, n_block: Int32, scale_log2: Float32, softcap_scale: Float32 | None):
+        """S^T and dP^T issued (in that order), not yet waited for: waits for each, then in place
+        S^T -> P^T = exp2(S^T * scale_log2 - LSE) (softcap, masks) and dP^T -> dS^T = P^T (dP^T -
+        dPsum) [* tanh']. ``tScS_mn``: each thread value's (key, query) coordinates; ``stage``: the
+        Q/dO ring stage whose LSE and dPsum to read (shared with bwd_wide.py)."""
+        acc_S_mn = acc_rows_cols(acc_S)
+        num_rows = cute.size(acc_S_mn.shape[0])
+        num_cols = cute.size(acc_S_mn.shape[1])
+        warpgroup.wait_group(1)  # S^T has landed
+        acc_dP_mn = acc_rows_cols(acc_dP)
+        if const_expr(softcap_scale is not None):
+            # S = tanh(x * scale / softcap); dS_x = dS_s * (1 - tanh^2), folded into dP - dPsum
+            # before the mask (a masked score's P is 0, so its factor does not matter). One
+            # per-column value live per pass: one pass holding LSE and dPsum spilled at hdim 128.
+            apply_softcap(acc_S, softcap_scale)
+            warpgroup.wait_group(0)  # dP^T has landed
+            for c in cutlass.range_constexpr(num_cols):
+                dpsum = sdPsum[tScS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(num_rows):
+                    t = acc_S_mn[r, c]
+                    acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
+        self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2)
+        if const_expr(softcap_scale is None):
+            warpgroup.wait_group(0)  # dP^T has landed
+            self.ds_from_probs(acc_S, acc_dP, sdPsum, tScS_mn, stage)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_dP[i] * acc_S[i]
+
+    @cute.jit
+    def probs(self, acc_S, sLSE, tScS_mn, stage: Int32, mask: AttentionMask, thr_sdp, m_block: Int32,
+              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None):
+        """S^T (landed) -> P^T = exp2(S^T * scale_log2 - LSE) in place, masked. LSE and dPsum of a
+        column (query) are read from smem where they are used, not held in registers across the
+        block (16 + 16 values per thread at tile_m 64). ``key_bias`` (has_gate): added to each row's
+        scores before the scale, as the forward adds it."""
+        if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
+            mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
+        acc_S_mn = acc_rows_cols(acc_S)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+            lse = sLSE[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
+                score = acc_S_mn[r, c]
+                if const_expr(key_bias is not None):
+                    score = score + key_bias[r]
+                acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
+
+    @cute.jit
+    def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
+        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T, fp32 or 16-bit)."""
+        acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                p = acc_S_mn[r, c]
+                if const_expr(acc_S.element_type != Float32):
+                    p = p.to(Float32)
+                acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum)
