@@ -53,8 +53,9 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
 BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 # 64 x 128 at hdim 64 with the next block's S^T / dP^T issued before this block's dV / dQ / dK are waited for
-# (kernels/sm90/bwd_loop.py ``prefetch_sdp``): built on the CPU (sm_90a SASS: no spills, no serialized WGMMA),
-# not yet measured (perf/NOTES.md session 28). Opt-in: ``perf/bench_bwd.py --tiles 64:64x128:2:prefetch``.
+# (kernels/sm90/bwd_loop.py ``prefetch_sdp``): built on the CPU (sm_90a: 168 registers, no spills, 32 HGMMA in
+# 7 groups, none serialized), not yet run on a GPU (perf/NOTES.md session 28). Opt-in (the CPU tier compiles
+# its dense non-causal key): ``perf/bench_bwd.py --tiles 64:64x128:2:prefetch`` (gradients checked against cuDNN's).
 BWD_SM90_TILE_PREFETCH = BwdSm90Tile(tile_m=64, tile_n=128, prefetch_sdp=True)
 
 

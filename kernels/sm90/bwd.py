@@ -94,6 +94,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     P^T (fp32 P^T beside both in-flight tiles serialized every WGMMA). With the gate at tile_m 128
     (``dv_after_sums``), dV is issued after the dG sums are staged instead of right after dS^T.
 
+    With ``prefetch_sdp`` (tile_m 64, hdim 64; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_PREFETCH``, not yet
+    measured) the next block's S^T and dP^T are issued right after dK, before dV / dQ / dK are waited for, into
+    accumulators kept across blocks; the last block issues its own again (discarded), so that every WGMMA
+    writes them on every path (ptxas serialized all WGMMAs otherwise: C7515).
+
     At tile_m 80 (``dq_transposed``: hdim 128, dense; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_80``) S^T and dP^T are
     m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
     in-flight tiles overflowed the registers), then issues dV; dQ cannot take 80

@@ -95,8 +95,13 @@ class FlashBwdSm90Loop:
         acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         if const_expr(self.prefetch_sdp):
+            # The WGMMAs unconditionally (a CTA with no block computes garbage it never reads): an accumulator
+            # defined on one path only is a copy on the other, and ptxas then serializes every WGMMA (C7515).
             if m_block_min < m_block_max:
-                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state)
+                pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True, wg_wait=-1)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
@@ -161,22 +166,26 @@ class FlashBwdSm90Loop:
             if const_expr(self.prefetch_sdp):
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
                 # The next block's S^T and dP^T queue behind dK: the tensor pipe does not drain between blocks.
+                # Issued on the last block too (again its own, discarded): as above, no accumulator defined on
+                # one path only.
+                next_state = state.clone()
+                next_state.advance()
+                next_stage = stage
                 if m_block + 1 < m_block_max:
-                    next_state = state.clone()
-                    next_state.advance()
-                    self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, next_state)
-                    warpgroup.wait_group(3)  # dV and dQ done (dK, S^T, dP^T may run)
-                else:
-                    warpgroup.wait_group(1)  # dV and dQ done
+                    pipe_q.consumer_wait(next_state, pipe_q.consumer_try_wait(next_state))
+                    pipe_do.consumer_wait(next_state, pipe_do.consumer_try_wait(next_state))
+                    next_stage = next_state.index
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, next_stage], zero_init=True, wg_wait=-1)
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, next_stage], zero_init=True, wg_wait=-1)
+                warpgroup.wait_group(3)  # dV and dQ done (dK, S^T, dP^T may run)
             else:
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
             self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
             if const_expr(self.prefetch_sdp):
-                if m_block + 1 < m_block_max:
-                    warpgroup.wait_group(2)  # dK has read Q and dS^T's registers
-                else:
-                    warpgroup.wait_group(0)
+                # dK, and the next block's S^T / dP^T: nothing stays in flight across the loop's back edge
+                # (ptxas serializes every WGMMA where accumulators in flight are carried over it: C7515)
+                warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
             pipe_q.consumer_release(state)
