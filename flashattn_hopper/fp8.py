@@ -288,17 +288,23 @@ def descales(
     q_blocks, k_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     shapes = {"q_descale": (p.batch, p.nheads, q_blocks), "k_descale": (p.batch, p.nheads_k, k_blocks),
               "v_descale": (p.batch, p.nheads_k, k_blocks)}
-    out = torch.ones(3, p.batch, p.nheads, max(q_blocks, k_blocks), dtype=torch.float32, device=device)
-    for i, (name, value) in enumerate(given.items()):
-        if value is None:
-            continue
-        if tuple(value.shape) != shapes[name]:
+    for name, value in given.items():
+        if value is not None and tuple(value.shape) != shapes[name]:
             raise ValueError(
                 f"{name} must have shape {shapes[name]} for per-block descales (tiles of {tile_m} query rows and "
                 f"{tile_n} key rows at this head dim: flashattn_hopper.fp8.kernel_tiles), got {tuple(value.shape)}"
             )
-        _, heads, blocks = shapes[name]
-        out[i, :, :heads, :blocks] = value
+    return block_descales(tuple(given.values()), (3, p.batch, p.nheads, max(q_blocks, k_blocks)), device)
+
+
+def block_descales(values: tuple[torch.Tensor | None, ...], shape: tuple[int, ...],
+                   device: torch.device) -> torch.Tensor:
+    """The kernel's per-block descales ``shape`` = ``(3, batch, nheads, blocks)`` of q's, k's and v's (checked
+    shapes; None: 1), each into its first heads and blocks (``descales``, and the cached plans' calls)."""
+    out = torch.ones(shape, dtype=torch.float32, device=device)
+    for i, value in enumerate(values):
+        if value is not None:
+            out[i, :, : value.shape[1], : value.shape[2]] = value
     return out
 
 

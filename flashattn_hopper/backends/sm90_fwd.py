@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import configs
+from ..fp8 import block_descales
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import (
@@ -547,10 +548,7 @@ class Fp8Plan(FwdPlan):
             if self.stack:
                 descale = torch.stack(descales)  # type: ignore[arg-type]
             else:
-                descale = torch.ones(self.fill_shape, dtype=torch.float32, device=q.device)
-                for i, d in enumerate(descales):
-                    if d is not None:
-                        descale[i, :, : d.shape[1], : d.shape[2]] = d
+                descale = block_descales(descales, self.fill_shape, q.device)
         out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)

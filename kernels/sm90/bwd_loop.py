@@ -97,18 +97,16 @@ class FlashBwdSm90Loop:
         if const_expr(self.prefetch_sdp):
             # The WGMMAs unconditionally (a CTA with no block computes garbage it never reads): an accumulator
             # defined on one path only is a copy on the other, and ptxas then serializes every WGMMA (C7515).
-            if m_block_min < m_block_max:
-                pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
-                pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True, wg_wait=-1)
+            self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state,
+                            state.index, m_block_min < m_block_max)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             if const_expr(not self.prefetch_sdp):
                 acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                 acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state)
+                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state,
+                                stage)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -170,13 +168,12 @@ class FlashBwdSm90Loop:
                 # one path only.
                 next_state = state.clone()
                 next_state.advance()
+                has_next = m_block + 1 < m_block_max
                 next_stage = stage
-                if m_block + 1 < m_block_max:
-                    pipe_q.consumer_wait(next_state, pipe_q.consumer_try_wait(next_state))
-                    pipe_do.consumer_wait(next_state, pipe_do.consumer_try_wait(next_state))
+                if has_next:
                     next_stage = next_state.index
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, next_stage], zero_init=True, wg_wait=-1)
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, next_stage], zero_init=True, wg_wait=-1)
+                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, next_state,
+                                next_stage, has_next)
                 warpgroup.wait_group(3)  # dV and dQ done (dK, S^T, dP^T may run)
             else:
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
@@ -196,13 +193,15 @@ class FlashBwdSm90Loop:
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                   pipe_do: pipeline.PipelineTmaAsync, state):
-        """Issue S^T = K Q^T and dP^T = V dO^T of the Q/dO ring stage ``state`` (each once its TMA landed);
-        not waited for."""
-        stage = state.index
-        pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, wait=True):
+        """Issue S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage``, each after waiting for ``state``'s
+        TMA where ``wait``; not waited for. (``prefetch_sdp`` issues them where it cannot wait too: the
+        WGMMAs on every path, only the waits conditional.)"""
+        if wait:
+            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
         wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+        if wait:
+            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
         wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
 
     @cute.jit
