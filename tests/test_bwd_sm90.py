@@ -189,28 +189,3 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
     _, *pt = reference_grads(q, k, v, dout, False, upcast=False)
     check_against_refs(grads, (q, k, v), ref, pt)
 
-
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_bwd_sm90_opt_in_prefetch_tile(seqlens, heads, causal):
-    """The opt-in prefetching 64 x 128 tile at hdim 64 (``BWD_SM90_TILE_PREFETCH``: the next block's S^T /
-    dP^T issued behind this block's dK, kernels/sm90/bwd_loop.py), not in the launcher's table: dq, dk, dv
-    against the fp32 reference with the parity rule, odd lengths, causal or not (a CTA with no block, and
-    every CTA's last block, issue GEMMs whose results are discarded)."""
-    from flashattn_hopper import flash_attn_func, validate
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILE_PREFETCH, BwdSm90
-
-    from .test_bwd import reference_grads
-
-    (s_q, s_k), (h, h_k) = seqlens, heads
-    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, 64)
-    family = BwdSm90()
-    family.tiles = {64: BWD_SM90_TILE_PREFETCH}
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    assert family.plan(p, None, False, q.device).main_key.prefetch_sdp
-    grads = family.backward(dout, q, k, v, out, lse, p, None, False)
-    _, *ref = reference_grads(q, k, v, dout, causal)
-    _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
-    check_against_refs(grads, (q, k, v), ref, pt)

@@ -33,7 +33,6 @@ class BwdSm90Tile:
     num_stages: int = 2  # Q / dO ring stages
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
-    prefetch_sdp: bool = False  # tile_m 64, hdim 64: the next block's S^T / dP^T issued before this block's waits
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -52,11 +51,6 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # 1k-4k; within +-2 % again in session 24, after which 64 x 128 gained 3-7 % (dV after dS^T).
 # Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
 BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
-# 64 x 128 at hdim 64 with the next block's S^T / dP^T issued before this block's dV / dQ / dK are waited for
-# (kernels/sm90/bwd_loop.py ``prefetch_sdp``): built on the CPU (sm_90a: 168 registers, no spills, 32 HGMMA in
-# 7 groups, none serialized), not yet run on a GPU (perf/NOTES.md session 28). Opt-in (the CPU tier compiles
-# its dense non-causal key): ``perf/bench_bwd.py --tiles 64:64x128:2:prefetch`` (gradients checked against cuDNN's).
-BWD_SM90_TILE_PREFETCH = BwdSm90Tile(tile_m=64, tile_n=128, prefetch_sdp=True)
 
 
 @dataclass(frozen=True)
@@ -79,7 +73,6 @@ class BwdSm90Key(KernelKey):
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
-    prefetch_sdp: bool = False  # BwdSm90Tile's (opt-in: BWD_SM90_TILE_PREFETCH)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -147,15 +140,8 @@ class BwdSm90(BwdSm80):
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
-            **({"dq_transposed": True} if t.dq_transposed else {}),
-            **({"prefetch_sdp": True} if t.prefetch_sdp and not flags.get("gate") else {}), **flags,
+            **({"dq_transposed": True} if t.dq_transposed else {}), **flags,
         )
-
-    def prefetch_key(self, arch: str) -> BwdSm90Key:
-        """The opt-in prefetching 64 x 128 tile's key (``BWD_SM90_TILE_PREFETCH``: d64 bf16 dense non-causal MHA)."""
-        t = BWD_SM90_TILE_PREFETCH
-        return BwdSm90Key(kernel=self.kind, arch=arch, dtype="bf16", head_dim=64, head_dim_v=64, tile_m=t.tile_m,
-                          tile_n=t.tile_n, causal=False, gqa=False, num_stages=t.num_stages, prefetch_sdp=True)
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
         """The opt-in 80 x 128 tile's key (``BWD_SM90_TILE_80``: d128 bf16 dense non-causal MHA)."""
@@ -206,7 +192,6 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
-            self.prefetch_key(arch),
             main(arch, "bf16", 128, 128, True, False, varlen=True),
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
@@ -241,7 +226,6 @@ class BwdSm90(BwdSm80):
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),
-            **({"prefetch_sdp": True} if k.prefetch_sdp else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

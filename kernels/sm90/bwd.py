@@ -94,11 +94,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     P^T (fp32 P^T beside both in-flight tiles serialized every WGMMA). With the gate at tile_m 128
     (``dv_after_sums``), dV is issued after the dG sums are staged instead of right after dS^T.
 
-    With ``prefetch_sdp`` (tile_m 64, hdim 64; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_PREFETCH``, not yet
-    measured) the next block's S^T and dP^T are issued right after dK, before dV / dQ / dK are waited for, into
-    accumulators kept across blocks; the last block issues its own again (discarded), so that every WGMMA
-    writes them on every path (ptxas serialized all WGMMAs otherwise: C7515).
-
     At tile_m 80 (``dq_transposed``: hdim 128, dense; opt-in, ``backends/sm90_bwd.BWD_SM90_TILE_80``) S^T and dP^T are
     m64n80; after the exp2 pass it waits for dP^T, forms dS^T from the 16-bit P^T (fp32 P^T beside both
     in-flight tiles overflowed the registers), then issues dV; dQ cannot take 80
@@ -142,12 +137,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         head_dim_v: int | None = None,
         has_gate: bool = False,
         dq_transposed: bool = False,
-        prefetch_sdp: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, **({"prefetch_sdp": True} if prefetch_sdp else {}))
+                                    dq_transposed=dq_transposed)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -172,11 +166,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # M is 64 per warpgroup, so 80 query rows cannot be dQ's M; the kernel computes dQ^T = K^T dS^T
         # (M = head_dim, 64 per warpgroup; N = 80 queries) and the postprocess transposes it back.
         self.dq_transposed = dq_transposed
-        # tile_m 64, hdim 64 (opt-in, not measured yet: perf/NOTES.md session 28): the next block's S^T and
-        # dP^T are issued right after this block's dK, before dV / dQ / dK are waited for, so a warpgroup's
-        # tensor work does not drain between blocks; their accumulators stay live across blocks (176 of the
-        # 240 registers at 64 x 128, hdim 64; tile_m 128 has no room).
-        self.prefetch_sdp = prefetch_sdp
         # tile_m 80 and 128: S^T and dP^T (40 / 64 registers each) stay in flight together, but fp32
         # P^T is not kept for dS^T beside them (ptxas serialized every WGMMA and spilled): dS^T is formed
         # from the 16-bit P^T (as PyTorch's bf16 autograd does; dS^T is rounded to 16 bits next) before
@@ -208,9 +197,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, prefetch_sdp=False) -> str | None:
-        if prefetch_sdp and (tile_m != 64 or head_dim != 64 or has_softcap or has_gate):
-            return "prefetch_sdp needs tile_m 64 and head_dim 64 (registers), no softcap or gate"
+                      dq_transposed=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):

@@ -90,23 +90,15 @@ class FlashBwdSm90Loop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        # (``prefetch_sdp``: S^T and dP^T of the next block are issued before this block's dV / dQ / dK are
-        # waited for, into these accumulators; the first block's here. Else each block makes its own.)
-        acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        if const_expr(self.prefetch_sdp):
-            # The WGMMAs unconditionally (a CTA with no block computes garbage it never reads): an accumulator
-            # defined on one path only is a copy on the other, and ptxas then serializes every WGMMA (C7515).
-            self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state,
-                            state.index, m_block_min < m_block_max)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
-            if const_expr(not self.prefetch_sdp):
-                acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state,
-                                stage)
+            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -114,20 +106,6 @@ class FlashBwdSm90Loop:
                 )
                 # dV += P^T dO with P^T straight from registers.
                 tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
-                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            elif const_expr(self.prefetch_sdp):
-                # P^T and dS^T in copies: the accumulators take the next block's S^T / dP^T while this
-                # block's GEMMs run, and ptxas serializes every WGMMA (C7515) where other instructions
-                # write a WGMMA's accumulator registers inside its pipeline stage.
-                warpgroup.wait_group(1)  # S^T has landed
-                rS = cute.make_rmem_tensor_like(acc_S)
-                rS.store(acc_S.load())
-                self.probs(rS, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
-                tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(rS, self.dtype)).load())
-                warpgroup.wait_group(0)  # dP^T has landed
-                rdP = cute.make_rmem_tensor_like(acc_dP)
-                rdP.store(acc_dP.load())
-                self.ds_from_probs(rS, rdP, sdPsum, tScS_mn, stage)
                 wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             else:
                 warpgroup.wait_group(1)  # S^T has landed
@@ -141,7 +119,7 @@ class FlashBwdSm90Loop:
                 self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            rdS = convert_to_16bit(rdP if const_expr(self.prefetch_sdp) else acc_dP, self.dtype)
+            rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
                 # staged at once; two slots by block parity, as sdSt: the writer read block j's
@@ -161,48 +139,15 @@ class FlashBwdSm90Loop:
             else:
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
-            if const_expr(self.prefetch_sdp):
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                # The next block's S^T and dP^T queue behind dK: the tensor pipe does not drain between blocks.
-                # Issued on the last block too (again its own, discarded): as above, no accumulator defined on
-                # one path only.
-                next_state = state.clone()
-                next_state.advance()
-                has_next = m_block + 1 < m_block_max
-                next_stage = stage
-                if has_next:
-                    next_stage = next_state.index
-                self.issue_s_dp(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, next_state,
-                                next_stage, has_next)
-                warpgroup.wait_group(3)  # dV and dQ done (dK, S^T, dP^T may run)
-            else:
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
             self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
-            if const_expr(self.prefetch_sdp):
-                # dK, and the next block's S^T / dP^T: nothing stays in flight across the loop's back edge
-                # (ptxas serializes every WGMMA where accumulators in flight are carried over it: C7515)
-                warpgroup.wait_group(0)
-            else:
-                warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+            warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
             pipe_q.consumer_release(state)
             state.advance()
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
-
-    @cute.jit
-    def issue_s_dp(self, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, wait=True):
-        """Issue S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage``, each after waiting for ``state``'s
-        TMA where ``wait``; not waited for. (``prefetch_sdp`` issues them where it cannot wait too: the
-        WGMMAs on every path, only the waits conditional.)"""
-        if wait:
-            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
-        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        if wait:
-            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-        wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
 
     @cute.jit
     def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):
