@@ -108,21 +108,15 @@ class FlashBwdSm90Loop:
                 tdVrP.store(acc_to_frag_a_sm90(convert_to_16bit(acc_S, self.dtype)).load())
                 wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             else:
-                lse_shares = dpsum_shares = None
-                if const_expr(self.stats_by_shuffle):
-                    lse_shares = self.stat_shares(sLSE, stage)
-                    dpsum_shares = self.stat_shares(sdPsum, stage)
                 warpgroup.wait_group(1)  # S^T has landed
-                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias,
-                           lse_shares)
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
                 # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
                 # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
                 warpgroup.wait_group(0)  # dP^T has landed
-                self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage,
-                                   dpsum_shares)
+                self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             rdS = convert_to_16bit(acc_dP, self.dtype)
@@ -198,30 +192,8 @@ class FlashBwdSm90Loop:
                 acc_dP[i] = acc_dP[i] * acc_S[i]
 
     @cute.jit
-    def stat_shares(self, sStat, stage: Int32):
-        """This thread's share of a Q/dO stage's per-query statistic (``stats_by_shuffle``): lane ``4 q + t``
-        of each warp loads queries ``8 (q + 8 h) + 2 t + e`` (e < 2, h < tile_m / 64) into slot ``2 h + e``, so
-        that the lane holding column ``c``'s value (``stat_of_column``) is a compile-time quad."""
-        lane = cute.arch.lane_idx()
-        base = (lane // 4) * 8 + (lane % 4) * 2
-        shares = cute.make_rmem_tensor((2 * (self.tile_m // 64),), Float32)
-        for h in cutlass.range_constexpr(self.tile_m // 64):
-            for e in cutlass.range_constexpr(2):
-                shares[2 * h + e] = sStat[base + 64 * h + e, stage]
-        return shares
-
-    @cute.jit
-    def stat_of_column(self, shares, c: cutlass.Constexpr[int]) -> Float32:
-        """Column ``c``'s statistic from ``stat_shares``: the S^T accumulator's column ``c`` of lane ``4 q + t``
-        is query ``8 (c // 2) + 2 t + c % 2``, held by lane ``4 ((c // 2) % 8) + t``, slot ``2 (c // 16) + c % 2``.
-        The shuffle's segment mask keeps the lane's own ``t`` (source lane = (lane & 3) | offset): no lane
-        register per column."""
-        j = c // 2
-        return cute.arch.shuffle_sync(shares[2 * (j // 8) + c % 2], offset=4 * (j % 8), mask_and_clamp=(3 << 8) | 31)
-
-    @cute.jit
     def probs(self, acc_S, sLSE, tScS_mn, stage: Int32, mask: AttentionMask, thr_sdp, m_block: Int32,
-              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None, lse_shares=None):
+              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None):
         """S^T (landed) -> P^T = exp2(S^T * scale_log2 - LSE) in place, masked. LSE and dPsum of a
         column (query) are read from smem where they are used, not held in registers across the
         block (16 + 16 values per thread at tile_m 64). ``key_bias`` (has_gate): added to each row's
@@ -230,10 +202,7 @@ class FlashBwdSm90Loop:
             mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
         acc_S_mn = acc_rows_cols(acc_S)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-            if const_expr(lse_shares is not None):
-                lse = self.stat_of_column(lse_shares, c)
-            else:
-                lse = sLSE[tScS_mn[0, c][1], stage]
+            lse = sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
                 score = acc_S_mn[r, c]
                 if const_expr(key_bias is not None):
@@ -241,15 +210,11 @@ class FlashBwdSm90Loop:
                 acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
 
     @cute.jit
-    def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32, dpsum_shares=None):
-        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T, fp32 or 16-bit; dPsum from
-        ``dpsum_shares`` by shuffles where given)."""
+    def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
+        """dP^T (landed) -> dS^T = P^T (dP^T - dPsum) in place (``acc_S`` holds P^T, fp32 or 16-bit)."""
         acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
         for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
-            if const_expr(dpsum_shares is not None):
-                dpsum = self.stat_of_column(dpsum_shares, c)
-            else:
-                dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
                 p = acc_S_mn[r, c]
                 if const_expr(acc_S.element_type != Float32):
