@@ -53,21 +53,12 @@ from .sinks import join_sink, sink_gradient
 _PARTS = 3  # bf16 pieces of -G per key: 3 x 8 significant bits
 
 
-# Dense sequences up to this many keys take G and its gradient from one Triton launch each
-# (``kernels/triton/gate_scan.py``: each program re-reads the chunks before its own, at most
-# ``_SCAN_MAX_CHUNKS`` of them); longer ones keep torch's scans.
-SCAN_KERNEL_MAX_SEQLEN = 32768
-_SCAN_MAX_CHUNKS = 32
-
-
 def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
     """``G = cumsum(g)`` in fp32 along the sequence axis, restarting at each sequence (varlen:
     ``log_decay`` ``(total_k, nheads)``; dense ``(batch, seqlen_k, nheads)``)."""
     # The scans run along the last axis (PyTorch's scan over an outer axis of (b, s, h) took 0.29 ms
     # at 16k tokens x 32 heads on an H100, about the forward kernel's time).
     if cu_seqlens_k is None:
-        if _scan_kernel_serves(log_decay):
-            return _DenseCumsum.apply(log_decay)
         return torch.cumsum(log_decay.float().transpose(1, 2), dim=-1).transpose(1, 2)
     # Varlen: one scan over all packed rows, each sequence's start subtracted; in fp64, so that a long
     # pack's running total (|G| summed over sequences) costs no fp32 digits of a sequence's own G.
@@ -81,54 +72,6 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     marks[starts] = starts  # (empty sequences share a start: the same value written twice)
     first = torch.cummax(marks[:total], dim=0).values
     return (scan[:, 1:] - scan[:, first]).t().float()
-
-
-def _scan_kernel_serves(log_decay: torch.Tensor) -> bool:
-    """Whether a dense ``G`` comes from the Triton scan: eager CUDA calls up to ``SCAN_KERNEL_MAX_SEQLEN`` keys
-    where Triton works (torch.compile traces torch's scans)."""
-    batch, seqlen, nheads = log_decay.shape
-    if (not log_decay.is_cuda or not 0 < seqlen <= SCAN_KERNEL_MAX_SEQLEN or not 0 < batch <= 65535 or nheads == 0
-            or torch.compiler.is_compiling()):
-        return False
-    from .backends.sm90_fwd import _has_triton
-
-    return _has_triton()
-
-
-def _scan(x: torch.Tensor, out: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """``out`` = the (reverse) cumsum of ``x`` along axis 1, both ``(batch, seqlen, nheads)`` with any strides,
-    by ``kernels/triton/gate_scan.py`` on ``x``'s device."""
-    from .backends.sm90_fwd import _next_pow2
-    from .kernels.triton.gate_scan import gate_scan_kernel
-
-    batch, seqlen, nheads = x.shape
-    block_s = max(256, _next_pow2(-(-seqlen // _SCAN_MAX_CHUNKS)))
-    block_h = min(_next_pow2(nheads), 16 if block_s <= 256 else 4)
-    grid = (-(-seqlen // block_s), -(-nheads // block_h), batch)
-    args = (x, out, seqlen, nheads, *x.stride(), *out.stride())
-    meta = dict(REVERSE=reverse, BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4)
-    if x.device.index == torch.cuda.current_device():
-        gate_scan_kernel[grid](*args, **meta)
-    else:  # Triton launches on the current device and stream: make them x's
-        with torch.cuda.device(x.device):
-            gate_scan_kernel[grid](*args, **meta)
-    return out
-
-
-class _DenseCumsum(torch.autograd.Function):
-    """Dense ``G`` ``(batch, seqlen, nheads)`` fp32 (a transposed view of ``(batch, nheads, seqlen)`` rows, as
-    torch's route returns it) by the Triton scan; its gradient, the reverse cumsum, by the same kernel."""
-
-    @staticmethod
-    def forward(ctx: Any, log_decay: torch.Tensor) -> torch.Tensor:
-        batch, seqlen, nheads = log_decay.shape
-        rows = torch.empty(batch, nheads, seqlen, dtype=torch.float32, device=log_decay.device)
-        ctx.dtype = log_decay.dtype
-        return _scan(log_decay, rows.transpose(1, 2), reverse=False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _scan(grad, torch.empty(grad.shape, dtype=ctx.dtype, device=grad.device), reverse=True)
 
 
 def _parts(x: torch.Tensor) -> torch.Tensor:

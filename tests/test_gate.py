@@ -740,32 +740,3 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
                 assert a is b, i
             else:
                 assert a == b and type(a) is type(b), (i, a, b)
-
-
-@pytest.mark.gpu
-def test_dense_cumulative_by_the_triton_scan():
-    """Dense sequences up to ``gate.SCAN_KERNEL_MAX_SEQLEN`` keys take G and its gradient from
-    ``kernels/triton/gate_scan.py``: against torch's fp32 scans within fp32 rounding of the running sums, over
-    lengths that end mid-chunk and long ones (wider chunks), bf16 and fp32 gates, a strided view; longer
-    sequences and torch.compile keep torch's scans."""
-    pytest.importorskip("triton")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for batch, keys, heads, dtype in ((2, 1, 3, torch.float32), (3, 300, 20, torch.bfloat16), (1, 2049, 32, torch.float32),
-                                      (1, 16384, 5, torch.float32)):
-        g = torch.nn.functional.logsigmoid(torch.randn(batch, keys, 2 * heads, device="cuda", generator=gen) * 2 + 3)
-        g = g.to(dtype)[:, :, ::2].requires_grad_()  # (heads at stride 2)
-        assert gate._scan_kernel_serves(g)
-        G = gate.cumulative(g, None)
-        want = torch.cumsum(g.detach().float().transpose(1, 2), dim=-1).transpose(1, 2)
-        tol = 1e-6 * want.abs().amax(1, keepdim=True) * max(keys, 1) ** 0.5 + 1e-7
-        assert G.shape == want.shape and bool(((G.detach() - want).abs() <= tol).all()), (batch, keys, heads)
-        w = torch.randn(G.shape, device="cuda", generator=gen)
-        (got,) = torch.autograd.grad(G, g, w)
-        g_ref = g.detach().clone().requires_grad_()
-        (ref,) = torch.autograd.grad(torch.cumsum(g_ref.float().transpose(1, 2), dim=-1).transpose(1, 2), g_ref, w)
-        rtol = 1e-6 * max(keys, 1) ** 0.5 * ref.float().abs().amax(1, keepdim=True) + 1e-7
-        if dtype == torch.bfloat16:
-            rtol = rtol + 2 ** -8 * ref.float().abs()
-        assert got.dtype == g.dtype and bool(((got.float() - ref.float()).abs() <= rtol).all()), (batch, keys, heads)
-    long_g = torch.zeros(1, gate.SCAN_KERNEL_MAX_SEQLEN + 1, 4, device="cuda")
-    assert not gate._scan_kernel_serves(long_g)
