@@ -268,7 +268,7 @@ def flash_attn_func(
         and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
         and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
         and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
-        and not torch.compiler.is_compiling()
+        and (backend is None or type(backend) is str) and not torch.compiler.is_compiling()
     )
     if plain_options and not flash_attn_extras:
         try:
@@ -368,6 +368,18 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
     chunk_len = validate.check_attention_chunk(attention_chunk)
+    if chunk_len > 0 and type(max_seqlen_k) is int and max_seqlen_k < 1 and isinstance(k, torch.Tensor) and k.shape[0] > 0:
+        raise ValueError(
+            f"max_seqlen_k must be at least the longest key sequence with attention_chunk (it sets the chunks per "
+            f"sequence), got {max_seqlen_k}"
+        )
+    validate.check_learnable_sink(learnable_sink, q, 1)
+    validate.check_log_decay(log_decay, q, k, True, softcap)
+    if (chunk_len > 0 or log_decay is not None or learnable_sink is not None) and not torch.compiler.is_compiling():
+        # The chunk, gate and sink routes index with cu_seqlens / seqused before their kernels' checks run:
+        # the varlen errors first (on CUDA a bad index would be a device-side assert, not a message).
+        validate.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                                 softmax_scale, causal, window_size, softcap)
     if chunk_len > 0:
         if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be int32 tensors")
@@ -376,8 +388,6 @@ def flash_attn_varlen_func(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk_len, bound
         )
         max_seqlen_q = max_seqlen_k = chunk_len
-    validate.check_learnable_sink(learnable_sink, q, 1)
-    validate.check_log_decay(log_decay, q, k, True, softcap)
     if log_decay is not None:
         varlen_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
         out, lse = _gated(q, k, v, log_decay, varlen_args, softmax_scale, causal, window_size, deterministic,

@@ -67,7 +67,7 @@ def cumulative(log_decay: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     # where a searchsorted route took ~17 (each ~10-20 us of host time).
     total = log_decay.shape[0]
     scan = torch.nn.functional.pad(torch.cumsum(log_decay.t(), dim=-1, dtype=torch.float64), (1, 0))
-    starts = cu_seqlens_k[:-1].long()
+    starts = cu_seqlens_k[:-1].long().clamp(0, total)  # (offsets past the packed rows: no device-side assert)
     marks = torch.zeros(total + 1, dtype=torch.int64, device=log_decay.device)
     marks[starts] = starts  # (empty sequences share a start: the same value written twice)
     first = torch.cummax(marks[:total], dim=0).values

@@ -171,7 +171,9 @@ def check_softcap(softcap: object) -> float:
 
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        kind = type(value)
+        where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."  # (numpy's bool_ is named "bool")
+        raise TypeError(f"{name} must be a bool, got {where}{kind.__name__}")
     return value
 
 
@@ -273,7 +275,12 @@ def check_common_options(
     _check_bool("deterministic", deterministic)
     _check_bool("return_lse", return_lse)
     _check_bool("return_attn_probs", return_attn_probs)
-    if backend is not None and backend not in ("sm90", "sm80"):
+    # (The scalars here too, not only in validate_dense / validate_varlen: the sink, gate and chunk routes
+    # take float(softmax_scale) before those run, and the gate's route never passes softcap on.)
+    if softmax_scale is not None:
+        check_softmax_scale(softmax_scale, 1)
+    check_softcap(softcap)
+    if backend is not None and (not isinstance(backend, str) or backend not in ("sm90", "sm80")):
         raise ValueError(f"backend must be None, 'sm90' or 'sm80', got {backend!r}")
 
 
@@ -428,10 +435,18 @@ def check_flash_attn_extras(func_name: str, extras: dict[str, object]) -> None:
             continue
         if name not in _UNSUPPORTED_NEUTRAL:
             raise TypeError(f"{func_name}() got an unexpected keyword argument {name!r}")
-        if value != _UNSUPPORTED_NEUTRAL[name] or isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or not _is_neutral(value, _UNSUPPORTED_NEUTRAL[name]):
             if name.endswith("_descale"):
                 raise TypeError(f"{name} goes with float8_e4m3fn q, k, v (FP8 attention); these inputs are not FP8")
             raise NotImplementedError(f"{name} is not supported by flashattn_hopper (got {_short(value)})")
+
+
+def _is_neutral(value: object, neutral: object) -> bool:
+    """Whether a flash-attn keyword's value is its "off" value (an array compares elementwise: never)."""
+    try:
+        return bool(value == neutral)
+    except Exception:  # noqa: BLE001 - e.g. numpy's ambiguous truth value
+        return False
 
 
 def _short(value: object) -> str:

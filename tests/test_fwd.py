@@ -233,3 +233,38 @@ def test_fresh_process_runs_kernel_loaded_from_disk(tmp_path):
     print(f"cold first call {cold['first_call_s']:.2f} s (compile), warm first call {warm['first_call_s']:.3f} s (disk cache)")
     assert cold["ok"] and cold["compiles"] == 1
     assert warm["ok"] and warm["compiles"] == 0 and warm["disk_hits"] == 1
+
+
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("expanded", ["batch", "heads"])
+def test_expanded_inputs_give_the_contiguous_result(backend, expanded):
+    """k and v expanded (stride 0) over the batch (a shared prefix) or over kv heads, q expanded over the batch:
+    the same bits as the contiguous copies, forward and backward (the kernels' TMA / cp.async address every row
+    by its strides; a stride of 0 must not be taken for a packed layout), through the plan's fast path too
+    (the second call)."""
+    if backend is None and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs sm80+")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, s, h, h_k, d = 3, 77, 4, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+
+    if expanded == "batch":
+        q = rand(1, s, h, d).expand(b, s, h, d)
+        k, v = (rand(1, s, h_k, d).expand(b, s, h_k, d) for _ in range(2))
+    else:
+        q = rand(b, s, h, d)
+        k, v = (rand(b, s, 1, d).expand(b, s, h_k, d) for _ in range(2))
+    dout = rand(b, s, h, d)
+    for _ in range(2):
+        views = [t.detach().requires_grad_() for t in (q, k, v)]  # (still expanded: stride 0)
+        assert 0 in views[1].stride()
+        got = flash_attn_func(*views, causal=True, backend=backend)
+        want_in = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+        want = flash_attn_func(*want_in, causal=True, backend=backend)
+        assert torch.equal(got, want), f"{expanded}: forward differs from the contiguous copies'"
+        got_grads = torch.autograd.grad(got, views, dout)
+        want_grads = torch.autograd.grad(want, want_in, dout)
+        for name, a, w in zip("qkv", got_grads, want_grads):
+            assert torch.equal(a, w), f"{expanded}: d{name} differs from the contiguous copies'"

@@ -318,3 +318,51 @@ def test_varlen_max_seqlen_tensor_accepted_without_reading_it():
 def test_varlen_cu_seqlens_on_other_device_than_q():
     q, k, v, cu_q, cu_k = varlen_qkv()
     raises(ValueError, "cu_seqlens_q must be on the same device as q", validate._check_devices, _fake_cuda(q), {"cu_seqlens_q": cu_q})
+
+
+def test_scalar_options_are_checked_on_the_sink_and_gate_routes():
+    """softmax_scale and softcap of the wrong type or value are named errors on every route: the sink and gate
+    routes took float(softmax_scale) before validate_dense ran, and the gate's route dropped a softcap that
+    was not a Python number (np.float32(5) gave the no-softcap output)."""
+    import numpy as np
+
+    q, k, v = qkv(b=1, s_q=8, s_k=8, h=2, h_k=2)
+    extras = ({"learnable_sink": torch.zeros(2)}, {"log_decay": torch.zeros(1, 8, 2)})
+    for extra in extras:
+        for scale in (np.float32(0.1), torch.tensor(0.1), "0.1", True):
+            raises(TypeError, "softmax_scale must be a float", flash_attn_func, q, k, v, softmax_scale=scale, **extra)
+        raises(ValueError, "softmax_scale must be a finite positive", flash_attn_func, q, k, v, softmax_scale=-1.0,
+               **extra)
+        for cap in (np.float32(5.0), torch.tensor(5.0), "5"):
+            raises(TypeError, "softcap must be a float", flash_attn_func, q, k, v, softcap=cap, **extra)
+        raises(ValueError, "softcap must be a finite number", flash_attn_func, q, k, v, softcap=float("nan"), **extra)
+
+
+def test_backend_and_extras_of_odd_types_are_named_errors():
+    """An unhashable backend reached the plan cache's lookup (TypeError: unhashable type); an array-valued
+    flash-attn keyword raised numpy's / torch's ambiguous truth value."""
+    import numpy as np
+
+    q, k, v = qkv(b=1, s_q=8, s_k=8, h=2, h_k=2)
+    raises(ValueError, "backend must be None", flash_attn_func, q, k, v, backend=["sm90"])
+    raises(ValueError, "backend must be None", flash_attn_func, q, k, v, backend={})
+    raises(NotImplementedError, "alibi_slopes is not supported", flash_attn_func, q, k, v, alibi_slopes=np.ones(2))
+    raises(NotImplementedError, "dropout_p is not supported", flash_attn_func, q, k, v, dropout_p=torch.tensor([0.1, 0.2]))
+    raises(TypeError, "causal must be a bool, got numpy.bool", flash_attn_func, q, k, v, causal=np.bool_(True))
+
+
+def test_varlen_routes_that_index_first_validate_first():
+    """attention_chunk, log_decay and learnable_sink index with cu_seqlens / seqused before the kernels' checks:
+    the varlen errors come first (a chunked call used to accept a batch mismatch, float or int64 offsets and a
+    max_seqlen_k of 0; a gated one raised IndexError, on CUDA a device-side assert)."""
+    q, k, v, cu_q, cu_k = varlen_qkv(h=2, h_k=2)
+    routes = ({"attention_chunk": 8}, {"log_decay": torch.zeros(24, 2)}, {"learnable_sink": torch.zeros(2)})
+    for extra in routes:
+        raises(ValueError, "cu_seqlens_k must have length 3", flash_attn_varlen_func, q, k, v, cu_q, cu_k[:2], 12, 14,
+               **extra)
+        raises(TypeError, "cu_seqlens_q must be an int32 tensor", flash_attn_varlen_func, q, k, v, cu_q.long(), cu_k,
+               12, 14, **extra)
+        raises(ValueError, "seqused_k must have length 2", flash_attn_varlen_func, q, k, v, cu_q, cu_k, 12, 14,
+               seqused_k=torch.tensor([3], dtype=torch.int32), **extra)
+    raises(ValueError, "max_seqlen_k must be at least the longest", flash_attn_varlen_func, q, k, v, cu_q, cu_k, 12, 0,
+           attention_chunk=8)
