@@ -137,12 +137,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         head_dim_v: int | None = None,
         has_gate: bool = False,
         dq_transposed: bool = False,
-        split_ds_ready: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, split_ds_ready=split_ds_ready)
+                                    dq_transposed=dq_transposed)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -175,9 +174,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # The gate at tile_m 128: dV waits until the dG sums are staged (with dV issued right after dS^T,
         # its pinned P^T beside the sums spilled 2 registers). (At tile_m 64 that order spilled 31.)
         self.dv_after_sums = tile_m == 128 and has_gate
-        # DS_READY split per warpgroup (named barriers DS_HALF): each arrives when its dS^T is in smem, issues dK,
-        # then waits for the other's before dQ (opt-in: perf/NOTES.md session 29).
-        self.split_ds_ready = split_ds_ready
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -201,7 +197,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, split_ds_ready=False) -> str | None:
+                      dq_transposed=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -214,8 +210,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return f"tile_m must be 64, 80 or 128, got {tile_m}"
         if dq_transposed != (tile_m == 80):
             return "the kernel computes dQ^T exactly when tile_m is 80 (a WGMMA's M cannot be 80)"
-        if split_ds_ready and (dq_transposed or has_gate):
-            return "split_ds_ready is the plain loop's order: not at tile_m 80 (dQ^T), not with the gate"
         if dq_transposed and (head_dim != 128 or has_softcap or has_gate):
             return ("tile_m 80 (dQ^T: head_dim is its M, 64 per warpgroup) needs head_dim 128, and keeps fp32 P^T "
                     "for dS^T: no softcap or gate (their registers)")

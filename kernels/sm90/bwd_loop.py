@@ -131,34 +131,19 @@ class FlashBwdSm90Loop:
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
             # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
             cute.arch.fence_view_async_shared()
-            if const_expr(self.split_ds_ready):
-                # This warpgroup's dS^T is in smem: tell the other one, issue dK (its own dS^T, from registers),
-                # and only then wait for the other's dS^T, which dQ reads: the tensor pipe has this warpgroup's
-                # dV and dK while it waits, and the warpgroups need not reach the barrier together.
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DS_HALF) + 2 * ds_stage + wg_idx,
-                                         number_of_threads=self.num_mma_threads)
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_HALF) + 2 * ds_stage + 1 - wg_idx,
-                                  number_of_threads=self.num_mma_threads)
-                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=0)
-                pipe_do.consumer_release(state)  # dP^T and dV have read dO
-                pipe_q.consumer_release(state)  # dK has read Q
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
+            if const_expr(self.dq_transposed):
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
             else:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
-                # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
-                if const_expr(self.dq_transposed):
-                    acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
-                else:
-                    acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
-                pipe_do.consumer_release(state)  # dP^T and dV have read dO
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
-                warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
-                pipe_q.consumer_release(state)
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+            pipe_do.consumer_release(state)  # dP^T and dV have read dO
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+            warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+            pipe_q.consumer_release(state)
             state.advance()
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)

@@ -34,8 +34,6 @@ class NamedBarrierBwd(enum.IntEnum):
     DQ_FULL = 6  # warpgroup k on id + k (and the writer): its half of this m_block's dQ is in sdQ
     DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
     DQ_EMPTY = 9  # warpgroup k on id + k (and the writer): the reduce-add of its half has read sdQ
-    DS_HALF = 11  # split_ds_ready: id + 2 * (block parity) + k: warpgroup k's dS of the block is in smem (k arrives,
-    # the other warpgroup waits)
 
 
 class FlashBwdSm90Store:
