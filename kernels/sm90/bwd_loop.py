@@ -93,12 +93,7 @@ class FlashBwdSm90Loop:
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
-            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
-            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -148,6 +143,19 @@ class FlashBwdSm90Loop:
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
+                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32):
+        """``(acc_S, acc_dP)``: S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage`` issued, each after its
+        TMA landed (``state``); not waited for (shared with ``bwd_wide.py``)."""
+        pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+        acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+        acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+        return acc_S, acc_dP
 
     @cute.jit
     def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):

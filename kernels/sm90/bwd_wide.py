@@ -197,12 +197,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             p_stage = ds_stage + 2
-            pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
-            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
+            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage)
             self.probs_and_ds(
                 acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
                 softcap_scale,
