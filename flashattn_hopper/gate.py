@@ -122,6 +122,8 @@ def at_queries_varlen(G: torch.Tensor, total_q: int, cu_seqlens_q: torch.Tensor,
                       seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None) -> torch.Tensor:
     """Varlen ``G`` ``(total_k, h)`` at each packed query's key position (per sequence, of its used
     lengths; 0 before the first key and past ``seqused``): ``(total_q, h)``."""
+    if cu_seqlens_q.shape[0] <= 1:  # no sequence: every row is padding, G_i = 0 (its LSE row is never read)
+        return G.new_zeros(total_q, G.shape[1])
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
     rows = torch.arange(total_q, device=G.device)
     seq = sequence_of_rows(cu_seqlens_q, total_q)

@@ -62,6 +62,8 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: 
 
 def _row_mask(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:
     """Bool ``(total_q,)``: packed rows below their sequence's ``seqused_q``."""
+    if cu_seqlens_q.shape[0] <= 1:  # no sequence: every row is padding (and seqused_q is empty)
+        return torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
     seq = sequence_of_rows(cu_seqlens_q, q.shape[0])
     rows = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
     return rows - cu_seqlens_q.to(torch.int64)[seq] < seqused_q.to(torch.int64)[seq]

@@ -740,3 +740,12 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
                 assert a is b, i
             else:
                 assert a == b and type(a) is type(b), (i, a, b)
+
+
+def test_gate_at_queries_of_a_batch_with_no_sequence():
+    """``cu_seqlens = [0]`` (no sequence) with padding rows: G at the queries is 0 (the per-sequence lookup
+    indexed empty lengths: IndexError on the CPU, a device-side assert on CUDA)."""
+    G = torch.randn(8, 2)
+    empty = torch.tensor([0], dtype=torch.int32)
+    got = gate.at_queries_varlen(G, 8, empty, empty, torch.zeros(0, dtype=torch.int32), None)
+    assert got.shape == (8, 2) and not bool(got.any())

@@ -452,3 +452,11 @@ def test_forward_only_sink_call_needs_no_backward_family():
     with torch.no_grad():
         out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, backend="sm90")
     assert out.shape == (1, 100, 2, 256) and bool(torch.isfinite(out).all())
+
+
+def test_row_mask_of_a_batch_with_no_sequence():
+    """``cu_seqlens_q = [0]`` (no sequence) with padding rows in q: every row is padding (the lookup indexed the
+    empty ``seqused_q``: IndexError on the CPU, a device-side assert on CUDA)."""
+    q = torch.zeros(8, 2, 64)
+    mask = sinks._row_mask(q, torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert mask.shape == (8,) and not bool(mask.any())
