@@ -460,3 +460,20 @@ def test_row_mask_of_a_batch_with_no_sequence():
     q = torch.zeros(8, 2, 64)
     mask = sinks._row_mask(q, torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
     assert mask.shape == (8,) and not bool(mask.any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_varlen_sink_and_gate_with_no_sequence_on_cuda():
+    """A varlen batch of no sequence (``cu_seqlens = [0]``) whose q holds padding rows, with a learnable sink or a
+    gate (and seqused_q): results of the right shapes and no device-side assert (the row lookups indexed empty
+    lengths before)."""
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0], dtype=torch.int32, device="cuda")
+    used = torch.zeros(0, dtype=torch.int32, device="cuda")
+    for extra in ({"learnable_sink": torch.zeros(2, device="cuda"), "seqused_q": used},
+                  {"log_decay": torch.zeros(8, 2, device="cuda")},
+                  {"log_decay": torch.zeros(8, 2, device="cuda"), "seqused_q": used}):
+        out, lse = flash_attn_varlen_func(q, q, q, cu, cu, 0, 0, return_lse=True, **extra)
+        torch.cuda.synchronize()
+        assert out.shape == (8, 2, 64) and lse.shape == (2, 8), list(extra)
