@@ -11,7 +11,9 @@ per-block work times seqlen_q / tile_m. Shapes (non-causal, bf16, nheads * hdim 
 1x16k x16k run 128. If our / FA4's time ratio follows seqlen_q and not seqlen_k, the difference is in the
 fixed part per CTA (perf/NOTES.md, session 29). Prints, per shape, the sum of each system's kernels and its
 longest (main) kernel in us per call (torch.profiler, ``prof_bwd.kernel_times``), the systems alternated
-over ``--rounds``, medians. ``--tiles`` (``bench_bwd.parse_tile``'s specs): one more column per spec, that sm90
+over ``--rounds``, medians. Caveat: our main kernel is a programmatic dependent (PDL) of the preprocess and waits
+for it inside the kernel, so its profiler duration includes part of the preprocess; FA4's does not (no PDL).
+Against FA4, take the kernels' own times from ncu (serialized; perf/NOTES.md session 29) or compare walls. ``--tiles`` (``bench_bwd.parse_tile``'s specs): one more column per spec, that sm90
 backward tile's main kernel on our forward's out and lse (its time ratio to ours in the last column).
 """
 

@@ -15,7 +15,8 @@ machine in one call, the trees alternated over a few rounds, which ``perf/ab_tre
 (a tree that is not the installed checkout must be first on the path with the editable install's finder
 out of the way, or the package not installed). Unlike ``bench_bwd.py``'s wall-clock medians it reads the
 kernels' own durations, so the host's Python time (which varies up to 2x between hosts) does not enter.
-Sizes as in the FA3 paper: bf16, 16k tokens, nheads * hdim = 2048, ``--group`` query heads per kv head.
+The main kernel's duration includes its PDL wait for the preprocess (it launches while the preprocess runs):
+fine between our trees, not against a peer that launches plainly. Sizes as in the FA3 paper: bf16, 16k tokens, nheads * hdim = 2048, ``--group`` query heads per kv head.
 """
 
 from __future__ import annotations
