@@ -33,6 +33,7 @@ class BwdSm90Tile:
     num_stages: int = 2  # Q / dO ring stages
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
+    trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -68,6 +69,7 @@ class BwdSm90Key(KernelKey):
     softcap: bool = False
     varlen: bool = False
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
+    trace: bool = False  # BwdSm90Tile's
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -140,7 +142,8 @@ class BwdSm90(BwdSm80):
         return BwdSm90Key(
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
-            **({"dq_transposed": True} if t.dq_transposed else {}), **flags,
+            **({"dq_transposed": True} if t.dq_transposed else {}),
+            **({"trace": True} if t.trace else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -226,6 +229,7 @@ class BwdSm90(BwdSm80):
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),
+            **({"trace": True} if k.trace else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

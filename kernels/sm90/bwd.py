@@ -137,6 +137,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         head_dim_v: int | None = None,
         has_gate: bool = False,
         dq_transposed: bool = False,
+        trace: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -174,6 +175,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # The gate at tile_m 128: dV waits until the dG sums are staged (with dV issued right after dS^T,
         # its pinned P^T beside the sums spilled 2 registers). (At tile_m 64 that order spilled 31.)
         self.dv_after_sums = tile_m == 128 and has_gate
+        # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 8 points of blocks TRACE_BLOCK and
+        # TRACE_BLOCK + 1, printed by the first two CTAs after their loop (plain loop only).
+        self.trace = trace
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

@@ -22,6 +22,10 @@ from ..common.softmax import apply_softcap
 from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
 
 
+TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
+_TRACE_POINTS = 8
+
+
 class FlashBwdSm90Loop:
     """The MMA warpgroups' loop of ``FlashBwdSm90`` (a mixin: the kernel class holds the configuration)."""
 
@@ -90,9 +94,14 @@ class FlashBwdSm90Loop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        stamps = None
+        if const_expr(self.trace):
+            stamps = cute.make_rmem_tensor((2 * _TRACE_POINTS,), Int32)
+            stamps.fill(0)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
+            self.stamp(stamps, m_block - m_block_min, 0)
             acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
@@ -104,13 +113,16 @@ class FlashBwdSm90Loop:
                 wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             else:
                 warpgroup.wait_group(1)  # S^T has landed
+                self.stamp(stamps, m_block - m_block_min, 1)
                 self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
+                self.stamp(stamps, m_block - m_block_min, 2)
                 # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
                 # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
                 # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
                 warpgroup.wait_group(0)  # dP^T has landed
+                self.stamp(stamps, m_block - m_block_min, 3)
                 self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
@@ -126,7 +138,9 @@ class FlashBwdSm90Loop:
             tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
             # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
             cute.arch.fence_view_async_shared()
+            self.stamp(stamps, m_block - m_block_min, 4)
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+            self.stamp(stamps, m_block - m_block_min, 5)
             # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
             if const_expr(self.dq_transposed):
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
@@ -135,14 +149,38 @@ class FlashBwdSm90Loop:
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
             wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+            self.stamp(stamps, m_block - m_block_min, 6)
             pipe_do.consumer_release(state)  # dP^T and dV have read dO
             self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
             warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+            self.stamp(stamps, m_block - m_block_min, 7)
             pipe_q.consumer_release(state)
             state.advance()
+        if const_expr(self.trace):
+            self.print_stamps(stamps, tidx, wg_idx)
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def stamp(self, stamps, block: Int32, point: cutlass.Constexpr[int]):
+        """(trace) clock() at ``point`` of this CTA's blocks TRACE_BLOCK and TRACE_BLOCK + 1."""
+        if const_expr(self.trace):
+            if block == TRACE_BLOCK:
+                stamps[point] = cute.arch.clock()
+            if block == TRACE_BLOCK + 1:
+                stamps[_TRACE_POINTS + point] = cute.arch.clock()
+
+    @cute.jit
+    def print_stamps(self, stamps, tidx: Int32, wg_idx: Int32):
+        """(trace) The first two CTAs' warpgroup leaders print their stamps relative to the first (one line)."""
+        bx, by, bz = cute.arch.block_idx()
+        if tidx % _WG_THREADS == 0 and bx < 2 and by == 0 and bz == 0:
+            t0 = stamps[0]
+            cute.printf("trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d | %d %d %d %d %d %d %d %d", bx, wg_idx, t0,
+                        stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
+                        stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[10] - t0,
+                        stamps[11] - t0, stamps[12] - t0, stamps[13] - t0, stamps[14] - t0, stamps[15] - t0)
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
