@@ -50,7 +50,8 @@ def parse_tile(spec: str):
     stages = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
-                                      dq_transposed="transposed" in parts)}
+                                      dq_transposed="transposed" in parts,
+                                      pingpong="pingpong" in parts)}
     return hdim, family
 
 

@@ -28,11 +28,12 @@ def main() -> None:
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--pingpong", action="store_true", help="the tile with pingpong too")
     args = ap.parse_args()
     for hdim in args.hdims:
         batch, nheads = max(16384 // args.seqlen, 1), 2048 // hdim
         family = BwdSm90()
-        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True)}
+        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True, pingpong=args.pingpong)}
         q, k, v, dout = (torch.randn(batch, args.seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda")
                          for _ in range(4))
         p = validate.validate_dense(q, k, v, None, args.causal, (-1, -1), 0.0)

@@ -34,6 +34,7 @@ class BwdSm90Tile:
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
     trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
+    pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -70,6 +71,7 @@ class BwdSm90Key(KernelKey):
     varlen: bool = False
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
+    pingpong: bool = False  # BwdSm90Tile's
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -143,7 +145,9 @@ class BwdSm90(BwdSm80):
             kernel=self.kind, arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v, tile_m=t.tile_m, tile_n=t.tile_n,
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
             **({"dq_transposed": True} if t.dq_transposed else {}),
-            **({"trace": True} if t.trace else {}), **flags,
+            **({"trace": True} if t.trace else {}),
+            **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
+               and not flags.get("deterministic") else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -230,6 +234,7 @@ class BwdSm90(BwdSm80):
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),
             **({"trace": True} if k.trace else {}),
+            **({"pingpong": True} if k.pingpong else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -138,11 +138,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         has_gate: bool = False,
         dq_transposed: bool = False,
         trace: bool = False,
+        pingpong: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed)
+                                    dq_transposed=dq_transposed, pingpong=pingpong)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -178,6 +179,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 8 points of blocks TRACE_BLOCK and
         # TRACE_BLOCK + 1, printed by the first two CTAs after their loop (plain loop only).
         self.trace = trace
+        # Ping-pong (opt-in, perf/NOTES.md session 29): no per-block meeting of the MMA warpgroups; each stores its
+        # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
+        # half a block late, so one's exp2 / dS^T pass runs under the other's GEMMs.
+        self.pingpong = pingpong
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -201,7 +206,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False) -> str | None:
+                      dq_transposed=False, pingpong=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -214,6 +219,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return f"tile_m must be 64, 80 or 128, got {tile_m}"
         if dq_transposed != (tile_m == 80):
             return "the kernel computes dQ^T exactly when tile_m is 80 (a WGMMA's M cannot be 80)"
+        if pingpong and (dq_transposed or has_gate or has_softcap):
+            return "pingpong is the plain loop's: not at tile_m 80 (dQ^T), not with the gate or softcap"
         if dq_transposed and (head_dim != 128 or has_softcap or has_gate):
             return ("tile_m 80 (dQ^T: head_dim is its M, 64 per warpgroup) needs head_dim 128, and keeps fp32 P^T "
                     "for dS^T: no softcap or gate (their registers)")

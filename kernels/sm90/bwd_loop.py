@@ -98,6 +98,9 @@ class FlashBwdSm90Loop:
         if const_expr(self.trace):
             stamps = cute.make_rmem_tensor((2 * _TRACE_POINTS,), Int32)
             stamps.fill(0)
+        if const_expr(self.pingpong):
+            if wg_idx == 1 and m_block_min < m_block_max:  # (start half a block behind warpgroup 0)
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_START), number_of_threads=self.num_mma_threads)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
@@ -134,33 +137,78 @@ class FlashBwdSm90Loop:
                 bwd_gate.stage_sums(rdS, key_sums, sQuerySums, ds_stage, tidx // 32, self.tile_m)
                 if const_expr(self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
-            tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
-            # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
-            cute.arch.fence_view_async_shared()
-            self.stamp(stamps, m_block - m_block_min, 4)
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
-            self.stamp(stamps, m_block - m_block_min, 5)
-            # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
-            if const_expr(self.dq_transposed):
-                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
+            if const_expr(self.pingpong):
+                self.pingpong_tail(rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
+                                   acc_dK, pipe_q, pipe_do, state, stage, m_block - m_block_min, wg_idx, stamps)
             else:
-                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
-            self.stamp(stamps, m_block - m_block_min, 6)
-            pipe_do.consumer_release(state)  # dP^T and dV have read dO
-            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
-            warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
-            self.stamp(stamps, m_block - m_block_min, 7)
-            pipe_q.consumer_release(state)
+                cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+                tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+                # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
+                cute.arch.fence_view_async_shared()
+                self.stamp(stamps, m_block - m_block_min, 4)
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
+                self.stamp(stamps, m_block - m_block_min, 5)
+                # dQ before dK: groups complete in issue order, so dQ's registers can go to sdQ while dK runs.
+                if const_expr(self.dq_transposed):
+                    acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((d, self.tile_m)), Float32)
+                    wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_stage], zero_init=True, wg_wait=-1)
+                else:
+                    acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+                self.stamp(stamps, m_block - m_block_min, 6)
+                pipe_do.consumer_release(state)  # dP^T and dV have read dO
+                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+                warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
+                self.stamp(stamps, m_block - m_block_min, 7)
+                pipe_q.consumer_release(state)
             state.advance()
+        if const_expr(self.pingpong):
+            if m_block_min < m_block_max:  # the last block's dQ, once the other warpgroup's dS^T of it is in smem
+                last = m_block_max - 1 - m_block_min
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (last % 2) + 1 - wg_idx,
+                                  number_of_threads=self.num_mma_threads)
+                acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, last % 2], tdQrKt, zero_init=True, wg_wait=0)
+                self.dq_to_smem(acc_dQ, tdQsdQ, last > 0)
         if const_expr(self.trace):
             self.print_stamps(stamps, tidx, wg_idx)
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
+
+    @cute.jit
+    def pingpong_tail(self, rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
+                      acc_dK, pipe_q, pipe_do, state, stage: Int32, block: Int32, wg_idx: Int32, stamps):
+        """(pingpong) A block's end after dV's issue: dS^T to sdSt once the other warpgroup has read the stage (and
+        stored its dS^T of the block before), dK, the *previous* block's dQ (both warpgroups' dS^T of it are in
+        smem), then this warpgroup's arrival. No barrier ties the warpgroups within a block, so one's exp2 / dS^T
+        pass can run under the other's GEMMs (FA3's ping-pong); dQ lags one block, flushed after the loop."""
+        ds_stage = block % 2
+        if block > 0:  # the other's dS^T(block - 1) stored and its dQ(block - 2) done reading this stage
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (1 - ds_stage) + 1 - wg_idx,
+                              number_of_threads=self.num_mma_threads)
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
+        tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+        cute.arch.fence_view_async_shared()
+        self.stamp(stamps, block, 4)
+        if block == 0 and wg_idx == 0:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.PP_START), number_of_threads=self.num_mma_threads)
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=-1)
+        # (issued on the first block too, reading the other stage's garbage, discarded: a WGMMA on one path only
+        # makes its accumulator a copy on the other, and ptxas serializes every WGMMA; nobody writes that stage
+        # before this warpgroup's arrival below)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 1 - ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+        warpgroup.wait_group(0)  # dV, dK (and dQ) done: dO, Q and the other stage of sdSt are read
+        self.stamp(stamps, block, 6)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * ds_stage + wg_idx,
+                                 number_of_threads=self.num_mma_threads)
+        pipe_do.consumer_release(state)
+        pipe_q.consumer_release(state)
+        if block > 0:
+            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1)
+        self.stamp(stamps, block, 7)
 
     @cute.jit
     def stamp(self, stamps, block: Int32, point: cutlass.Constexpr[int]):

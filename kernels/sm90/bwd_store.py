@@ -34,6 +34,9 @@ class NamedBarrierBwd(enum.IntEnum):
     DQ_FULL = 6  # warpgroup k on id + k (and the writer): its half of this m_block's dQ is in sdQ
     DQ_WRITER = 8  # the dQ writer warp alone: deterministic turns
     DQ_EMPTY = 9  # warpgroup k on id + k (and the writer): the reduce-add of its half has read sdQ
+    PP_DS = 11  # pingpong: id + 2 * (block parity) + k: warpgroup k's dS^T of the block is in smem and its dQ of the
+    # block before has read sdSt (k arrives at its block's end, the other warpgroup waits before its next store)
+    PP_START = 15  # pingpong: warpgroup 0 has formed its first dS^T (warpgroup 1 starts its loop half a block late)
 
 
 class FlashBwdSm90Store:
