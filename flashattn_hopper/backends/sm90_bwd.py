@@ -38,11 +38,13 @@ class BwdSm90Tile:
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
-# 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18);
+# 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18), with the MMA
+# warpgroups in ping-pong (dQ one block behind, no per-block meeting: +2-5.6 % from 4k, within +-2 % at 1k-2k on an
+# H100, session 29; deterministic, softcap and gated calls keep the lockstep loop);
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
