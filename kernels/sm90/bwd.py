@@ -143,7 +143,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, pingpong=pingpong)
+                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
