@@ -491,12 +491,9 @@ class FwdLauncher:
             lse.copy_(logits[None, :, None].expand(p.batch, p.nheads, p.seqlen_q))
             # Dense: the sink key's plan, kept like a plain call's (``plan``): launch_forward's per-call
             # padding checks, argument building and stream lookup took ~half a sinked call's host time.
-            plan = kept_plan(_SINK_PLANS, (key, p, q.device), lambda: self.plan(q, p, key))
-            if plan is not None:
-                try:
-                    return plan(q, k, v, lse)
-                except (ValueError, TypeError):  # (TVM-FFI turned the inputs down: the general way copies them)
-                    pass
+            result = run_kept_plan(_SINK_PLANS, (key, p, q.device), lambda: self.plan(q, p, key), q, k, v, lse)
+            if result is not None:
+                return result
         compiled = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
@@ -539,6 +536,19 @@ def kept_plan(plans: dict[tuple[Any, ...], Any], memo: tuple[Any, ...], build: C
             plans.clear()
         plan = plans[memo] = build()
     return plan
+
+
+def run_kept_plan(plans: dict[tuple[Any, ...], Any], memo: tuple[Any, ...], build: Callable[[], Any],
+                  *args: Any) -> Any:
+    """``kept_plan``'s plan called with ``args``; None where there is no plan or TVM-FFI turned the inputs down
+    (strides or alignment the kernel cannot take: the caller's general way copies them)."""
+    plan = kept_plan(plans, memo, build)
+    if plan is None:
+        return None
+    try:
+        return plan(*args)
+    except (ValueError, TypeError):
+        return None
 
 
 def device_index(device: torch.device) -> int:

@@ -22,7 +22,7 @@ from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, launch_forward, mask_flags,
-    kept_plan, num_sms, target_arch, tile_counter, window_args,
+    num_sms, run_kept_plan, target_arch, tile_counter, window_args,
 )
 
 
@@ -349,12 +349,9 @@ class FwdSm90(FwdLauncher):
         if varlen is None:
             # Dense: the gated key's plan, kept like a plain call's: launch_forward's per-call checks and
             # argument building were ~40 us of a gated call's host time (H100: 183 -> 141 us, NOTES s28).
-            plan = kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key))
-            if plan is not None:
-                try:
-                    return plan(q, k, v, gate)
-                except (ValueError, TypeError):  # (TVM-FFI turned the inputs down: the general way copies them)
-                    pass
+            result = run_kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key), q, k, v, gate)
+            if result is not None:
+                return result
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))

@@ -58,10 +58,7 @@ class FlashBwdSm90Loop:
         wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         d = self.head_dim
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tSrK, tSrQ, tdPrV, tdPrdO = self.sdp_operands(wg_sdp, sQ, sK, sV, sdO)
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
@@ -90,9 +87,7 @@ class FlashBwdSm90Loop:
             key_sums = cute.make_rmem_tensor(key_bias.shape, Float32)
             key_sums.fill(0.0)
 
-        if m_block_min < m_block_max:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_kv.consumer_wait(kv_state)
+        self.wait_kv(pipe_kv, m_block_min, m_block_max)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         stamps = None
         if const_expr(self.trace):
@@ -229,6 +224,18 @@ class FlashBwdSm90Loop:
                         stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
                         stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[10] - t0,
                         stamps[11] - t0, stamps[12] - t0, stamps[13] - t0, stamps[14] - t0, stamps[15] - t0)
+
+    def sdp_operands(self, wg_sdp, sQ, sK, sV, sdO):
+        """``(tSrK, tSrQ, tdPrV, tdPrdO)``: this warpgroup's smem operands of S^T = K Q^T and dP^T = V dO^T (shared
+        with ``bwd_wide.py``)."""
+        return (wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+                wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)))
+
+    @cute.jit
+    def wait_kv(self, pipe_kv: pipeline.PipelineTmaAsync, m_block_min: Int32, m_block_max: Int32):
+        """K and V landed, where the CTA has blocks (the producer loads them only then)."""
+        if m_block_min < m_block_max:
+            pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,

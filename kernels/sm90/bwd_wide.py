@@ -166,10 +166,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         wg_dq = tiled_mma_dq.get_slice(wg_idx * _WG_THREADS)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         d = self.head_dim
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tSrK, tSrQ, tdPrV, tdPrdO = self.sdp_operands(wg_sdp, sQ, sK, sV, sdO)
         tdKrdSt = wg_dk.make_fragment_A(wg_dk.partition_A(sdSt))  # dS^T: stages 0, 1
         tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(sdSt))  # P^T: stages 2, 3
         tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
@@ -189,9 +186,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right)
         tdQsdQ = self.dq_staging(sdQ, tidx)
 
-        if m_block_min < m_block_max:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_kv.consumer_wait(kv_state)
+        self.wait_kv(pipe_kv, m_block_min, m_block_max)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             stage = state.index
