@@ -195,7 +195,7 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_bwd_sm90_pingpong(seqlens, hdim, causal):
-    """Ping-pong (``BwdSm90Tile.pingpong``, opt-in: the MMA warpgroups do not meet per block, dQ lags one block and
+    """Ping-pong (``BwdSm90Tile.pingpong``, hdim 64's default, opt-in at 128: the MMA warpgroups do not meet per block, dQ lags one block and
     is flushed after the loop, warpgroup 1 starts half a block late) at the table's tile of each head dim: dq,
     dk, dv against the fp32 reference with the parity rule, odd lengths, GQA, one-block CTAs (64 x 300)."""
     import dataclasses

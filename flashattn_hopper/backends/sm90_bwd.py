@@ -42,17 +42,15 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
-# d=64's tile with its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind,
-# no per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within
-# +-2 % at 1k-2k on an H100 (perf/NOTES.md, session 29). Opt-in until the whole backward GPU tier has run with it
-# (session 29 ran its own parity tests, part of the tier and racecheck): ``perf/bench_bwd.py --tiles
-# 64:128x128:2:rows:pingpong``; the CPU tier compiles its dense non-causal key (``pingpong_key``).
-BWD_SM90_TILE_64_PINGPONG = BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True)
+# d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
+# per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
+# at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
+# 30, H200). The lockstep tile stays for benchmarks: ``perf/bench_bwd.py --tiles 64:128x128:2:rows``.
 # 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
 # rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
@@ -156,13 +154,6 @@ class BwdSm90(BwdSm80):
                and not flags.get("deterministic") else {}), **flags,
         )
 
-    def pingpong_key(self, arch: str) -> BwdSm90Key:
-        """The opt-in ping-pong hdim-64 tile's key (``BWD_SM90_TILE_64_PINGPONG``: d64 bf16 dense non-causal MHA)."""
-        t = BWD_SM90_TILE_64_PINGPONG
-        return BwdSm90Key(kernel=self.kind, arch=arch, dtype="bf16", head_dim=64, head_dim_v=64, tile_m=t.tile_m,
-                          tile_n=t.tile_n, causal=False, gqa=False, num_stages=t.num_stages, dq_split_rows=True,
-                          pingpong=True)
-
     def tile_80_key(self, arch: str) -> BwdSm90Key:
         """The opt-in 80 x 128 tile's key (``BWD_SM90_TILE_80``: d128 bf16 dense non-causal MHA)."""
         t = BWD_SM90_TILE_80
@@ -192,7 +183,7 @@ class BwdSm90(BwdSm80):
 
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), the opt-in 80 x 128
-        tile (dQ^T) and its postprocess, d64 causal and the opt-in ping-pong d64 dense,
+        tile (dQ^T) and its postprocess, d64 causal (ping-pong),
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
@@ -212,7 +203,6 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
-            self.pingpong_key(arch),
             main(arch, "bf16", 128, 128, True, False, varlen=True),
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
