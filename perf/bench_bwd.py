@@ -42,7 +42,7 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:kvregs]`` -> (hdim, an sm90 backward family whose table has that tile)."""
+    """``HDIM:MxN[:STAGES][:rows|:transposed]`` -> (hdim, an sm90 backward family whose table has that tile)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")
@@ -51,7 +51,7 @@ def parse_tile(spec: str):
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts, kv_in_regs="kvregs" in parts)}
+                                      pingpong="pingpong" in parts)}
     return hdim, family
 
 

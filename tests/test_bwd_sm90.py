@@ -193,32 +193,6 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_bwd_sm90_kv_in_regs(seqlens, causal):
-    """K in registers for S^T (``BwdSm90Tile.kv_in_regs``, opt-in, hdim 64's ping-pong tile: RS WGMMA, K loaded
-    once per CTA by ldmatrix): dq, dk, dv against the fp32 reference with the parity rule, odd lengths, GQA,
-    one-block CTAs (64 x 300)."""
-    import dataclasses
-
-    from flashattn_hopper import flash_attn_func, validate
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90
-
-    from .test_bwd import reference_grads
-
-    s_q, s_k = seqlens
-    q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, 64)
-    family = BwdSm90()
-    family.tiles = {64: dataclasses.replace(BWD_SM90_TILES[64], kv_in_regs=True)}
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    assert family.plan(p, None, False, q.device).main_key.kv_in_regs
-    grads = family.backward(dout, q, k, v, out, lse, p, None, False)
-    _, *ref = reference_grads(q, k, v, dout, causal)
-    _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
-    check_against_refs(grads, (q, k, v), ref, pt)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_bwd_sm90_pingpong(seqlens, hdim, causal):
     """Ping-pong (``BwdSm90Tile.pingpong``, hdim 64's default, opt-in at 128: the MMA warpgroups do not meet per block, dQ lags one block and

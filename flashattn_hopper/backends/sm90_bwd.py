@@ -35,7 +35,6 @@ class BwdSm90Tile:
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
     trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
-    kv_in_regs: bool = False  # S^T / dP^T take K / V from registers (RS WGMMA), loaded once per CTA
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -77,7 +76,6 @@ class BwdSm90Key(KernelKey):
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
-    kv_in_regs: bool = False  # BwdSm90Tile's
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -152,7 +150,6 @@ class BwdSm90(BwdSm80):
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
             **({"dq_transposed": True} if t.dq_transposed else {}),
             **({"trace": True} if t.trace else {}),
-            **({"kv_in_regs": True} if t.kv_in_regs and not flags.get("gate") and not flags.get("softcap") else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}), **flags,
         )
@@ -242,7 +239,6 @@ class BwdSm90(BwdSm80):
             **({"dq_transposed": True} if k.dq_transposed else {}),
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
-            **({"kv_in_regs": True} if k.kv_in_regs else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

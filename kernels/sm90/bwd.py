@@ -139,13 +139,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         dq_transposed: bool = False,
         trace: bool = False,
         pingpong: bool = False,
-        kv_in_regs: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}),
-                                    **({"kv_in_regs": True} if kv_in_regs else {}))
+                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -185,10 +183,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
         # half a block late, so one's exp2 / dS^T pass runs under the other's GEMMs.
         self.pingpong = pingpong
-        # K and V as S^T's and dP^T's A operands from registers (RS WGMMA, loaded once per CTA by ldmatrix): those
-        # two GEMMs then read only Q / dO from smem, a third of each block's operand bytes (opt-in, measured in
-        # perf/NOTES.md session 30). Plain loop only (the gate and softcap spend those registers).
-        self.kv_in_regs = kv_in_regs
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -212,7 +206,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, pingpong=False, kv_in_regs=False) -> str | None:
+                      dq_transposed=False, pingpong=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -225,8 +219,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return f"tile_m must be 64, 80 or 128, got {tile_m}"
         if dq_transposed != (tile_m == 80):
             return "the kernel computes dQ^T exactly when tile_m is 80 (a WGMMA's M cannot be 80)"
-        if kv_in_regs and (dq_transposed or has_gate or has_softcap):
-            return "kv_in_regs is the plain loop's: not at tile_m 80 (dQ^T), not with the gate or softcap"
         if pingpong and (dq_transposed or has_gate or has_softcap):
             return "pingpong is the plain loop's: not at tile_m 80 (dQ^T), not with the gate or softcap"
         if dq_transposed and (head_dim != 128 or has_softcap or has_gate):
@@ -310,14 +302,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if const_expr(self.dq_transposed):
             return sdp, dkv, tiled_mma_dqt_sm90(self.dtype, self.tile_m, wg)
         return sdp, dkv, tiled_mma_dq_sm90(self.dtype, self.head_dim, self.dq_split_rows, wg)
-
-    def _tiled_mma_s_rs(self):
-        """(kv_in_regs) S^T = K Q^T with K from registers: ``_tiled_mmas``' S^T / dP^T MMA, A from RMEM."""
-        K = cute.nvgpu.OperandMajorMode.K
-        return hopper_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_m),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
 
     # ------------------------------------------------------------------ host entry point
 

@@ -88,10 +88,6 @@ class FlashBwdSm90Loop:
             key_sums.fill(0.0)
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
-        tiled_mma_s = tiled_mma_sdp
-        if const_expr(self.kv_in_regs):
-            tiled_mma_s = self._tiled_mma_s_rs()
-            tSrK = self.k_fragment(tiled_mma_s, sK, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         stamps = None
         if const_expr(self.trace):
@@ -104,8 +100,7 @@ class FlashBwdSm90Loop:
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)
-            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
-                                            tiled_mma_s)
+            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -237,18 +232,6 @@ class FlashBwdSm90Loop:
                 wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)))
 
     @cute.jit
-    def k_fragment(self, tiled_mma_s, sK, tidx: Int32):
-        """(kv_in_regs) this thread's K as S^T's A operand in registers, loaded once per CTA by ldmatrix after K
-        landed (the RS WGMMA then reads only Q from smem)."""
-        s2r = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_s,
-        ).get_slice(tidx)
-        wg_s = tiled_mma_s.get_slice((tidx // _WG_THREADS) * _WG_THREADS)
-        tSrK = wg_s.make_fragment_A(wg_s.partition_shape_A((self.tile_n, self.head_dim)))
-        cute.copy(s2r, s2r.partition_S(sK), s2r.retile(tSrK))
-        return tSrK
-
-    @cute.jit
     def wait_kv(self, pipe_kv: pipeline.PipelineTmaAsync, m_block_min: Int32, m_block_max: Int32):
         """K and V landed, where the CTA has blocks (the producer loads them only then)."""
         if m_block_min < m_block_max:
@@ -256,13 +239,12 @@ class FlashBwdSm90Loop:
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, tiled_mma_s=None):
+                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32):
         """``(acc_S, acc_dP)``: S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage`` issued, each after its
         TMA landed (``state``); not waited for (shared with ``bwd_wide.py``)."""
         pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
         acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        wgmma(tiled_mma_sdp if tiled_mma_s is None else tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage],
-              zero_init=True, wg_wait=-1)
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
         acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
