@@ -194,8 +194,7 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])
-@pytest.mark.parametrize("dv_first", [False, True], ids=["dv_after_ds", "dv_first"])
-def test_bwd_sm90_pingpong(seqlens, hdim, causal, dv_first):
+def test_bwd_sm90_pingpong(seqlens, hdim, causal):
     """Ping-pong (``BwdSm90Tile.pingpong``, hdim 64's default, opt-in at 128: the MMA warpgroups do not meet per block, dQ lags one block and
     is flushed after the loop, warpgroup 1 starts half a block late) at the table's tile of each head dim: dq,
     dk, dv against the fp32 reference with the parity rule, odd lengths, GQA, one-block CTAs (64 x 300)."""
@@ -209,11 +208,10 @@ def test_bwd_sm90_pingpong(seqlens, hdim, causal, dv_first):
     s_q, s_k = seqlens
     q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, hdim)
     family = BwdSm90()
-    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], pingpong=True, dv_first=dv_first)}
+    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], pingpong=True)}
     p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
     assert family.plan(p, None, False, q.device).main_key.pingpong
-    assert family.plan(p, None, False, q.device).main_key.dv_first == dv_first
     grads = family.backward(dout, q, k, v, out, lse, p, None, False)
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)

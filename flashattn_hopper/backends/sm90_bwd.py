@@ -35,7 +35,6 @@ class BwdSm90Tile:
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
     trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
-    dv_first: bool = False  # (ping-pong) dV issued before the dP^T wait (kernels/sm90/bwd_loop.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -77,7 +76,6 @@ class BwdSm90Key(KernelKey):
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
-    dv_first: bool = False  # BwdSm90Tile's
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -152,8 +150,6 @@ class BwdSm90(BwdSm80):
             causal=causal, gqa=gqa, num_stages=t.num_stages, dq_split_rows=t.dq_split_rows,
             **({"dq_transposed": True} if t.dq_transposed else {}),
             **({"trace": True} if t.trace else {}),
-            **({"dv_first": True} if t.dv_first and t.pingpong and not flags.get("gate") and not flags.get("softcap")
-               and not flags.get("deterministic") else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}), **flags,
         )
@@ -243,7 +239,6 @@ class BwdSm90(BwdSm80):
             **({"dq_transposed": True} if k.dq_transposed else {}),
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
-            **({"dv_first": True} if k.dv_first else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -139,7 +139,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         dq_transposed: bool = False,
         trace: bool = False,
         pingpong: bool = False,
-        dv_first: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -184,8 +183,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
         # half a block late, so one's exp2 / dS^T pass runs under the other's GEMMs.
         self.pingpong = pingpong
-        # (ping-pong) dV issued right after the exp2 pass, before the dP^T wait (opt-in, perf/NOTES.md session 30).
-        self.dv_first = dv_first and pingpong
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

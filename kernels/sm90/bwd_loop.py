@@ -119,16 +119,10 @@ class FlashBwdSm90Loop:
                 # dS^T before dV is issued (FA4's order): dV then runs under the dS^T store and the
                 # DS_READY barrier. Issued before the dP^T wait instead (session 21), it kept every
                 # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
-                if const_expr(self.dv_first):
-                    # dV before the dP^T wait: ptxas otherwise hoists that wait above two thirds of the exp2 pass
-                    # (SASS), and under ping-pong dP^T shares the tensor pipe with the other warpgroup's GEMMs.
-                    wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-                    warpgroup.wait_group(1)  # dP^T has landed (dV may run on)
-                else:
-                    warpgroup.wait_group(0)  # dP^T has landed
+                warpgroup.wait_group(0)  # dP^T has landed
                 self.stamp(stamps, m_block - m_block_min, 3)
                 self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
-                if const_expr(not self.dv_after_sums and not self.dv_first):
+                if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
