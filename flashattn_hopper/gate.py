@@ -209,14 +209,19 @@ def _kernel_rows(G: torch.Tensor, scale: float, varlen: bool) -> torch.Tensor:
 
 
 def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, scale: float,
-                       route: tuple[Any, ...] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                       route: tuple[Any, ...] | None, scanned: tuple[torch.Tensor, Any] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(out, lse less G_i, the bias rows)`` from the sm90 forward with the keys' bias (``_key_bias``:
     ``-G_j / softmax_scale``; its rows in the kernels' layout, ``_kernel_rows``, are returned for the
     backward) added in the kernel: with a zero gate, the plain forward's scores bit for bit. None where
-    that path does not serve the call (``route`` None, or another forward family)."""
+    that path does not serve the call (``route`` None, or another forward family). ``scanned``: the bias rows and
+    K's slice (or None) ``scanned_gate`` built with ``G``."""
     if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
     family, _, p, varlen = route
+    if scanned is not None:
+        bias_rows, k_slice = scanned
+        return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice), bias_rows)
     bias_rows = _kernel_rows(G, scale, varlen is not None)
     return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows), bias_rows)
 
@@ -261,14 +266,15 @@ class GatedAttnFunc(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
-                options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                options: tuple[Any, ...], scanned: tuple[torch.Tensor, Any] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         from . import ops
 
         route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
-        in_kernel = _in_kernel_forward(q, k, v, G, options[0], route)
+        in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, scanned)
         bias_rows = None
         if in_kernel is not None:
             out, lse, bias_rows = in_kernel
@@ -297,7 +303,7 @@ class GatedAttnFunc(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, bias_rows = ctx.saved_tensors
         if dout is None:
-            return (None,) * 11
+            return (None,) * 12
         if bias_rows is not None:
             # The forward ran the gate in the kernel: so does the backward where it can (k and v as
             # given: q_aug, k_aug, v are the call's tensors here); a sink's gradient then reads the
@@ -307,7 +313,7 @@ class GatedAttnFunc(torch.autograd.Function):
             if grads is not None:
                 dq, dk, dv, d_neg_G, d_G_q, rows = grads
                 dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q, rows)
-                return dq, dk, dv, -d_neg_G, d_G_q, dsink, None, None, None, None, None
+                return dq, dk, dv, -d_neg_G, d_G_q, dsink, None, None, None, None, None, None
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         if bias_rows is not None:  # else the augmented problem, built here
             key_bias = bias_rows.t() if cu_q is not None else bias_rows.transpose(1, 2)
@@ -323,7 +329,30 @@ class GatedAttnFunc(torch.autograd.Function):
         d_G, d_G_q = dk32[..., d] / -scale, dq[..., d + _PARTS].float() / scale
         dk = _group_sum(dk32[..., :d], ctx.group, ctx.head_axis, k_aug.dtype)
         dv = _group_sum(dv, ctx.group, ctx.head_axis, v.dtype)
-        return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None
+        return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None, None
+
+
+# Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL kernel
+# (backends/gate_scan.py) instead of torch's scan, a division and the slice build. False: torch's ops.
+SCAN_KERNEL = True
+
+
+def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(G, bias_rows, k_slice)`` of a dense call by ``gate_scan.GateScanFunc`` (``G`` differentiable in
+    ``log_decay``), where the sm90 forward runs the gate in its kernel; None elsewhere (torch.compile, CPU, sm80,
+    ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
+    if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
+        return None
+    from . import ops
+
+    route = ops.eager_route(q, k, v, None, None, None, None, options)
+    if route is None or not hasattr(route[0], "gate_scan_args"):
+        return None
+    slice_dtype, arch = route[0].gate_scan_args(route[2])
+    from .backends.gate_scan import GateScanFunc
+
+    return GateScanFunc.apply(log_decay, options[0], slice_dtype, arch)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -334,8 +363,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     a learnable sink per query head if ``sink`` is given; the ops run eagerly and under
     ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
-    G = cumulative(log_decay, cu_k)
     options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
+    scanned = scanned_gate(q, k, v, log_decay, options) if varlen is None else None
+    if scanned is not None:
+        G, bias_rows, k_slice = scanned
+        return GatedAttnFunc.apply(q, k, v, G, at_queries(G, q.shape[1]), sink, None, None, None, None, options,
+                                   (bias_rows, k_slice))
+    G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
     elif cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]:

@@ -429,6 +429,45 @@ def test_gate_api_parity_other_head_dims(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slice_dtype", [None, torch.bfloat16, torch.float16], ids=["rows", "bf16_slice", "fp16_slice"])
+def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
+    """The dense gated forward's inputs by one CuTe DSL kernel (``backends/gate_scan.py``): G against an fp64
+    cumsum (its fp64 carry: within fp32 rounding of |G| at 16k keys of strong decay), the bias rows bit for bit
+    ``G / -scale`` (torch's division of the kernel's own G) and K's slice bit for bit the torch build from them;
+    shapes ending mid-step (keys and heads), a bf16 ``g``, a strided one; ``dg`` the reverse cumsum of ``dG``."""
+    from flashattn_hopper.backends.gate_scan import GateScanFunc, scan
+    from flashattn_hopper.backends.sm90_fwd import gate_k_slice_torch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the scan's keys compile for sm_90a (the sm90 forward is its only user)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = 0.125
+    for batch, keys, heads in ((2, 37, 3), (1, 1000, 32), (3, 129, 20), (1, 16384, 2), (2, 1, 5)):
+        g = torch.nn.functional.logsigmoid(torch.randn(batch, keys, heads, device="cuda", generator=gen) * 2 - 1)
+        G_rows, bias_rows, k_slice = scan(g, scale, slice_dtype, "sm_90a")
+        want = torch.cumsum(g.double(), dim=1).transpose(1, 2)
+        torch.testing.assert_close(G_rows.double(), want, rtol=0, atol=float(want.abs().max()) * 2e-7 + 1e-6)
+        assert bias_rows.stride(1) % 4 == 0 and G_rows.stride(1) % 4 == 0
+        assert torch.equal(bias_rows, G_rows / -scale)
+        if slice_dtype is None:
+            assert k_slice is None
+        else:
+            built = gate_k_slice_torch(bias_rows, slice_dtype, False)
+            assert torch.equal(k_slice.view(torch.int16), built.view(torch.int16)), (batch, keys, heads)
+    g = torch.randn(2, 300, 8, device="cuda", generator=gen).clamp(max=0)
+    for variant in (g.to(torch.bfloat16), g.transpose(1, 2).contiguous().transpose(1, 2)):
+        G_rows, _, _ = scan(variant, scale, None, "sm_90a")
+        torch.testing.assert_close(G_rows, torch.cumsum(variant.float(), dim=1).transpose(1, 2), rtol=1e-5, atol=1e-4)
+    leaf = g.clone().requires_grad_()
+    dG = torch.randn_like(g)
+    G, _, _ = GateScanFunc.apply(leaf, scale, None, "sm_90a")
+    (got,) = torch.autograd.grad(G, leaf, dG)
+    ref_leaf = g.clone().requires_grad_()
+    (want,) = torch.autograd.grad(gate.cumulative(ref_leaf, None), ref_leaf, dG)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_long_strong_decay(monkeypatch, head_dim):
     """16k keys with gates down to ~-5 per step (G reaches ~-1.5e4): the forward takes the bias as the

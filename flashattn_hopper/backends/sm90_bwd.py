@@ -21,6 +21,7 @@ from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
 from .common import VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
+from .gate_scan import scan_keys
 from .sm80_bwd import (
     _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
@@ -187,7 +188,8 @@ class BwdSm90(BwdSm80):
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan
+        (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -210,9 +212,14 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 192, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
+            *scan_keys(arch),
         ]
 
     def compile(self, key: KernelKey, options: str | None = None) -> Any:
+        if key.kernel == "gate_scan":  # (the gated forward's G scan: listed here with the gate's other keys)
+            from .gate_scan import compile_scan
+
+            return compile_scan(key, options)  # type: ignore[arg-type]
         if key.kernel != self.kind:
             return super().compile(key, options)
         import cutlass

@@ -336,16 +336,20 @@ class FwdSm90(FwdLauncher):
 
     def forward_with_gate(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
-        bias: torch.Tensor,
+        bias: torch.Tensor, k_slice: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
         ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``; the kernel takes it as K's extra
         k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
-        TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key``."""
+        TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key``. ``k_slice``: the
+        slice already built from ``bias`` (``backends/gate_scan.py``), where the key takes one."""
         key = self.gate_key(p, varlen)
         bias = bias.to(device=q.device)
-        gate = gate_k_slice(bias, q.dtype, varlen is not None) if gate_slice(key) else aligned_rows(bias)
+        if gate_slice(key):
+            gate = k_slice if k_slice is not None else gate_k_slice(bias, q.dtype, varlen is not None)
+        else:
+            gate = aligned_rows(bias)
         if varlen is None:
             # Dense: the gated key's plan, kept like a plain call's: launch_forward's per-call checks and
             # argument building were ~40 us of a gated call's host time (H100: 183 -> 141 us, NOTES s28).
@@ -356,6 +360,12 @@ class FwdSm90(FwdLauncher):
         ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
+
+    def gate_scan_args(self, p: AttnProblem) -> tuple[torch.dtype | None, str]:
+        """``(slice_dtype, arch)`` of a dense gated call's scan (``backends/gate_scan.py``): q's dtype where the
+        gated key takes K's k16 slice (None: the fp32 rows only) and the key's arch."""
+        key = self.gate_key(p, None)
+        return (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None, key.arch
 
     def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
         """A ``GatePlan`` of the dense gated ``key`` (``gate_key``) for ``p``, None where the kernel takes the

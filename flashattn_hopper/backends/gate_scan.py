@@ -1,0 +1,96 @@
+"""The dense gated forward's inputs by one CuTe DSL kernel (``kernels/common/gate_scan.py``): ``G = cumsum(g)`` in
+the LSE's layout, the keys' bias rows ``-G / softmax_scale`` and, where the forward key takes it, K's extra k16
+slice, in one launch through TVM-FFI (a few us of host time) instead of torch's transposing scan, a division
+and a Triton launch. Differentiable in ``g`` (``GateScanFunc``: ``dg`` = reverse cumsum of ``dG`` by torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..jit import KernelKey
+from .common import DTYPE_NAMES, compile_cache, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
+
+
+@dataclass(frozen=True)
+class GateScanKey(KernelKey):
+    slice_dtype: str = ""  # "" (G and bias rows only) or the forward's 16-bit dtype (K's k16 slice too)
+
+
+def scan_keys(arch: str) -> list[GateScanKey]:
+    """The kernel's two variants (the slice only in bf16: fp16 is the same code), for precompile and the CPU tier."""
+    return [GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=""),
+            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16")]
+
+
+def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
+    """The TVM-FFI function of ``key``: ``fn(g, G_rows, bias_rows, k_slice | None, -softmax_scale)``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from ..kernels.common.gate_scan import GateScan
+    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+
+    slice_dtype = cutlass_dtype(key.slice_dtype) if key.slice_dtype else None
+    b, s, h = (cute.sym_int() for _ in range(3))
+    g = make_fake_tensor(cutlass.Float32, (b, s, h), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+    def rows() -> Any:  # (batch, nheads, seqlen), rows a TMA reads (``aligned_rows``)
+        return fake_f32((cute.sym_int(), cute.sym_int(), cute.sym_int()), stride_divisibility=4)
+
+    k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K) if slice_dtype else None
+    kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS)
+    return ffi_compile(kernel, g, rows(), rows(), k_slice, cutlass.Float32(-1.0), options=options)
+
+
+def _rows(batch: int, nheads: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """An fp32 ``(batch, nheads, seqlen)`` view of rows padded to 16 bytes (``sm90_fwd`` reads them by TMA)."""
+    return torch.empty(batch, nheads, -(-seqlen // 4) * 4, dtype=torch.float32, device=device)[..., :seqlen]
+
+
+def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(G_rows, bias_rows, k_slice)`` of dense ``log_decay`` ``(batch, seqlen_k, nheads)`` (CUDA, any float
+    dtype: read as fp32): ``G`` and ``-G / scale`` as ``(batch, nheads, seqlen_k)`` fp32 rows, and K's k16
+    slice ``(batch, seqlen_k, nheads, GATE_K)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's."""
+    from ..kernels.sm90.fwd_budget import GATE_K
+
+    g = log_decay.float()
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    batch, seqlen, nheads = g.shape
+    G_rows, bias_rows = _rows(batch, nheads, seqlen, g.device), _rows(batch, nheads, seqlen, g.device)
+    k_slice = None
+    if slice_dtype is not None:
+        k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
+    if g.numel() > 0:
+        key = GateScanKey(kernel="gate_scan", arch=arch,
+                          slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype is not None else "")
+        fn = compile_cache.get(key, compile_scan)
+        fn(g, G_rows, bias_rows, k_slice, -float(scale))
+    return G_rows, bias_rows, k_slice
+
+
+class GateScanFunc(torch.autograd.Function):
+    """``(G, bias_rows, k_slice)`` from ``log_decay`` (``scan``); ``G`` ``(batch, seqlen_k, nheads)`` (a view of
+    the LSE-layout rows) carries the gradient: ``dg`` is the reverse cumsum of ``dG`` along the keys (torch's
+    scan over the transposed rows, as ``gate.cumulative``'s autograd took it). The bias rows and the slice are
+    not differentiable (the gated ops return ``G``'s gradient, not theirs)."""
+
+    @staticmethod
+    def forward(ctx: Any, log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        G_rows, bias_rows, k_slice = scan(log_decay, scale, slice_dtype, arch)
+        ctx.g_dtype = log_decay.dtype
+        ctx.mark_non_differentiable(*(t for t in (bias_rows, k_slice) if t is not None))
+        return G_rows.transpose(1, 2), bias_rows, k_slice
+
+    @staticmethod
+    def backward(ctx: Any, dG: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        if dG is None:
+            return None, None, None, None
+        rows = dG.float().transpose(1, 2).flip(-1)
+        return torch.cumsum(rows, dim=-1).flip(-1).transpose(1, 2).to(ctx.g_dtype), None, None, None
