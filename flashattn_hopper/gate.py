@@ -350,9 +350,12 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
     slice_dtype, arch = route[0].gate_scan_args(route[2])
-    from .backends.gate_scan import GateScanFunc
+    from .backends import gate_scan
 
-    return GateScanFunc.apply(log_decay, options[0], slice_dtype, arch)
+    if log_decay.requires_grad and torch.is_grad_enabled():
+        return gate_scan.GateScanFunc.apply(log_decay, options[0], slice_dtype, arch)
+    G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, options[0], slice_dtype, arch)
+    return G_rows.transpose(1, 2), bias_rows, k_slice
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -5,6 +5,7 @@ and a Triton launch. Differentiable in ``g`` (``GateScanFunc``: ``dg`` = reverse
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,6 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
     return ffi_compile(kernel, g, rows(), rows(), k_slice, cutlass.Float32(-1.0), options=options)
 
 
-def _rows(batch: int, nheads: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """An fp32 ``(batch, nheads, seqlen)`` view of rows padded to 16 bytes (``sm90_fwd`` reads them by TMA)."""
-    return torch.empty(batch, nheads, -(-seqlen // 4) * 4, dtype=torch.float32, device=device)[..., :seqlen]
-
-
 def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(G_rows, bias_rows, k_slice)`` of dense ``log_decay`` ``(batch, seqlen_k, nheads)`` (CUDA, any float
@@ -62,16 +58,21 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     if g.stride(-1) != 1:
         g = g.contiguous()
     batch, seqlen, nheads = g.shape
-    G_rows, bias_rows = _rows(batch, nheads, seqlen, g.device), _rows(batch, nheads, seqlen, g.device)
+    # G and the bias in one buffer of rows padded to 16 bytes (the forward's TMA reads the bias rows)
+    rows = torch.empty(2, batch, nheads, -(-seqlen // 4) * 4, dtype=torch.float32, device=g.device)[..., :seqlen]
     k_slice = None
     if slice_dtype is not None:
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if g.numel() > 0:
-        key = GateScanKey(kernel="gate_scan", arch=arch,
-                          slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype is not None else "")
-        fn = compile_cache.get(key, compile_scan)
-        fn(g, G_rows, bias_rows, k_slice, -float(scale))
-    return G_rows, bias_rows, k_slice
+        _compiled(arch, slice_dtype)(g, rows[0], rows[1], k_slice, -float(scale))
+    return rows[0], rows[1], k_slice
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(arch: str, slice_dtype: torch.dtype | None) -> Any:
+    """The compiled scan of a variant, looked up once per process (the compile cache's memory keeps it too)."""
+    key = GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype else "")
+    return compile_cache.get(key, compile_scan)
 
 
 class GateScanFunc(torch.autograd.Function):

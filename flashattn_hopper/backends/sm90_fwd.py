@@ -363,9 +363,15 @@ class FwdSm90(FwdLauncher):
 
     def gate_scan_args(self, p: AttnProblem) -> tuple[torch.dtype | None, str]:
         """``(slice_dtype, arch)`` of a dense gated call's scan (``backends/gate_scan.py``): q's dtype where the
-        gated key takes K's k16 slice (None: the fp32 rows only) and the key's arch."""
-        key = self.gate_key(p, None)
-        return (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None, key.arch
+        gated key takes K's k16 slice (None: the fp32 rows only) and the key's arch (kept per problem)."""
+        args = _GATE_SCAN_ARGS.get(p)
+        if args is None:
+            key = self.gate_key(p, None)
+            args = (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None, key.arch
+            if len(_GATE_SCAN_ARGS) >= 1024:
+                _GATE_SCAN_ARGS.clear()
+            _GATE_SCAN_ARGS[p] = args
+        return args
 
     def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
         """A ``GatePlan`` of the dense gated ``key`` (``gate_key``) for ``p``, None where the kernel takes the
@@ -522,7 +528,8 @@ class GatePlan(FwdPlan):
         return out, lse
 
 
-_GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem, device) -> plan (forward_with_gate)
+_GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}
+_GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}  # problem -> gate_scan_args  # (gated key, problem, device) -> plan (forward_with_gate)
 
 
 class Fp8Plan(FwdPlan):

@@ -15,11 +15,12 @@ does all of it in one launch through TVM-FFI:
 Layouts: g ``(batch, seqlen, nheads)`` fp32, heads innermost (the user's layout); G and bias ``(batch, nheads,
 seqlen)`` fp32 rows with 16-byte aligned strides; the slice ``(batch, seqlen, nheads, slice_cols)`` contiguous.
 
-Grid ``(nheads, batch)``, ``warps`` warps per CTA, each a contiguous chunk of the sequence (a multiple of 32 keys),
-lanes along keys: pass 1 sums each warp's chunk (fp64 lane partials, then a butterfly), the chunks' totals meet in
-shared memory, pass 2 rescans each chunk 32 keys at a time (an in-warp inclusive scan by shuffles on top of the
-carry) and writes G and bias rows 128 contiguous bytes per warp store. g is read 4 bytes per key (the other heads'
-bytes of each sector are other CTAs': L2 traffic ~8x g's 4 bytes per key and head, a few MB). No tensor cores.
+Grid ``(ceil(nheads / 32), batch)``, ``warps`` warps per CTA, lanes along heads (g's rows: 128 contiguous bytes
+per warp load), each warp a contiguous chunk of the sequence (a multiple of 32 keys): pass 1 sums each lane's
+chunk in fp64 (four independent partials), the chunk totals meet in shared memory, pass 2 rescans each chunk key
+by key on an fp64 carry, writes K's slice rows (each lane 32 contiguous bytes: 1 KB per warp store) and stages 32
+keys of G in a padded smem tile per warp, which the warp then writes transposed as G and bias rows (128
+contiguous bytes per store). No tensor cores.
 """
 
 import cuda.bindings.driver as cuda
@@ -31,10 +32,10 @@ from cutlass.memory import SmemAllocator
 
 
 class GateScan:
-    """One CTA per (batch, head), ``warps`` chunks of keys per CTA; two passes over each chunk (sum, then scan)."""
+    """32 heads per CTA (one per lane), ``warps`` chunks of keys; two passes over each chunk (sum, then scan)."""
 
     def __init__(self, slice_dtype: type[cutlass.Numeric] | None = None, slice_cols: int = 16, parts: int = 3,
-                 warps: int = 8):
+                 warps: int = 32):
         if slice_dtype not in (None, cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
@@ -59,61 +60,60 @@ class GateScan:
         for t in (mg, mG, mBias):
             if const_expr(t.element_type != Float32):
                 raise TypeError("g, G and bias must be Float32")
+        smem = 8 * self.warps + 4 * self.warps * 32 * 33 + 256
         self.kernel(mg, mG, mBias, mSlice, neg_scale).launch(
-            grid=[mg.shape[2], mg.shape[0], 1], block=[32 * self.warps, 1, 1], smem=8 * self.warps + 128,
-            stream=stream,
+            grid=[(mg.shape[2] + 31) // 32, mg.shape[0], 1], block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mg: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor, mSlice: cute.Tensor | None,
                neg_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        head, batch_idx, _ = cute.arch.block_idx()
+        head_block, batch_idx, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = tidx // 32
+        head = head_block * 32 + lane
+        nheads = mg.shape[2]
         seqlen = mg.shape[1]
         chunk = (seqlen + (32 * self.warps - 1)) // (32 * self.warps) * 32  # keys per warp, whole steps of 32
-        start = warp * chunk
+        start = cutlass.min(warp * chunk, seqlen)
         end = cutlass.min(start + chunk, seqlen)
-        chunk_totals = SmemAllocator().allocate_tensor(Float64, cute.make_layout(self.warps), byte_alignment=16)
-        # Pass 1: this warp's chunk total (fp64 lane partials, then a butterfly).
-        partial = Float64(0.0)
-        for step in cutlass.range(start, end, 32, unroll=4):
-            if step + lane < end:
-                partial = partial + Float64(mg[batch_idx, step + lane, head])
-        for i in cutlass.range_constexpr(5):
-            partial = partial + cute.arch.shuffle_sync_bfly(partial, 1 << i)
-        if lane == 0:
-            chunk_totals[warp] = partial
+        allocator = SmemAllocator()
+        chunk_totals = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
+        # (32 keys x 32 heads per warp, rows padded to 33 words: the transposed reads are conflict-free)
+        staged = allocator.allocate_tensor(Float32, cute.make_layout((32, 32, self.warps), stride=(33, 1, 33 * 32)),
+                                           byte_alignment=16)
+        # Pass 1: this lane's chunk total (four independent fp64 partials).
+        partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
+        if head < nheads:
+            for key in cutlass.range(start, end, 4, unroll=2):
+                for i in cutlass.range_constexpr(4):
+                    if key + i < end:
+                        partials[i] = partials[i] + Float64(mg[batch_idx, key + i, head])
+        chunk_totals[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):
             if w < warp:
-                carry = carry + chunk_totals[w]
-        # Pass 2: the chunk again, 32 keys per step: G = carry + the in-warp inclusive sum.
-        for step in cutlass.range(start, end, 32, unroll=2):
+                carry = carry + chunk_totals[lane, w]
+        # Pass 2: the chunk again, key by key; 32 keys of G staged, then written as rows.
+        for step in cutlass.range(start, end, 32, unroll=1):
+            for i in cutlass.range_constexpr(32):
+                key = step + i
+                if key < end and head < nheads:
+                    carry = carry + Float64(mg[batch_idx, key, head])
+                    G = Float32(carry)
+                    staged[i, lane, warp] = G
+                    if const_expr(self.slice_dtype is not None):
+                        self.store_slice(mSlice, G / neg_scale, batch_idx, key, head)
+            cute.arch.sync_warp()
             key = step + lane
-            g = Float32(0.0)
-            if key < end:
-                g = mg[batch_idx, key, head]
-            incl = self.warp_inclusive_sum(g, lane)
-            G = Float32(carry + Float64(incl))
-            carry = carry + Float64(cute.arch.shuffle_sync(incl, 31))
-            if key < end:
-                mG[batch_idx, head, key] = G
-                bias = G / neg_scale
-                mBias[batch_idx, head, key] = bias
-                if const_expr(self.slice_dtype is not None):
-                    self.store_slice(mSlice, bias, batch_idx, key, head)
-    @cute.jit
-    def warp_inclusive_sum(self, x: Float32, lane: Int32) -> Float32:
-        """Lane ``i``'s ``x`` summed over lanes ``0..i`` (Hillis-Steele: 5 shuffles up)."""
-        incl = x
-        for i in cutlass.range_constexpr(5):
-            other = cute.arch.shuffle_sync_up(incl, 1 << i)
-            if lane >= (1 << i):
-                incl = incl + other
-        return incl
+            for j in cutlass.range_constexpr(32):
+                if key < end and head_block * 32 + j < nheads:
+                    G = staged[lane, j, warp]
+                    mG[batch_idx, head_block * 32 + j, key] = G
+                    mBias[batch_idx, head_block * 32 + j, key] = G / neg_scale
+            cute.arch.sync_warp()
 
     @cute.jit
     def store_slice(self, mSlice: cute.Tensor, bias: Float32, batch_idx: Int32, key: Int32, head: Int32):
