@@ -60,7 +60,7 @@ class GateScan:
         for t in (mg, mG, mBias):
             if const_expr(t.element_type != Float32):
                 raise TypeError("g, G and bias must be Float32")
-        smem = 8 * self.warps + 4 * self.warps * 32 * 33 + 256
+        smem = 8 * 32 * self.warps + 4 * self.warps * 32 * 33 + 256  # chunk totals, staged G, alignment
         self.kernel(mg, mG, mBias, mSlice, neg_scale).launch(
             grid=[(mg.shape[2] + 31) // 32, mg.shape[0], 1], block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
         )
