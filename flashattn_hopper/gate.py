@@ -333,8 +333,11 @@ class GatedAttnFunc(torch.autograd.Function):
 
 
 # Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL kernel
-# (backends/gate_scan.py) instead of torch's scan, a division and the slice build. False: torch's ops.
+# (backends/gate_scan.py) instead of torch's scan, a division and the slice build, up to SCAN_KERNEL_MAX_SEQLEN
+# keys (one CTA per batch entry and 32 heads walks the keys: long sequences come in few batch entries, and
+# torch's scan is faster there; perf/NOTES.md session 30). False: torch's ops.
 SCAN_KERNEL = True
+SCAN_KERNEL_MAX_SEQLEN = 2048
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -343,6 +346,8 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     ``log_decay``), where the sm90 forward runs the gate in its kernel; None elsewhere (torch.compile, CPU, sm80,
     ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
+        return None
+    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN:
         return None
     from . import ops
 

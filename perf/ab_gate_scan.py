@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cells = {"tiny": (1, 128, 8, 128)}
     for hdim in (64, 128):
-        for seqlen in (1024, 4096, 16384):
+        for seqlen in (1024, 2048, 4096, 16384):
             cells[f"h{hdim}_{seqlen // 1024}k"] = (16384 // seqlen, seqlen, 2048 // hdim, hdim)
     inputs = {}
     for name, (b, s, h, d) in cells.items():

@@ -433,7 +433,7 @@ def test_gate_api_parity_other_head_dims(monkeypatch, head_dim):
 def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
     """The dense gated forward's inputs by one CuTe DSL kernel (``backends/gate_scan.py``): G against an fp64
     cumsum (its fp64 carry: within fp32 rounding of |G| at 16k keys of strong decay), the bias rows bit for bit
-    ``G / -scale`` (torch's division of the kernel's own G) and K's slice bit for bit the torch build from them;
+    ``G / -scale`` (torch's division of the kernel's own G: a product with the fp32 reciprocal, as the kernel's) and K's slice bit for bit the torch build from them;
     shapes ending mid-step (keys and heads), a bf16 ``g``, a strided one; ``dg`` the reverse cumsum of ``dG``."""
     from flashattn_hopper.backends.gate_scan import GateScanFunc, scan
     from flashattn_hopper.backends.sm90_fwd import gate_k_slice_torch

@@ -6,6 +6,7 @@ and a Triton launch. Differentiable in ``g`` (``GateScanFunc``: ``dg`` = reverse
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ def scan_keys(arch: str) -> list[GateScanKey]:
 
 
 def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
-    """The TVM-FFI function of ``key``: ``fn(g, G_rows, bias_rows, k_slice | None, -softmax_scale)``."""
+    """The TVM-FFI function of ``key``: ``fn(g, G_rows, bias_rows, k_slice | None, 1 / -softmax_scale)``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -64,8 +65,15 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     if slice_dtype is not None:
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if g.numel() > 0:
-        _compiled(arch, slice_dtype)(g, rows[0], rows[1], k_slice, -float(scale))
+        _compiled(arch, slice_dtype)(g, rows[0], rows[1], k_slice, _neg_inv_scale(float(scale)))
     return rows[0], rows[1], k_slice
+
+
+@functools.lru_cache(maxsize=64)
+def _neg_inv_scale(scale: float) -> float:
+    """``1 / -scale`` rounded to fp32, as torch's CUDA division by a Python scalar multiplies by it (exactly the fp32
+    quotient: fp64's 53 bits rule out double rounding)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / struct.unpack("f", struct.pack("f", -scale))[0]))[0]
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,8 +7,9 @@ time (perf/NOTES.md sessions 27-29: a Python-launched Triton scan cost more host
 does all of it in one launch through TVM-FFI:
 - ``G[b, h, s] = sum_{t <= s} g[b, t, h]`` in fp32, the running total carried in fp64 across 32-key steps (a
   sequence's ``|G|`` reaches ~1e4: an fp32 carry would lose the low digits of each key's ``g``);
-- ``bias[b, h, s] = G / neg_scale`` (``neg_scale = -softmax_scale``: the keys' bias ``-G_j / scale`` in the
-  scores' units, ``gate._key_bias``), rows as the forward's TMA reads them;
+- ``bias[b, h, s] = G * neg_inv_scale`` (``1 / -softmax_scale`` rounded to fp32: the keys' bias ``-G_j / scale``
+  in the scores' units as torch's division by a scalar computes it, ``gate._key_bias``), rows as the forward's TMA
+  reads them;
 - with ``slice_dtype``: ``slice[b, s, h, :]`` = the bias as ``parts`` 16-bit values, each the rest of the ones
   before it rounded to nearest, then zeros (``sm90_fwd.gate_k_slice_torch``'s build, bit for bit).
 
@@ -35,7 +36,7 @@ class GateScan:
     """32 heads per CTA (one per lane), ``warps`` chunks of keys; two passes over each chunk (sum, then scan)."""
 
     def __init__(self, slice_dtype: type[cutlass.Numeric] | None = None, slice_cols: int = 16, parts: int = 3,
-                 warps: int = 32):
+                 warps: int = 16):
         if slice_dtype not in (None, cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
@@ -52,7 +53,7 @@ class GateScan:
         mG: cute.Tensor,  # (batch, nheads, seqlen) fp32, output
         mBias: cute.Tensor,  # (batch, nheads, seqlen) fp32, output
         mSlice: cute.Tensor | None,  # (batch, seqlen, nheads, slice_cols) slice_dtype, output (slice_dtype only)
-        neg_scale: Float32,  # -softmax_scale
+        neg_inv_scale: Float32,  # 1 / -softmax_scale (fp32, as torch divides by a scalar)
         stream: cuda.CUstream,
     ):
         if const_expr((mSlice is None) != (self.slice_dtype is None)):
@@ -61,13 +62,13 @@ class GateScan:
             if const_expr(t.element_type != Float32):
                 raise TypeError("g, G and bias must be Float32")
         smem = 8 * 32 * self.warps + 4 * self.warps * 32 * 33 + 256  # chunk totals, staged G, alignment
-        self.kernel(mg, mG, mBias, mSlice, neg_scale).launch(
+        self.kernel(mg, mG, mBias, mSlice, neg_inv_scale).launch(
             grid=[(mg.shape[2] + 31) // 32, mg.shape[0], 1], block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mg: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor, mSlice: cute.Tensor | None,
-               neg_scale: Float32):
+               neg_inv_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -98,21 +99,29 @@ class GateScan:
                 carry = carry + chunk_totals[lane, w]
         # Pass 2: the chunk again, key by key; 32 keys of G staged, then written as rows.
         for step in cutlass.range(start, end, 32, unroll=1):
-            for i in cutlass.range_constexpr(32):
-                key = step + i
-                if key < end and head < nheads:
-                    carry = carry + Float64(mg[batch_idx, key, head])
-                    G = Float32(carry)
-                    staged[i, lane, warp] = G
-                    if const_expr(self.slice_dtype is not None):
-                        self.store_slice(mSlice, G / neg_scale, batch_idx, key, head)
+            # The step's 32 loads first: issued together, one latency per step (a load after the stores below
+            # would wait for them, which may alias g as far as the compiler knows).
+            for half in cutlass.range_constexpr(2):  # (16 at a time: 32 held with the slice's rows spilled)
+                gates = cute.make_rmem_tensor((16,), Float32)
+                for i in cutlass.range_constexpr(16):
+                    gates[i] = Float32(0.0)
+                    if step + 16 * half + i < end and head < nheads:
+                        gates[i] = mg[batch_idx, step + 16 * half + i, head]
+                for i in cutlass.range_constexpr(16):
+                    key = step + 16 * half + i
+                    if key < end and head < nheads:
+                        carry = carry + Float64(gates[i])
+                        G = Float32(carry)
+                        staged[16 * half + i, lane, warp] = G
+                        if const_expr(self.slice_dtype is not None):
+                            self.store_slice(mSlice, G * neg_inv_scale, batch_idx, key, head)
             cute.arch.sync_warp()
             key = step + lane
             for j in cutlass.range_constexpr(32):
                 if key < end and head_block * 32 + j < nheads:
                     G = staged[lane, j, warp]
                     mG[batch_idx, head_block * 32 + j, key] = G
-                    mBias[batch_idx, head_block * 32 + j, key] = G / neg_scale
+                    mBias[batch_idx, head_block * 32 + j, key] = G * neg_inv_scale
             cute.arch.sync_warp()
 
     @cute.jit
