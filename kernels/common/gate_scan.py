@@ -16,12 +16,13 @@ does all of it in one launch through TVM-FFI:
 Layouts: g ``(batch, seqlen, nheads)`` fp32, heads innermost (the user's layout); G and bias ``(batch, nheads,
 seqlen)`` fp32 rows with 16-byte aligned strides; the slice ``(batch, seqlen, nheads, slice_cols)`` contiguous.
 
-Grid ``(ceil(nheads / 32), batch)``, ``warps`` warps per CTA, lanes along heads (g's rows: 128 contiguous bytes
-per warp load), each warp a contiguous chunk of the sequence (a multiple of 32 keys): pass 1 sums each lane's
-chunk in fp64 (four independent partials), the chunk totals meet in shared memory, pass 2 rescans each chunk key
-by key on an fp64 carry, writes K's slice rows (each lane 32 contiguous bytes: 1 KB per warp store) and stages 32
-keys of G in a padded smem tile per warp, which the warp then writes transposed as G and bias rows (128
-contiguous bytes per store). No tensor cores.
+Grid ``(ceil(nheads / 32), batch, ceil(seqlen / (32 * warps)))``: a CTA per 32 heads (one per lane: g's rows
+read 128 contiguous bytes per warp load) and chunk of ``32 * warps`` keys, 32 per warp. Each CTA first sums g
+over every key before its chunk (its warps striding those rows, fp64 partials; redundant across chunks, which
+is why the route takes this kernel for short sequences only: ``gate.SCAN_KERNEL_MAX_SEQLEN``), and each warp
+its own 32 keys (held in registers); the sums meet in shared memory; then each warp scans its keys on the fp64
+carry, writes K's slice rows (each lane 32 contiguous bytes: 1 KB per warp store) and stages G in a padded smem
+tile, which it writes transposed as G and bias rows (128 contiguous bytes per store). No tensor cores.
 """
 
 import cuda.bindings.driver as cuda
@@ -33,10 +34,10 @@ from cutlass.memory import SmemAllocator
 
 
 class GateScan:
-    """32 heads per CTA (one per lane), ``warps`` chunks of keys; two passes over each chunk (sum, then scan)."""
+    """32 heads per CTA (one per lane), a chunk of ``32 * warps`` keys (32 per warp); prefix sums, then the scan."""
 
     def __init__(self, slice_dtype: type[cutlass.Numeric] | None = None, slice_cols: int = 16, parts: int = 3,
-                 warps: int = 16):
+                 warps: int = 4):
         if slice_dtype not in (None, cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
@@ -61,68 +62,69 @@ class GateScan:
         for t in (mg, mG, mBias):
             if const_expr(t.element_type != Float32):
                 raise TypeError("g, G and bias must be Float32")
-        smem = 8 * 32 * self.warps + 4 * self.warps * 32 * 33 + 256  # chunk totals, staged G, alignment
+        smem = 2 * 8 * 32 * self.warps + 4 * self.warps * 32 * 33 + 256  # prefix and own sums, staged G, alignment
+        chunk = 32 * self.warps
+        grid = [(mg.shape[2] + 31) // 32, mg.shape[0], (mg.shape[1] + (chunk - 1)) // chunk]
         self.kernel(mg, mG, mBias, mSlice, neg_inv_scale).launch(
-            grid=[(mg.shape[2] + 31) // 32, mg.shape[0], 1], block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
+            grid=grid, block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mg: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor, mSlice: cute.Tensor | None,
                neg_inv_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        head_block, batch_idx, _ = cute.arch.block_idx()
+        head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = tidx // 32
         head = head_block * 32 + lane
         nheads = mg.shape[2]
         seqlen = mg.shape[1]
-        chunk = (seqlen + (32 * self.warps - 1)) // (32 * self.warps) * 32  # keys per warp, whole steps of 32
-        start = cutlass.min(warp * chunk, seqlen)
-        end = cutlass.min(start + chunk, seqlen)
+        chunk_start = chunk_idx * (32 * self.warps)
+        start = chunk_start + 32 * warp
         allocator = SmemAllocator()
-        chunk_totals = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
+        prefix_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
+        own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
         # (32 keys x 32 heads per warp, rows padded to 33 words: the transposed reads are conflict-free)
         staged = allocator.allocate_tensor(Float32, cute.make_layout((32, 32, self.warps), stride=(33, 1, 33 * 32)),
                                            byte_alignment=16)
-        # Pass 1: this lane's chunk total (four independent fp64 partials).
+        # The keys before the chunk: this warp's rows warp, warp + warps, ... (four fp64 partials).
         partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
+        gates = cute.make_rmem_tensor((32,), Float32)
         if head < nheads:
-            for key in cutlass.range(start, end, 4, unroll=2):
+            for row in cutlass.range(warp, chunk_start, 4 * self.warps, unroll=1):
                 for i in cutlass.range_constexpr(4):
-                    if key + i < end:
-                        partials[i] = partials[i] + Float64(mg[batch_idx, key + i, head])
-        chunk_totals[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
+                    if row + i * self.warps < chunk_start:
+                        partials[i] = partials[i] + Float64(mg[batch_idx, row + i * self.warps, head])
+        own = Float64(0.0)
+        for i in cutlass.range_constexpr(32):
+            gates[i] = Float32(0.0)
+            if start + i < seqlen and head < nheads:
+                gates[i] = mg[batch_idx, start + i, head]
+            own = own + Float64(gates[i])
+        prefix_sums[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
+        own_sums[lane, warp] = own
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):
+            carry = carry + prefix_sums[lane, w]
+        for w in cutlass.range_constexpr(self.warps):
             if w < warp:
-                carry = carry + chunk_totals[lane, w]
-        # Pass 2: the chunk again, key by key; 32 keys of G staged, then written as rows.
-        for step in cutlass.range(start, end, 32, unroll=1):
-            # The step's 32 loads first: issued together, one latency per step (a load after the stores below
-            # would wait for them, which may alias g as far as the compiler knows).
-            for half in cutlass.range_constexpr(2):  # (16 at a time: 32 held with the slice's rows spilled)
-                gates = cute.make_rmem_tensor((16,), Float32)
-                for i in cutlass.range_constexpr(16):
-                    gates[i] = Float32(0.0)
-                    if step + 16 * half + i < end and head < nheads:
-                        gates[i] = mg[batch_idx, step + 16 * half + i, head]
-                for i in cutlass.range_constexpr(16):
-                    key = step + 16 * half + i
-                    if key < end and head < nheads:
-                        carry = carry + Float64(gates[i])
-                        G = Float32(carry)
-                        staged[16 * half + i, lane, warp] = G
-                        if const_expr(self.slice_dtype is not None):
-                            self.store_slice(mSlice, G * neg_inv_scale, batch_idx, key, head)
-            cute.arch.sync_warp()
-            key = step + lane
-            for j in cutlass.range_constexpr(32):
-                if key < end and head_block * 32 + j < nheads:
-                    G = staged[lane, j, warp]
-                    mG[batch_idx, head_block * 32 + j, key] = G
-                    mBias[batch_idx, head_block * 32 + j, key] = G * neg_inv_scale
-            cute.arch.sync_warp()
+                carry = carry + own_sums[lane, w]
+        # This warp's 32 keys: G on the carry, the slice rows, G staged; then G and bias rows, transposed.
+        for i in cutlass.range_constexpr(32):
+            carry = carry + Float64(gates[i])
+            G = Float32(carry)
+            staged[i, lane, warp] = G
+            if const_expr(self.slice_dtype is not None):
+                if start + i < seqlen and head < nheads:
+                    self.store_slice(mSlice, G * neg_inv_scale, batch_idx, start + i, head)
+        cute.arch.sync_warp()
+        key = start + lane
+        for j in cutlass.range_constexpr(32):
+            if key < seqlen and head_block * 32 + j < nheads:
+                G = staged[lane, j, warp]
+                mG[batch_idx, head_block * 32 + j, key] = G
+                mBias[batch_idx, head_block * 32 + j, key] = G * neg_inv_scale
 
     @cute.jit
     def store_slice(self, mSlice: cute.Tensor, bias: Float32, batch_idx: Int32, key: Int32, head: Int32):
