@@ -1,6 +1,6 @@
 """The dense gated call's G scan: torch's ops against the CuTe DSL kernel, in one process (not a test).
 
-    python perf/ab_gate_scan.py [--rounds 3] [--calls 1000]
+    python perf/ab_gate_scan.py [--rounds 3] [--calls 1000] [--seqlens 1024 2048 4096 16384]
 
 Issue 24: ``gate.SCAN_KERNEL`` off (torch's transposing scan, the division into the bias rows, the slice build)
 or on (``backends/gate_scan.py``: one TVM-FFI launch), alternated round by round so that host speed reaches both
@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     args = ap.parse_args(argv)
 
     from flashattn_hopper import flash_attn_func, gate
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cells = {"tiny": (1, 128, 8, 128)}
     for hdim in (64, 128):
-        for seqlen in (1024, 2048, 4096, 16384):
+        for seqlen in args.seqlens:
             cells[f"h{hdim}_{seqlen // 1024}k"] = (16384 // seqlen, seqlen, 2048 // hdim, hdim)
     inputs = {}
     for name, (b, s, h, d) in cells.items():
