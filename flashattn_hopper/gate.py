@@ -332,22 +332,23 @@ class GatedAttnFunc(torch.autograd.Function):
         return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None, None
 
 
-# Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL kernel
-# (backends/gate_scan.py) instead of torch's scan, a division and the slice build, up to SCAN_KERNEL_MAX_SEQLEN
-# keys (one CTA per batch entry and 32 heads walks the keys: long sequences come in few batch entries, and
-# torch's scan is faster there; perf/NOTES.md session 30). False: torch's ops.
+# Dense eager calls the sm90 forward serves, with no gradient for g (inference), build G, the bias rows and K's
+# slice with one CuTe DSL kernel (backends/gate_scan.py) instead of torch's scan, a division and the slice build,
+# up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA sums the keys before its chunk itself). Measured on an H200
+# (perf/NOTES.md session 30): forward -9 to -59 us at 1k-2k keys; forward + backward +9 to +106 us through an
+# autograd.Function, so calls that train keep torch's ops. False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 2048
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                  options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``(G, bias_rows, k_slice)`` of a dense call by ``gate_scan.GateScanFunc`` (``G`` differentiable in
-    ``log_decay``), where the sm90 forward runs the gate in its kernel; None elsewhere (torch.compile, CPU, sm80,
+    """``(G, bias_rows, k_slice)`` of a dense call by ``gate_scan.scan`` where the sm90 forward runs the gate in its
+    kernel and g needs no gradient; None elsewhere (torch.compile, CPU, sm80, a gradient, long sequences,
     ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
-    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN:
+    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or (log_decay.requires_grad and torch.is_grad_enabled()):
         return None
     from . import ops
 
@@ -357,8 +358,6 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     slice_dtype, arch = route[0].gate_scan_args(route[2])
     from .backends import gate_scan
 
-    if log_decay.requires_grad and torch.is_grad_enabled():
-        return gate_scan.GateScanFunc.apply(log_decay, options[0], slice_dtype, arch)
     G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, options[0], slice_dtype, arch)
     return G_rows.transpose(1, 2), bias_rows, k_slice
 

@@ -434,8 +434,8 @@ def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
     """The dense gated forward's inputs by one CuTe DSL kernel (``backends/gate_scan.py``): G against an fp64
     cumsum (its fp64 carry: within fp32 rounding of |G| at 16k keys of strong decay), the bias rows bit for bit
     ``G / -scale`` (torch's division of the kernel's own G: a product with the fp32 reciprocal, as the kernel's) and K's slice bit for bit the torch build from them;
-    shapes ending mid-step (keys and heads), a bf16 ``g``, a strided one; ``dg`` the reverse cumsum of ``dG``."""
-    from flashattn_hopper.backends.gate_scan import GateScanFunc, scan
+    shapes ending mid-step (keys and heads), a bf16 ``g``, a strided one."""
+    from flashattn_hopper.backends.gate_scan import scan
     from flashattn_hopper.backends.sm90_fwd import gate_k_slice_torch
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -458,13 +458,34 @@ def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
     for variant in (g.to(torch.bfloat16), g.transpose(1, 2).contiguous().transpose(1, 2)):
         G_rows, _, _ = scan(variant, scale, None, "sm_90a")
         torch.testing.assert_close(G_rows, torch.cumsum(variant.float(), dim=1).transpose(1, 2), rtol=1e-5, atol=1e-4)
-    leaf = g.clone().requires_grad_()
-    dG = torch.randn_like(g)
-    G, _, _ = GateScanFunc.apply(leaf, scale, None, "sm_90a")
-    (got,) = torch.autograd.grad(G, leaf, dG)
-    ref_leaf = g.clone().requires_grad_()
-    (want,) = torch.autograd.grad(gate.cumulative(ref_leaf, None), ref_leaf, dG)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (300, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seqlens):
+    """A gated forward whose g needs no gradient takes the scan kernel (``gate.scanned_gate``; K's slice from
+    1k keys at hdim 64): out and lse against the fp32 definition with the parity rule, GQA, odd lengths."""
+    from flashattn_hopper.backends import gate_scan
+    from flashattn_hopper.testing import assert_close_to_ref
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("the scan kernel serves the sm90 forward")
+    scans, scan = [], gate_scan.scan
+    monkeypatch.setattr(gate_scan, "scan", lambda *a: scans.append(a[2]) or scan(*a))
+    s_q, s_k = seqlens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, s, h, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+               for s, h in ((s_q, 8), (s_k, 2), (s_k, 2)))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 8, device="cuda", generator=gen) * 2 + 3)
+    out, lse = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
+    assert len(scans) == 1
+    window = (-1, 0) if causal else (-1, -1)
+    ref_out, ref_lse = _gated_ref_dense(q.float(), k.float(), v.float(), g, causal, window, head_dim ** -0.5)
+    pt_out, pt_lse = _gated_ref_dense(q, k, v, g, causal, window, head_dim ** -0.5)
+    assert_close_to_ref("out", out, ref_out.to(torch.bfloat16), pt_out)
+    assert_close_to_ref("lse", lse, ref_lse.float(), pt_lse.float(), atol=1e-3)
 
 
 @pytest.mark.gpu

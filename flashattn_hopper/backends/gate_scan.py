@@ -1,7 +1,7 @@
 """The dense gated forward's inputs by one CuTe DSL kernel (``kernels/common/gate_scan.py``): ``G = cumsum(g)`` in
 the LSE's layout, the keys' bias rows ``-G / softmax_scale`` and, where the forward key takes it, K's extra k16
 slice, in one launch through TVM-FFI (a few us of host time) instead of torch's transposing scan, a division
-and a Triton launch. Differentiable in ``g`` (``GateScanFunc``: ``dg`` = reverse cumsum of ``dG`` by torch)."""
+and a Triton launch. Not differentiable: ``gate.scanned_gate`` takes it for calls whose g needs no gradient."""
 
 from __future__ import annotations
 
@@ -81,25 +81,3 @@ def _compiled(arch: str, slice_dtype: torch.dtype | None) -> Any:
     """The compiled scan of a variant, looked up once per process (the compile cache's memory keeps it too)."""
     key = GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype else "")
     return compile_cache.get(key, compile_scan)
-
-
-class GateScanFunc(torch.autograd.Function):
-    """``(G, bias_rows, k_slice)`` from ``log_decay`` (``scan``); ``G`` ``(batch, seqlen_k, nheads)`` (a view of
-    the LSE-layout rows) carries the gradient: ``dg`` is the reverse cumsum of ``dG`` along the keys (torch's
-    scan over the transposed rows, as ``gate.cumulative``'s autograd took it). The bias rows and the slice are
-    not differentiable (the gated ops return ``G``'s gradient, not theirs)."""
-
-    @staticmethod
-    def forward(ctx: Any, log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        G_rows, bias_rows, k_slice = scan(log_decay, scale, slice_dtype, arch)
-        ctx.g_dtype = log_decay.dtype
-        ctx.mark_non_differentiable(*(t for t in (bias_rows, k_slice) if t is not None))
-        return G_rows.transpose(1, 2), bias_rows, k_slice
-
-    @staticmethod
-    def backward(ctx: Any, dG: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
-        if dG is None:
-            return None, None, None, None
-        rows = dG.float().transpose(1, 2).flip(-1)
-        return torch.cumsum(rows, dim=-1).flip(-1).transpose(1, 2).to(ctx.g_dtype), None, None, None
