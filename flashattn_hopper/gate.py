@@ -332,11 +332,13 @@ class GatedAttnFunc(torch.autograd.Function):
         return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None, None
 
 
-# Dense eager calls the sm90 forward serves, with no gradient for g (inference), build G, the bias rows and K's
-# slice with one CuTe DSL kernel (backends/gate_scan.py) instead of torch's scan, a division and the slice build,
-# up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA sums the keys before its chunk itself). Measured on an H200
-# (perf/NOTES.md session 30): forward -9 to -59 us at 1k-2k keys; forward + backward +9 to +106 us through an
-# autograd.Function, so calls that train keep torch's ops. False: torch's ops everywhere.
+# Dense eager calls the sm90 forward serves whose g needs no gradient (inference, or a frozen gate) build G, the
+# bias rows and K's slice with one CuTe DSL kernel (backends/gate_scan.py) instead of torch's scan, a division and
+# the slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA sums the keys before its chunk itself) and batch
+# 65535 (its grid's y). Measured on an H200 (perf/NOTES.md session 30): forward -9 to -59 us at 1k-2k keys; forward
+# + backward +9 to +106 us through an autograd.Function, so calls whose g needs a gradient keep torch's ops. The
+# kernel sums G in fp64, torch's scan in fp32: the two routes' out and lse differ by that rounding.
+# False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 2048
 
@@ -348,7 +350,8 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
-    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or (log_decay.requires_grad and torch.is_grad_enabled()):
+    if (log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535
+            or (log_decay.requires_grad and torch.is_grad_enabled())):
         return None
     from . import ops
 

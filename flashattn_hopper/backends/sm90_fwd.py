@@ -528,8 +528,10 @@ class GatePlan(FwdPlan):
         return out, lse
 
 
-_GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}
-_GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}  # problem -> gate_scan_args  # (gated key, problem, device) -> plan (forward_with_gate)
+_GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem, device) -> plan (forward_with_gate)
+# problem -> gate_scan_args (a stale entry after a threshold change costs only a slice built or dropped again:
+# forward_with_gate decides from its own key)
+_GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}
 
 
 class Fp8Plan(FwdPlan):
