@@ -266,14 +266,17 @@ class GatedAttnFunc(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
-                options: tuple[Any, ...], scanned: tuple[torch.Tensor, Any] | None = None
+                options: tuple[Any, ...], scanned: tuple[Any, ...] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         from . import ops
 
-        route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
+        if scanned is not None:  # (scanned_gate looked the route up already)
+            *scanned, route = scanned
+        else:
+            route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
         in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, scanned)
         bias_rows = None
         if in_kernel is not None:
@@ -344,8 +347,8 @@ SCAN_KERNEL_MAX_SEQLEN = 2048
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``(G, bias_rows, k_slice)`` of a dense call by ``gate_scan.scan`` where the sm90 forward runs the gate in its
+                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any] | None:
+    """``(G, bias_rows, k_slice, route)`` of a dense call by ``gate_scan.scan`` (``route``: ``ops.eager_route``'s) where the sm90 forward runs the gate in its
     kernel and g needs no gradient; None elsewhere (torch.compile, CPU, sm80, a gradient, long sequences,
     ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
@@ -362,7 +365,7 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     from .backends import gate_scan
 
     G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, options[0], slice_dtype, arch)
-    return G_rows.transpose(1, 2), bias_rows, k_slice
+    return G_rows.transpose(1, 2), bias_rows, k_slice, route
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -376,9 +379,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     scanned = scanned_gate(q, k, v, log_decay, options) if varlen is None else None
     if scanned is not None:
-        G, bias_rows, k_slice = scanned
+        G, bias_rows, k_slice, route = scanned
         return GatedAttnFunc.apply(q, k, v, G, at_queries(G, q.shape[1]), sink, None, None, None, None, options,
-                                   (bias_rows, k_slice))
+                                   (bias_rows, k_slice, route))
     G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])

@@ -6,7 +6,9 @@ Issue 24: ``gate.SCAN_KERNEL`` off (torch's transposing scan, the division into 
 or on (``backends/gate_scan.py``: one TVM-FFI launch), alternated round by round so that host speed reaches both
 alike. Cells: a tiny causal shape (1 x 128 x 8 x 128 bf16; us per call over ``--calls`` calls, host-bound) and
 the causal FA3-paper cells (16k tokens, hidden 2048) at hdim 64 / 128 and 1k / 4k / 16k keys: do_bench wall of
-the gated forward and of forward + backward, beside the plain (ungated) call of the same shape. Medians.
+the gated forward and of forward + backward, beside the plain (ungated) call of the same shape. Medians. (The
+forward + backward columns make g require a gradient, which the route leaves on torch's ops since session 30:
+there both settings run the same route.)
 """
 
 from __future__ import annotations

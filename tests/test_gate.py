@@ -439,7 +439,7 @@ def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
     from flashattn_hopper.backends.sm90_fwd import gate_k_slice_torch
 
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the scan's keys compile for sm_90a (the sm90 forward is its only user)")
+        pytest.skip("needs a Hopper GPU: the G scan kernel compiles for sm_90a only (it serves the sm90 forward)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = 0.125
     for batch, keys, heads in ((2, 37, 3), (1, 1000, 32), (3, 129, 20), (1, 16384, 2), (2, 1, 5)):
@@ -471,7 +471,7 @@ def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seq
     from flashattn_hopper.testing import assert_close_to_ref
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
-        pytest.skip("the scan kernel serves the sm90 forward")
+        pytest.skip("needs a Hopper GPU and the sm90 backend: only the sm90 forward takes the G scan kernel")
     scans, scan = [], gate_scan.scan
     monkeypatch.setattr(gate_scan, "scan", lambda *a: scans.append(a[2]) or scan(*a))
     s_q, s_k = seqlens
