@@ -51,8 +51,7 @@ def parse_tile(spec: str):
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts,
-                                      exp2_poly=next((int(x[4:]) for x in parts if x.startswith("poly")), 0))}
+                                      pingpong="pingpong" in parts)}
     return hdim, family
 
 

@@ -189,45 +189,6 @@ def cvt_f32x2_to_b16x2(
     return Uint32(packed)
 
 
-# 2^f on [-0.5, 0.5] by a cubic (minimax in relative error, 8.3e-5: far below a 16-bit P's half ulp, 2^-9 for
-# bf16 and 2^-11 for fp16), lowest power first.
-_EXP2_POLY = (0x3F7FFABB, 0x3F3179A1, 0x3E788A1A, 0x3D622720)
-
-
-@dsl_user_op
-def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``2**x`` on the FMA and integer pipes instead of the MUFU (which runs 16 lanes per clock per SM, an
-    eighth of the FMA rate): x = j + f with j the nearest integer (the 1.5 * 2**23 rounding trick, no
-    conversion instruction), a cubic for 2**f, j added to the exponent field; 0 below -126 (as ``ex2.approx.ftz``
-    gives; -inf included). Nine instructions; for a P that is rounded to 16 bits next, so that a kernel whose
-    exp2 pass waits on the MUFU can move part of it to the FMA pipe (FA4 does so in its Blackwell forward).
-    """
-    c0, c1, c2, c3 = (f"0f{c:08X}" for c in _EXP2_POLY)
-    out = llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n"
-        ".reg .f32 t, r, f, p;\n.reg .b32 tb, pb;\n.reg .pred u;\n"
-        "add.rn.f32 t, $1, 0f4B400000;\n"  # t's low mantissa bits hold j (two's complement)
-        "sub.rn.f32 r, t, 0f4B400000;\n"
-        "sub.rn.f32 f, $1, r;\n"
-        f"fma.rn.f32 p, f, {c3}, {c2};\n"
-        f"fma.rn.f32 p, p, f, {c1};\n"
-        f"fma.rn.f32 p, p, f, {c0};\n"
-        "mov.b32 tb, t;\nmov.b32 pb, p;\n"
-        "shl.b32 tb, tb, 23;\n"  # the 1.5 * 2**23 magic's bits shift out; j lands in the exponent field
-        "add.s32 pb, pb, tb;\n"
-        "setp.lt.f32 u, $1, 0fC2FC0000;\n"  # x < -126: 0
-        "selp.b32 $0, 0, pb, u;\n"
-        "}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Float32(out)
-
-
 def convert_to_16bit(src: cute.Tensor, dtype: type[cutlass.Numeric]) -> cute.Tensor:
     """fp32 register tensor -> new register tensor of ``dtype`` with the same layout.
 

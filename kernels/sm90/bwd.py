@@ -139,7 +139,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         dq_transposed: bool = False,
         trace: bool = False,
         pingpong: bool = False,
-        exp2_poly: int = 0,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -184,11 +183,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
         # half a block late, so one's exp2 / dS^T pass runs under the other's GEMMs.
         self.pingpong = pingpong
-        # P^T's exp2s of every 8 whose index is below this run as ``exp2_poly`` on the FMA pipe instead of the MUFU
-        # (16 lanes per clock per SM): the exp2 pass of both loops is MUFU-bound (64 per thread and block at hdim 64).
-        if not 0 <= exp2_poly <= 8:
-            raise ValueError(f"exp2_poly must be 0..8 (of every 8 exp2s), got {exp2_poly}")
-        self.exp2_poly = exp2_poly
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

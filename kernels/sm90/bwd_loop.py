@@ -19,7 +19,7 @@ from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import acc_to_frag_a_sm90, wgmma
 from ..common.softmax import apply_softcap
-from ..common.utils import acc_rows_cols, convert_to_16bit, exp2_poly, transpose_view
+from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
 
 
 TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
@@ -302,17 +302,13 @@ class FlashBwdSm90Loop:
         if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
             mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
         acc_S_mn = acc_rows_cols(acc_S)
-        num_rows = cute.size(acc_S_mn.shape[0])
         for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
             lse = sLSE[tScS_mn[0, c][1], stage]
-            for r in cutlass.range_constexpr(num_rows):
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
                 score = acc_S_mn[r, c]
                 if const_expr(key_bias is not None):
                     score = score + key_bias[r]
-                if const_expr((c * num_rows + r) % 8 < self.exp2_poly):
-                    acc_S_mn[r, c] = exp2_poly(score * scale_log2 - lse)
-                else:
-                    acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
+                acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
 
     @cute.jit
     def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
