@@ -36,6 +36,7 @@ class BwdSm90Tile:
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
     trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
+    ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -77,6 +78,7 @@ class BwdSm90Key(KernelKey):
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
+    ds_packed: bool = False  # BwdSm90Tile's (not with softcap)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -152,7 +154,8 @@ class BwdSm90(BwdSm80):
             **({"dq_transposed": True} if t.dq_transposed else {}),
             **({"trace": True} if t.trace else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
-               and not flags.get("deterministic") else {}), **flags,
+               and not flags.get("deterministic") else {}),
+            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -246,6 +249,7 @@ class BwdSm90(BwdSm80):
             **({"dq_transposed": True} if k.dq_transposed else {}),
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
+            **({"ds_packed": True} if k.ds_packed else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -189,6 +189,22 @@ def cvt_f32x2_to_b16x2(
     return Uint32(packed)
 
 
+@dsl_user_op
+def mul_b16x2(a: Uint32, b: Uint32, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> Uint32:
+    """Two packed bf16/fp16 products, each rounded once (RN): one ``mul.rn.{bf16x2,f16x2}`` (HMUL2)."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    out = llvm.inline_asm(
+        T.i32(),
+        [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+        f"mul.rn.{kind} $0, $1, $2;",
+        "=r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Uint32(out)
+
+
 def convert_to_16bit(src: cute.Tensor, dtype: type[cutlass.Numeric]) -> cute.Tensor:
     """fp32 register tensor -> new register tensor of ``dtype`` with the same layout.
 

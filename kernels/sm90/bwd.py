@@ -139,6 +139,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         dq_transposed: bool = False,
         trace: bool = False,
         pingpong: bool = False,
+        ds_packed: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -183,6 +184,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
         # half a block late, so one's exp2 / dS^T pass runs under the other's GEMMs.
         self.pingpong = pingpong
+        # dS^T = P^T (dP^T - dPsum) as packed 16-bit products of the 16-bit P^T (the dV GEMM's operand) and the
+        # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
+        # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
+        self.ds_packed = ds_packed
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

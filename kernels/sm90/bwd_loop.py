@@ -10,7 +10,7 @@ writer warp (``mma``); the score coordinates and mask (``score_coords_and_mask``
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
 from . import bwd_gate
@@ -19,7 +19,7 @@ from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import acc_to_frag_a_sm90, wgmma
 from ..common.softmax import apply_softcap
-from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
+from ..common.utils import acc_rows_cols, convert_to_16bit, mul_b16x2, transpose_view
 
 
 TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
@@ -121,10 +121,14 @@ class FlashBwdSm90Loop:
                 # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
                 warpgroup.wait_group(0)  # dP^T has landed
                 self.stamp(stamps, m_block - m_block_min, 3)
-                self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
+                if const_expr(self.ds_packed):
+                    rdS = self.ds16_from_probs16(rP, acc_dP, sdPsum, tScS_mn, stage)
+                else:
+                    self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            rdS = convert_to_16bit(acc_dP, self.dtype)
+            if const_expr(self.has_softcap or not self.ds_packed):
+                rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
                 # staged at once; two slots by block parity, as sdSt: the writer read block j's
@@ -321,3 +325,20 @@ class FlashBwdSm90Loop:
                 if const_expr(acc_S.element_type != Float32):
                     p = p.to(Float32)
                 acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dpsum)
+
+    @cute.jit
+    def ds16_from_probs16(self, rP, acc_dP, sdPsum, tScS_mn, stage: Int32):
+        """dP^T (landed) -> 16-bit dS^T = P^T (dP^T - dPsum) (returned; ``acc_dP`` keeps the fp32 difference): the
+        difference in fp32, rounded to 16 bits in pairs, times the 16-bit P^T ``rP`` pair by pair (HMUL2), so that
+        P^T is never widened back to fp32. Two roundings where ``ds_from_probs`` has one; PyTorch's own 16-bit
+        backward rounds dP^T itself before the difference."""
+        acc_dP_mn = acc_rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                acc_dP_mn[r, c] = acc_dP_mn[r, c] - dpsum
+        rdS = convert_to_16bit(acc_dP, self.dtype)
+        ds_pairs, p_pairs = cute.recast_tensor(rdS, Uint32), cute.recast_tensor(rP, Uint32)
+        for i in cutlass.range_constexpr(cute.size(ds_pairs)):
+            ds_pairs[i] = mul_b16x2(ds_pairs[i], p_pairs[i], self.dtype)
+        return rdS
