@@ -225,7 +225,7 @@ def test_bwd_sm90_pingpong(seqlens, hdim, causal):
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_bwd_sm90_ds_packed(seqlens, hdim, causal, dtype):
     """dS^T by packed 16-bit products of the 16-bit P^T (``BwdSm90Tile.ds_packed``, kernels/sm90/bwd_loop.py
-    ``ds16_from_probs16``) at the table's tile of each head dim: dq, dk, dv against the fp32 reference with the
+    ``ds16_from_probs16``; hdim 64's default, opt-in at 128) at the table's tile of each head dim: dq, dk, dv against the fp32 reference with the
     parity rule, bf16 and fp16, odd lengths, GQA."""
     import dataclasses
 

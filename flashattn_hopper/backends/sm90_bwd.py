@@ -44,7 +44,7 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
@@ -52,7 +52,9 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
 # at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
-# 30, H200). The lockstep tile stays for benchmarks: ``perf/bench_bwd.py --tiles 64:128x128:2:rows``.
+# 30, H200). The lockstep tile stays for benchmarks: ``perf/bench_bwd.py --tiles 64:128x128:2:rows``. d=64 also forms
+# dS^T by packed 16-bit products (``ds_packed``; every d64 key but softcap's and the gate's): +1.3 to +5.2 % on an H200 (NOTES
+# session 31); at d=128, which keeps fp32 P^T, it removes 16 of 437 instructions and measured even, so it stays off.
 # 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
 # rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
@@ -78,7 +80,7 @@ class BwdSm90Key(KernelKey):
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
-    ds_packed: bool = False  # BwdSm90Tile's (not with softcap)
+    ds_packed: bool = False  # BwdSm90Tile's (not with softcap or the gate)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -155,7 +157,9 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if t.trace else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}),
-            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and t.tile_m != 80 else {}), **flags,
+            # (the gated GQA key spills 12 bytes with it: the gate keeps the fp32 products)
+            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and not flags.get("gate")
+               and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
