@@ -7,7 +7,8 @@ warpgroup's leader reads clock() at 8 points of two consecutive blocks of its CT
 next) and the first two CTAs print them after their loop (printf at the end, so the traced blocks run
 unperturbed). Points, in SM cycles from the first block's start: 1 S^T landed, 2 exp2 pass done (P^T in
 registers), 3 dP^T landed, 4 dS^T stored (before DS_READY), 5 past DS_READY, 6 dV and dQ done, 7 dK done (block
-end); then the second block's 0-7. The two warpgroups of a CTA share the SM clock, so their lines compare
+end), then (in parentheses) Q's and dO's TMA landed (the ring's waits before S^T's and dP^T's issue); then the second
+block's. The two warpgroups of a CTA share the SM clock, so their lines compare
 directly: where one's exp2 pass (1 -> 2) overlaps the other's GEMM waits, the tensor pipe is fed. bf16, 16k tokens,
 nheads * hdim = 2048, as ``bench_bwd.py``.
 """

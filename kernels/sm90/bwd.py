@@ -239,8 +239,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return "is_causal and is_local are exclusive"
         if has_gate and has_softcap:
             return "the gate's bias enters the raw score, which the softcap would pass through tanh"
-        if num_stages not in (1, 2):
-            return f"num_stages must be 1 or 2, got {num_stages}"
+        if num_stages not in (1, 2, 3):
+            return f"num_stages must be 1, 2 or 3, got {num_stages}"
         if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None

@@ -23,7 +23,7 @@ from ..common.utils import acc_rows_cols, convert_to_16bit, mul_b16x2, transpose
 
 
 TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
-_TRACE_POINTS = 8
+_TRACE_POINTS = 10  # 0-7 along the block (``perf/trace_bwd.py``), 8 Q landed, 9 dO landed
 
 
 class FlashBwdSm90Loop:
@@ -100,7 +100,8 @@ class FlashBwdSm90Loop:
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)
-            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage)
+            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
+                                            stamps, m_block - m_block_min)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -224,10 +225,13 @@ class FlashBwdSm90Loop:
         bx, by, bz = cute.arch.block_idx()
         if tidx % _WG_THREADS == 0 and bx < 2 and by == 0 and bz == 0:
             t0 = stamps[0]
-            cute.printf("trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d | %d %d %d %d %d %d %d %d", bx, wg_idx, t0,
-                        stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
-                        stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[10] - t0,
-                        stamps[11] - t0, stamps[12] - t0, stamps[13] - t0, stamps[14] - t0, stamps[15] - t0)
+            n = _TRACE_POINTS
+            cute.printf("trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d (q %d do %d) | %d %d %d %d %d %d %d %d (q %d do %d)",
+                        bx, wg_idx, t0, stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
+                        stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[n] - t0,
+                        stamps[n + 1] - t0, stamps[n + 2] - t0, stamps[n + 3] - t0, stamps[n + 4] - t0,
+                        stamps[n + 5] - t0, stamps[n + 6] - t0, stamps[n + 7] - t0, stamps[n + 8] - t0,
+                        stamps[n + 9] - t0)
 
     def sdp_operands(self, wg_sdp, sQ, sK, sV, sdO):
         """``(tSrK, tSrQ, tdPrV, tdPrdO)``: this warpgroup's smem operands of S^T = K Q^T and dP^T = V dO^T (shared
@@ -243,13 +247,17 @@ class FlashBwdSm90Loop:
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32):
+                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, stamps=None, block: Int32 | None = None):
         """``(acc_S, acc_dP)``: S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage`` issued, each after its
         TMA landed (``state``); not waited for (shared with ``bwd_wide.py``)."""
         pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
+        if const_expr(stamps is not None):
+            self.stamp(stamps, block, 8)
         acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+        if const_expr(stamps is not None):
+            self.stamp(stamps, block, 9)
         acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
         return acc_S, acc_dP
