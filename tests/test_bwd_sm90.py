@@ -245,33 +245,3 @@ def test_bwd_sm90_ds_packed(seqlens, hdim, causal, dtype):
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
     check_against_refs(grads, (q, k, v), ref, pt)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("flags", [{"dp_ahead": 1}, {"dp_ahead": 2}, {"dp_ahead": 1, "pingpong": False}],
-                         ids=["ahead1", "ahead2", "ahead1_lockstep"])
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_bwd_sm90_dp_interleave(seqlens, hdim, causal, flags):
-    """dP^T's k-steps past the first ``dp_ahead`` issued between the exp2s (``BwdSm90Tile.dp_ahead``,
-    kernels/sm90/bwd_loop.py ``issue_s_dp_head``) at the table's tile of each head dim (and hdim 64's lockstep
-    loop): dq, dk, dv against the fp32 reference with the parity rule, odd lengths, GQA."""
-    import dataclasses
-
-    from flashattn_hopper import flash_attn_func, validate
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90
-
-    from .test_bwd import reference_grads
-
-    s_q, s_k = seqlens
-    q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, hdim)
-    family = BwdSm90()
-    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], **flags)}
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    assert family.plan(p, None, False, q.device).main_key.dp_ahead == flags["dp_ahead"]
-    grads = family.backward(dout, q, k, v, out, lse, p, None, False)
-    _, *ref = reference_grads(q, k, v, dout, causal)
-    _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
-    check_against_refs(grads, (q, k, v), ref, pt)

@@ -37,7 +37,6 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
-    dp_ahead: int = 0  # >0: dP^T's later k-steps issued between the exp2s (kernels/sm90/bwd_loop.py issue_s_dp_head)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -82,7 +81,6 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (not with softcap or the gate)
-    dp_ahead: int = 0  # BwdSm90Tile's (not with softcap)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -161,8 +159,7 @@ class BwdSm90(BwdSm80):
                and not flags.get("deterministic") else {}),
             # (the gated GQA key spills 12 bytes with it: the gate keeps the fp32 products)
             **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and not flags.get("gate")
-               and t.tile_m != 80 else {}),
-            **({"dp_ahead": t.dp_ahead} if t.dp_ahead and not flags.get("softcap") else {}), **flags,
+               and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -257,7 +254,6 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
-            **({"dp_ahead": k.dp_ahead} if k.dp_ahead else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -140,7 +140,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        dp_ahead: int = 0,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -189,10 +188,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # dP^T's k-steps after its first ``dp_ahead`` are issued between the exp2s (``issue_s_dp_head``), so that the
-        # in-order warp reaches its MUFU work before the tensor pipe has drained dP^T (0: all issued up front).
-        self.dp_interleave = dp_ahead > 0
-        self.dp_ahead = dp_ahead
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

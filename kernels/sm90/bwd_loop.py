@@ -26,15 +26,6 @@ TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
 _TRACE_POINTS = 10  # 0-7 along the block (``perf/trace_bwd.py``), 8 Q landed, 9 dO landed
 
 
-def _dp_schedule(num_cols: int, num_k: int, ahead: int) -> dict[int, list[int]]:
-    """(dp_interleave) column of P^T -> dP^T's k-steps issued after that column's exp2s: steps ``ahead..num_k-1``
-    spread evenly from the first column."""
-    at: dict[int, list[int]] = {}
-    for k in range(ahead, num_k):
-        at.setdefault((k - ahead) * num_cols // (num_k - ahead), []).append(k)
-    return at
-
-
 class FlashBwdSm90Loop:
     """The MMA warpgroups' loop of ``FlashBwdSm90`` (a mixin: the kernel class holds the configuration)."""
 
@@ -109,13 +100,8 @@ class FlashBwdSm90Loop:
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)
-            dp_rest = None
-            if const_expr(self.dp_interleave and not self.has_softcap):
-                acc_S, acc_dP, dp_rest = self.issue_s_dp_head(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do,
-                                                              state, stage)
-            else:
-                acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state,
-                                                stage, stamps, m_block - m_block_min)
+            acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
+                                            stamps, m_block - m_block_min)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -127,8 +113,7 @@ class FlashBwdSm90Loop:
             else:
                 warpgroup.wait_group(1)  # S^T has landed
                 self.stamp(stamps, m_block - m_block_min, 1)
-                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias,
-                           dp_rest)
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 self.stamp(stamps, m_block - m_block_min, 2)
@@ -278,38 +263,6 @@ class FlashBwdSm90Loop:
         return acc_S, acc_dP
 
     @cute.jit
-    def issue_s_dp_head(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                        pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32):
-        """(dp_interleave) ``(acc_S, acc_dP, dp_rest)``: S^T issued as one group and dP^T's first ``DP_AHEAD``
-        k-steps as another; ``dp_rest`` (for ``probs``) issues the rest one k-step at a time between the exp2s. A
-        warp issues in order and an HGMMA leaves its issue slot only when the SMSP's tensor unit takes it, so all
-        of dP^T issued before the exp2 pass holds the pass until the tensor pipe has nearly drained it (the trace:
-        S^T "lands" ~1,250-1,600 cycles in, behind both warpgroups' dP^T); interleaved, the MUFU work runs under
-        dP^T's."""
-        pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
-        acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
-        acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        atom = cute.make_mma_atom(tiled_mma_sdp.op)
-        tdPrdO_stage = tdPrdO[None, None, None, stage]
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(self.dp_ahead):
-            atom.set(warpgroup.Field.ACCUMULATE, k > 0)
-            cute.gemm(atom, acc_dP, tdPrV[None, None, k], tdPrdO_stage[None, None, k], acc_dP)
-        warpgroup.commit_group()
-        return acc_S, acc_dP, (atom, acc_dP, tdPrV, tdPrdO_stage)
-
-    @cute.jit
-    def issue_dp_step(self, dp_rest, k: cutlass.Constexpr[int]):
-        """(dp_interleave) dP^T's k-step ``k`` (accumulating) as its own WGMMA group."""
-        atom, acc_dP, tdPrV, tdPrdO_stage = dp_rest
-        warpgroup.fence()
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-        cute.gemm(atom, acc_dP, tdPrV[None, None, k], tdPrdO_stage[None, None, k], acc_dP)
-        warpgroup.commit_group()
-
-    @cute.jit
     def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):
         """``(tScS_mn, mask)``: the (key, query) coordinates of each of this thread's S^T values (the
         query column picks LSE / dPsum and the mask) and this sequence's mask."""
@@ -353,27 +306,21 @@ class FlashBwdSm90Loop:
 
     @cute.jit
     def probs(self, acc_S, sLSE, tScS_mn, stage: Int32, mask: AttentionMask, thr_sdp, m_block: Int32,
-              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None, dp_rest=None):
+              n_block: Int32, scale_log2: Float32, key_bias: cute.Tensor | None = None):
         """S^T (landed) -> P^T = exp2(S^T * scale_log2 - LSE) in place, masked. LSE and dPsum of a
         column (query) are read from smem where they are used, not held in registers across the
         block (16 + 16 values per thread at tile_m 64). ``key_bias`` (has_gate): added to each row's
-        scores before the scale, as the forward adds it. ``dp_rest`` (dp_interleave): dP^T's k-steps past the
-        first ``dp_ahead``, issued one at a time spread over the columns."""
+        scores before the scale, as the forward adds it."""
         if mask.block_needs_mask(m_block, n_block, self.is_causal, self.is_local):
             mask.apply_transposed(acc_S, thr_sdp, m_block, n_block, self.is_causal, self.is_local)
         acc_S_mn = acc_rows_cols(acc_S)
-        num_cols = cute.size(acc_S_mn.shape[1])
-        dp_at = _dp_schedule(num_cols, cute.size(dp_rest[2].shape[2]), self.dp_ahead) if const_expr(
-            dp_rest is not None) else {}
-        for c in cutlass.range_constexpr(num_cols):
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
             lse = sLSE[tScS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
                 score = acc_S_mn[r, c]
                 if const_expr(key_bias is not None):
                     score = score + key_bias[r]
                 acc_S_mn[r, c] = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
-            for k in dp_at.get(c, []):
-                self.issue_dp_step(dp_rest, k)
 
     @cute.jit
     def ds_from_probs(self, acc_S, acc_dP, sdPsum, tScS_mn, stage: Int32):
