@@ -157,8 +157,8 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if t.trace else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}),
-            # (the gated GQA key spills 12 bytes with it: the gate keeps the fp32 products)
-            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and not flags.get("gate")
+            # (the gated GQA key spills 12 bytes with it: it keeps the fp32 products)
+            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and not (flags.get("gate") and gqa)
                and t.tile_m != 80 else {}), **flags,
         )
 
