@@ -350,7 +350,7 @@ def flash_attn_varlen_func(
     never read on the host (no sync, no recompile). Returns ``out`` ``(total_q, nheads, headdim_v)`` or
     ``(out, lse)`` with ``lse`` ``(nheads, total_q)``. Options after ``max_seqlen_k`` are keyword-only.
     ``attention_chunk``: as in ``flash_attn_func``, per sequence (of its used lengths with ``seqused``);
-    an int ``max_seqlen_k`` bounds the chunks per sequence, otherwise the packed key count does.
+    the segment table's length follows from the shapes (``chunk.varlen_num_segments``), not ``max_seqlen_k``.
     ``learnable_sink``: as in ``flash_attn_func``.
     """
     if positional_options:
@@ -368,11 +368,6 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, softcap, deterministic, return_lse, return_attn_probs, backend
     )
     chunk_len = validate.check_attention_chunk(attention_chunk)
-    if chunk_len > 0 and type(max_seqlen_k) is int and max_seqlen_k < 1 and isinstance(k, torch.Tensor) and k.shape[0] > 0:
-        raise ValueError(
-            f"max_seqlen_k must be at least the longest key sequence with attention_chunk (it sets the chunks per "
-            f"sequence), got {max_seqlen_k}"
-        )
     validate.check_learnable_sink(learnable_sink, q, 1)
     validate.check_log_decay(log_decay, q, k, True, softcap)
     if (chunk_len > 0 or log_decay is not None or learnable_sink is not None) and not torch.compiler.is_compiling():
@@ -383,9 +378,9 @@ def flash_attn_varlen_func(
     if chunk_len > 0:
         if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be int32 tensors")
-        bound = max_seqlen_k if type(max_seqlen_k) is int else int(k.shape[0])
+        num_segments = chunk.varlen_num_segments(cu_seqlens_k.shape[0] - 1, k.shape[0], chunk_len)
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = chunk.segments(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk_len, bound
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk_len, num_segments
         )
         max_seqlen_q = max_seqlen_k = chunk_len
     if log_decay is not None:

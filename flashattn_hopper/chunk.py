@@ -12,13 +12,17 @@ Why the causal and window bounds carry over unchanged: a segment's own bottom-ri
 last query of the chunk, its last key the chunk's last key, and ``k_end = q_end + offset``), so
 ``j <= i + offset + right`` and ``j >= i + offset - left`` read the same in segment coordinates.
 
-Segments per sequence: slot 0 holds the queries with ``i + offset < 0`` (negative chunk indices:
-no keys; their out is 0 and LSE -inf, as for any row that sees no key), slot ``1 + ch`` holds chunk
-``ch``. Every sequence gets the same number of slots, ``1 + ceil(max_seqlen_k / c)``; slots past a
-sequence's last chunk are empty. With ``seqused_*`` the chunks are those of the used lengths, each
-segment's ``seqused`` is its used length, and the unused rows of a slot trail its last segment
-(past that segment's ``seqused``: never written, as without chunks). All of it is built with
-tensor ops on the inputs' device: no host sync, and it traces under ``torch.compile``.
+Segments: each sequence's come together and in order: first the one holding the queries with
+``i + offset < 0`` (negative chunk indices: no keys; their out is 0 and LSE -inf, as for any row that sees no
+key), then one per chunk ``ch < ceil(seqlen_k / c)`` of its keys; a sequence's last segment runs to the
+sequence's physical end. The table has a fixed length, ``num_segments``, chosen from shapes alone (the
+caller's): a varlen batch needs at most ``batch + sum(ceil(seqlen_k / c)) <= 2 * batch + ceil(total_k / c)``
+segments whatever its lengths, so the table is right for any ``cu_seqlens`` (a ``max_seqlen_k`` that
+understated the longest sequence once made each sequence's last segment hold several chunks: a silent wrong
+answer); the entries past the last sequence's are empty. With ``seqused_*`` the chunks are those of the used
+lengths, each segment's ``seqused`` is its used length, and the unused rows of a sequence trail its last
+segment (past that segment's ``seqused``: never written, as without chunks). All of it is built with tensor
+ops on the inputs' device: no host sync, and it traces under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -26,37 +30,57 @@ from __future__ import annotations
 import torch
 
 
-def num_slots(max_seqlen_k: int, chunk: int) -> int:
-    """Segments per sequence: the negative-chunk slot plus one per chunk of the longest key sequence."""
-    return 1 + max(-(-max_seqlen_k // chunk), 0)
+def varlen_num_segments(batch: int, total_k: int, chunk: int) -> int:
+    """Segments a varlen batch of ``batch`` sequences and ``total_k`` packed keys can need, from shapes alone:
+    one negative-chunk segment per sequence plus ``ceil(len_k / chunk) <= len_k / chunk + 1`` each."""
+    return 2 * batch + -(-total_k // chunk)
 
 
-def _segment_starts(lens_q: torch.Tensor, lens_k: torch.Tensor, chunk: int, slots: int):
-    """(q_starts, k_starts), each ``(batch, slots)`` int64: where each segment starts inside its
-    sequence, for used lengths ``lens_q``/``lens_k`` ``(batch,)``."""
-    offset = (lens_k - lens_q)[:, None]
-    ch = torch.arange(slots - 1, device=lens_q.device, dtype=torch.int64)[None, :]
-    zero = torch.zeros_like(offset)
-    q_starts = torch.cat([zero, torch.minimum(torch.clamp(ch * chunk - offset, min=0), lens_q[:, None])], dim=1)
-    k_starts = torch.cat([zero, torch.minimum(ch * chunk, lens_k[:, None])], dim=1)
-    return q_starts, k_starts
+def dense_num_segments(batch: int, seqlen_k: int, chunk: int) -> int:
+    """Segments of a dense batch: exactly ``1 + ceil(seqlen_k / chunk)`` per sequence."""
+    return batch * (1 + -(-seqlen_k // chunk))
 
 
-def _cu_and_used(cu: torch.Tensor, used: torch.Tensor | None, starts: torch.Tensor):
-    """Segment offsets ``(batch * slots + 1,)`` int32 and, with ``used``, each segment's used length.
+def _segment_table(lens_q: torch.Tensor, lens_k: torch.Tensor, chunk: int, num_segments: int):
+    """``(seq, q_starts, k_starts, last)``, each ``(num_segments,)``: each segment's sequence (``batch`` for
+    the empty entries past the last sequence's), where it starts inside its sequence (int64, 0 for the
+    empty entries), and whether it is its sequence's last; for used lengths ``lens_q``/``lens_k``
+    ``(batch,)`` int64."""
+    batch = lens_q.shape[0]
+    counts = 1 + (lens_k + chunk - 1) // chunk  # the negative-chunk segment + one per chunk of keys
+    ends = torch.cumsum(counts, 0)
+    index = torch.arange(num_segments, device=lens_q.device, dtype=torch.int64)
+    seq = torch.searchsorted(ends, index, right=True)
+    valid = seq < batch
+    b = torch.clamp(seq, max=max(batch - 1, 0))
+    slot = index - (ends - counts)[b]  # 0: negative chunks; 1 + ch: chunk ch
+    ch = slot - 1
+    offset = lens_k[b] - lens_q[b]
+    q_starts = torch.where(slot > 0, torch.minimum(torch.clamp(ch * chunk - offset, min=0), lens_q[b]), 0)
+    k_starts = torch.where(slot > 0, torch.minimum(ch * chunk, lens_k[b]), 0)
+    zero = torch.zeros_like(q_starts)
+    last = valid & (index + 1 == ends[b])
+    return seq, torch.where(valid, q_starts, zero), torch.where(valid, k_starts, zero), last
 
-    A segment's slot runs to the next segment's start; the last slot of a sequence runs to the
-    sequence's physical end (its unused rows, past that segment's ``seqused``)."""
-    batch, slots = starts.shape
-    seq_start = cu[:-1].to(torch.int64)[:, None]
-    begins = (seq_start + starts).reshape(-1)
+
+def _cu_and_used(cu: torch.Tensor, used: torch.Tensor | None, seq: torch.Tensor, starts: torch.Tensor,
+                 last: torch.Tensor):
+    """Segment offsets ``(num_segments + 1,)`` int32 and, with ``used``, each segment's used length.
+
+    A segment runs to the next one's start; a sequence's last segment runs to the sequence's physical end
+    (its unused rows, past that segment's ``seqused``); the empty entries sit at the packed end."""
+    batch = cu.shape[0] - 1
     total = cu[-1:].to(torch.int64)
+    valid = seq < batch
+    b = torch.clamp(seq, max=max(batch - 1, 0))
+    begins = torch.where(valid, cu[:-1].to(torch.int64)[b] + starts, total)
     cu_seg = torch.cat([begins, total]).to(torch.int32)
     if used is None:
         return cu_seg, None
-    # Used end of each segment: the next segment's start, or the sequence's used length for the last.
-    ends = torch.cat([starts[:, 1:], used.to(torch.int64)[:, None]], dim=1)
-    return cu_seg, (ends - starts).reshape(-1).to(torch.int32)
+    # Used end of each segment: the next segment's start, or the sequence's used length for its last one.
+    next_starts = torch.cat([starts[1:], starts[:1]])
+    ends = torch.where(last, used.to(torch.int64)[b], next_starts)
+    return cu_seg, torch.where(valid, ends - starts, 0).to(torch.int32)
 
 
 def segments(
@@ -65,17 +89,17 @@ def segments(
     seqused_q: torch.Tensor | None,
     seqused_k: torch.Tensor | None,
     chunk: int,
-    max_seqlen_k: int,
+    num_segments: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)`` of the chunk segments of a varlen batch.
 
-    ``max_seqlen_k``: an upper bound on every sequence's (used) key length; it sets the number of
-    slots, so a loose bound only adds empty segments."""
+    ``num_segments``: the table's length, at least what the batch needs (``varlen_num_segments`` of its
+    shapes always is); a larger one only adds empty segments."""
     lens_q = (seqused_q if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     lens_k = (seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
-    q_starts, k_starts = _segment_starts(lens_q, lens_k, chunk, num_slots(max_seqlen_k, chunk))
-    cu_q, used_q = _cu_and_used(cu_seqlens_q, seqused_q, q_starts)
-    cu_k, used_k = _cu_and_used(cu_seqlens_k, seqused_k, k_starts)
+    seq, q_starts, k_starts, last = _segment_table(lens_q, lens_k, chunk, num_segments)
+    cu_q, used_q = _cu_and_used(cu_seqlens_q, seqused_q, seq, q_starts, last)
+    cu_k, used_k = _cu_and_used(cu_seqlens_k, seqused_k, seq, k_starts, last)
     return cu_q, cu_k, used_q, used_k
 
 
@@ -86,5 +110,5 @@ def dense_segments(
     viewed as packed ``(batch * seqlen, ...)``."""
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_q
     cu_k = torch.arange(batch + 1, device=device, dtype=torch.int32) * seqlen_k
-    cu_seg_q, cu_seg_k, _, _ = segments(cu_q, cu_k, None, None, chunk, seqlen_k)
+    cu_seg_q, cu_seg_k, _, _ = segments(cu_q, cu_k, None, None, chunk, dense_num_segments(batch, seqlen_k, chunk))
     return cu_seg_q, cu_seg_k

@@ -29,9 +29,12 @@ def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
 
 
-def _segment_ref(q, k, v, cu_q, cu_k, used_q, used_k, c, bound, **options):
-    """attention_ref over the chunk segments of a varlen batch, as the API runs them."""
-    seg = chunk.segments(cu_q, cu_k, used_q, used_k, c, bound)
+def _segment_ref(q, k, v, cu_q, cu_k, used_q, used_k, c, num_segments=None, **options):
+    """attention_ref over the chunk segments of a varlen batch, as the API runs them (``num_segments``: the
+    API's bound from the shapes by default)."""
+    if num_segments is None:
+        num_segments = chunk.varlen_num_segments(cu_k.shape[0] - 1, k.shape[0], c)
+    seg = chunk.segments(cu_q, cu_k, used_q, used_k, c, num_segments)
     return attention_ref(q, k, v, cu_seqlens_q=seg[0], cu_seqlens_k=seg[1], seqused_q=seg[2], seqused_k=seg[3],
                          **options)
 
@@ -59,23 +62,23 @@ def test_segments_are_the_chunk_mask(case, options):
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     q, k, v = _rand(int(cu_q[-1]), 4, 16, seed=1), _rand(int(cu_k[-1]), 2, 16, seed=2), _rand(int(cu_k[-1]), 2, 8, seed=3)
     want = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, attention_chunk=c, **options)
-    got = _segment_ref(q, k, v, cu_q, cu_k, None, None, c, max(lens_k), **options)
+    got = _segment_ref(q, k, v, cu_q, cu_k, None, None, c, **options)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)  # -inf rows equal too
 
 
 @pytest.mark.parametrize("options", OPTIONS[:2], ids=["full", "causal"])
 def test_segments_with_seqused_and_a_loose_bound(options):
-    """Chunks of the used lengths; rows past seqused_q stay out of every segment (0 / -inf); a loose
-    max_seqlen_k (the packed key count) only adds empty segments."""
+    """Chunks of the used lengths; rows past seqused_q stay out of every segment (0 / -inf); a longer table
+    than the shapes' bound only adds empty segments."""
     slots_q, slots_k = [30, 9, 20], [40, 5, 26]
     used_q, used_k = torch.tensor([25, 0, 20], dtype=torch.int32), torch.tensor([31, 5, 11], dtype=torch.int32)
     cu_q, cu_k = _cu(slots_q), _cu(slots_k)
     q, k, v = _rand(sum(slots_q), 2, 16, seed=4), _rand(sum(slots_k), 2, 16, seed=5), _rand(sum(slots_k), 2, 16, seed=6)
     want = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
                          attention_chunk=8, **options)
-    for bound in (31, sum(slots_k)):
-        got = _segment_ref(q, k, v, cu_q, cu_k, used_q, used_k, 8, bound, **options)
+    for num_segments in (None, 3 * (1 + sum(slots_k))):
+        got = _segment_ref(q, k, v, cu_q, cu_k, used_q, used_k, 8, num_segments, **options)
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
 
@@ -93,17 +96,36 @@ def test_dense_segments_are_the_chunk_mask(s_q, s_k):
 
 
 def test_segment_table_shape():
-    """One slot for negative chunk indices plus one per chunk of the longest sequence; offsets
-    non-decreasing, ending at the packed length; every segment at most one chunk long."""
+    """The shapes' bound (two per sequence plus one per chunk of the packed keys); offsets non-decreasing,
+    ending at the packed length; every segment at most one chunk long; the entries past the batch's own
+    (1 + 2 chunks, 1 + 3 chunks) empty at the end."""
     cu_q, cu_k = _cu([10, 3]), _cu([25, 40])
-    seg_q, seg_k, used_q, used_k = chunk.segments(cu_q, cu_k, None, None, 16, 40)
+    seg_q, seg_k, used_q, used_k = chunk.segments(cu_q, cu_k, None, None, 16, chunk.varlen_num_segments(2, 65, 16))
     assert used_q is None and used_k is None
     assert seg_q.dtype == seg_k.dtype == torch.int32
-    assert seg_q.numel() == seg_k.numel() == 2 * chunk.num_slots(40, 16) + 1 == 2 * 4 + 1
+    assert seg_q.numel() == seg_k.numel() == 2 * 2 + 5 + 1
+    assert seg_k.tolist() == [0, 0, 16, 25, 25, 41, 57, 65, 65, 65]
     for seg, total in ((seg_q, 13), (seg_k, 65)):
         assert int(seg[0]) == 0 and int(seg[-1]) == total
         assert bool((seg[1:] >= seg[:-1]).all())
         assert int((seg[1:] - seg[:-1]).max()) <= 16
+
+
+@pytest.mark.parametrize("options", OPTIONS[:2], ids=["full", "causal"])
+def test_segments_need_no_max_seqlen(options):
+    """The table's length comes from the shapes, so one long sequence among short ones (whose
+    ``max_seqlen_k`` a caller might understate) still gets one segment per chunk: its last segment once
+    held several chunks when the table was sized by ``max_seqlen_k`` (a silent wrong answer)."""
+    lens_q, lens_k, c = [3, 70, 2], [4, 90, 1], 8
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    q, k, v = _rand(sum(lens_q), 2, 16, seed=10), _rand(sum(lens_k), 2, 16, seed=11), _rand(sum(lens_k), 2, 16, seed=12)
+    want = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, attention_chunk=c, **options)
+    got = _segment_ref(q, k, v, cu_q, cu_k, None, None, c, **options)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+    # The tightest table (this batch's own count) gives the same segments with no empty ones past them.
+    tight = chunk.segments(cu_q, cu_k, None, None, c, 3 + 1 + 12 + 1)
+    assert int(tight[1][-2]) < int(tight[1][-1]) == sum(lens_k)
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -174,7 +196,7 @@ def test_chunk_varlen_seqused(backend, causal):
     rows = torch.cat([torch.arange(int(cu_q[i]), int(cu_q[i]) + int(used_q[i])) for i in range(4)]).cuda()
     assert_close_to_ref("out", out[rows], ref[0][rows], pt[0][rows])
     assert_close_to_ref("lse", lse[:, rows], ref[1][:, rows], pt[1][:, rows], atol=1e-4)
-    # An unbounded max_seqlen (a tensor) gives the same bits: only empty segments are added.
+    # A tensor max_seqlen gives the same bits (the segment table is sized from the shapes, never from it).
     again = flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(257), torch.tensor(250), backend=backend, **args)
     assert torch.equal(again[rows], out[rows])
     dout = torch.randn_like(q)

@@ -353,8 +353,9 @@ def test_backend_and_extras_of_odd_types_are_named_errors():
 
 def test_varlen_routes_that_index_first_validate_first():
     """attention_chunk, log_decay and learnable_sink index with cu_seqlens / seqused before the kernels' checks:
-    the varlen errors come first (a chunked call used to accept a batch mismatch, float or int64 offsets and a
-    max_seqlen_k of 0; a gated one raised IndexError, on CUDA a device-side assert)."""
+    the varlen errors come first (a chunked call used to accept a batch mismatch and float or int64 offsets; a
+    gated one raised IndexError, on CUDA a device-side assert). (max_seqlen_k is not read by the chunk route
+    either since its segment table is sized from the shapes: ``chunk.varlen_num_segments``.)"""
     q, k, v, cu_q, cu_k = varlen_qkv(h=2, h_k=2)
     routes = ({"attention_chunk": 8}, {"log_decay": torch.zeros(24, 2)}, {"learnable_sink": torch.zeros(2)})
     for extra in routes:
@@ -364,5 +365,3 @@ def test_varlen_routes_that_index_first_validate_first():
                12, 14, **extra)
         raises(ValueError, "seqused_k must have length 2", flash_attn_varlen_func, q, k, v, cu_q, cu_k, 12, 14,
                seqused_k=torch.tensor([3], dtype=torch.int32), **extra)
-    raises(ValueError, "max_seqlen_k must be at least the longest", flash_attn_varlen_func, q, k, v, cu_q, cu_k, 12, 0,
-           attention_chunk=8)
