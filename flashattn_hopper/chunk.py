@@ -45,22 +45,24 @@ def _segment_table(lens_q: torch.Tensor, lens_k: torch.Tensor, chunk: int, num_s
     """``(seq, q_starts, k_starts, last)``, each ``(num_segments,)``: each segment's sequence (``batch`` for
     the empty entries past the last sequence's), where it starts inside its sequence (int64, 0 for the
     empty entries), and whether it is its sequence's last; for used lengths ``lens_q``/``lens_k``
-    ``(batch,)`` int64."""
+    ``(batch,)`` int64. (Per-sequence values carry one zero entry at index ``batch``, so the empty entries
+    index it too: a batch of no sequences needs no special case, and no Python ``max`` on a traced size.)"""
     batch = lens_q.shape[0]
-    counts = 1 + (lens_k + chunk - 1) // chunk  # the negative-chunk segment + one per chunk of keys
+    pad = lens_q.new_zeros(1)
+    lens_q, lens_k = torch.cat([lens_q, pad]), torch.cat([lens_k, pad])
+    counts = 1 + (lens_k[:-1] + chunk - 1) // chunk  # the negative-chunk segment + one per chunk of keys
     ends = torch.cumsum(counts, 0)
     index = torch.arange(num_segments, device=lens_q.device, dtype=torch.int64)
     seq = torch.searchsorted(ends, index, right=True)
     valid = seq < batch
-    b = torch.clamp(seq, max=max(batch - 1, 0))
-    slot = index - (ends - counts)[b]  # 0: negative chunks; 1 + ch: chunk ch
+    slot = index - torch.cat([ends - counts, counts.sum().reshape(1)])[seq]  # 0: negative chunks; 1 + ch
     ch = slot - 1
-    offset = lens_k[b] - lens_q[b]
-    q_starts = torch.where(slot > 0, torch.minimum(torch.clamp(ch * chunk - offset, min=0), lens_q[b]), 0)
-    k_starts = torch.where(slot > 0, torch.minimum(ch * chunk, lens_k[b]), 0)
-    zero = torch.zeros_like(q_starts)
-    last = valid & (index + 1 == ends[b])
-    return seq, torch.where(valid, q_starts, zero), torch.where(valid, k_starts, zero), last
+    offset = lens_k[seq] - lens_q[seq]
+    q_starts = torch.minimum(torch.clamp(ch * chunk - offset, min=0), lens_q[seq])
+    k_starts = torch.minimum(ch * chunk, lens_k[seq])
+    real = valid & (slot > 0)
+    last = valid & (index + 1 == torch.cat([ends, pad])[seq])
+    return seq, torch.where(real, q_starts, 0), torch.where(real, k_starts, 0), last
 
 
 def _cu_and_used(cu: torch.Tensor, used: torch.Tensor | None, seq: torch.Tensor, starts: torch.Tensor,
@@ -68,19 +70,18 @@ def _cu_and_used(cu: torch.Tensor, used: torch.Tensor | None, seq: torch.Tensor,
     """Segment offsets ``(num_segments + 1,)`` int32 and, with ``used``, each segment's used length.
 
     A segment runs to the next one's start; a sequence's last segment runs to the sequence's physical end
-    (its unused rows, past that segment's ``seqused``); the empty entries sit at the packed end."""
-    batch = cu.shape[0] - 1
-    total = cu[-1:].to(torch.int64)
-    valid = seq < batch
-    b = torch.clamp(seq, max=max(batch - 1, 0))
-    begins = torch.where(valid, cu[:-1].to(torch.int64)[b] + starts, total)
-    cu_seg = torch.cat([begins, total]).to(torch.int32)
+    (its unused rows, past that segment's ``seqused``); the empty entries sit at the packed end
+    (``cu[batch]``)."""
+    cu64 = cu.to(torch.int64)
+    begins = cu64[seq] + starts
+    cu_seg = torch.cat([begins, cu64[-1:]]).to(torch.int32)
     if used is None:
         return cu_seg, None
     # Used end of each segment: the next segment's start, or the sequence's used length for its last one.
+    used_end = torch.cat([used.to(torch.int64), used.new_zeros(1, dtype=torch.int64)])[seq]
     next_starts = torch.cat([starts[1:], starts[:1]])
-    ends = torch.where(last, used.to(torch.int64)[b], next_starts)
-    return cu_seg, torch.where(valid, ends - starts, 0).to(torch.int32)
+    ends = torch.where(last, used_end, next_starts)
+    return cu_seg, torch.where(seq < cu.shape[0] - 1, ends - starts, 0).to(torch.int32)
 
 
 def segments(

@@ -42,7 +42,9 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed]`` -> (hdim, an sm90 backward family whose table has that tile)."""
+    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed]`` -> (hdim, an sm90 backward family whose table
+    has that tile; ``pingpong`` and ``packed`` set ``BwdSm90Tile``'s flags of those names, so ``64:128x128:2:rows``
+    is the lockstep loop without ds_packed and hdim 64's default is ``64:128x128:2:rows:pingpong:packed``)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")

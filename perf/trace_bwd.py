@@ -3,7 +3,7 @@
     python perf/trace_bwd.py [--hdims 64 128] [--seqlen 4096] [--causal]
 
 The table tile of each head dim built with ``BwdSm90Tile.trace`` (kernels/sm90/bwd_loop.py ``stamp``): each MMA
-warpgroup's leader reads clock() at 8 points of two consecutive blocks of its CTA's loop (``TRACE_BLOCK`` and the
+warpgroup's leader reads clock() at 10 points of two consecutive blocks of its CTA's loop (``TRACE_BLOCK`` and the
 next) and the first two CTAs print them after their loop (printf at the end, so the traced blocks run
 unperturbed). Points, in SM cycles from the first block's start: 1 S^T landed, 2 exp2 pass done (P^T in
 registers), 3 dP^T landed, 4 dS^T stored (before DS_READY), 5 past DS_READY, 6 dV and dQ done, 7 dK done (block

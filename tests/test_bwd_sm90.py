@@ -222,11 +222,12 @@ def test_bwd_sm90_pingpong(seqlens, hdim, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_bwd_sm90_ds_packed(seqlens, hdim, causal, dtype):
+@pytest.mark.parametrize("hdim,pingpong", [(64, True), (64, False), (128, False)], ids=["64", "64_lockstep", "128"])
+def test_bwd_sm90_ds_packed(seqlens, hdim, pingpong, causal, dtype):
     """dS^T by packed 16-bit products of the 16-bit P^T (``BwdSm90Tile.ds_packed``, kernels/sm90/bwd_loop.py
-    ``ds16_from_probs16``; hdim 64's default, opt-in at 128) at the table's tile of each head dim: dq, dk, dv against the fp32 reference with the
-    parity rule, bf16 and fp16, odd lengths, GQA."""
+    ``ds16_from_probs16``; hdim 64's default, opt-in at 128) at the table's tile of each head dim and hdim 64's
+    lockstep loop: dq, dk, dv against the fp32 reference with the parity rule, odd lengths, GQA. bf16 keys take it;
+    fp16 keys do not (the 16-bit difference's range), and their gradients are checked the same way."""
     import dataclasses
 
     from flashattn_hopper import flash_attn_func, validate
@@ -237,10 +238,10 @@ def test_bwd_sm90_ds_packed(seqlens, hdim, causal, dtype):
     s_q, s_k = seqlens
     q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, hdim, dtype=dtype)
     family = BwdSm90()
-    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], ds_packed=True)}
+    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], ds_packed=True, pingpong=pingpong)}
     p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    assert family.plan(p, None, False, q.device).main_key.ds_packed
+    assert family.plan(p, None, False, q.device).main_key.ds_packed == (dtype == torch.bfloat16)
     grads = family.backward(dout, q, k, v, out, lse, p, None, False)
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)

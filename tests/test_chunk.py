@@ -128,6 +128,32 @@ def test_segments_need_no_max_seqlen(options):
     assert int(tight[1][-2]) < int(tight[1][-1]) == sum(lens_k)
 
 
+def test_segments_random_batches():
+    """Random varlen batches (0-4 sequences, lengths 0-30, seqused below the slots, q above and below k, chunks
+    1-8) through the shapes' table: attention over the segments equals the chunk mask's on the used rows."""
+    gen = np.random.default_rng(5)
+    for case in range(24):
+        batch, c = int(gen.integers(0, 5)), int(gen.choice([1, 3, 8]))
+        slots_q, slots_k = (gen.integers(0, 31, batch).tolist() for _ in range(2))
+        used_q = torch.tensor([int(gen.integers(0, n + 1)) for n in slots_q], dtype=torch.int32)
+        used_k = torch.tensor([int(gen.integers(0, n + 1)) for n in slots_k], dtype=torch.int32)
+        cu_q, cu_k = _cu(slots_q), _cu(slots_k)
+        q = _rand(sum(slots_q), 2, 8, seed=case)
+        k, v = _rand(sum(slots_k), 2, 8, seed=100 + case), _rand(sum(slots_k), 2, 8, seed=200 + case)
+        seg = chunk.segments(cu_q, cu_k, used_q, used_k, c, chunk.varlen_num_segments(batch, k.shape[0], c))
+        assert int(seg[0][-1]) == sum(slots_q) and int(seg[1][-1]) == sum(slots_k)
+        if batch == 0:
+            continue
+        causal = bool(case % 2)
+        want = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
+                             attention_chunk=c, causal=causal)
+        got = attention_ref(q, k, v, cu_seqlens_q=seg[0], cu_seqlens_k=seg[1], seqused_q=seg[2], seqused_k=seg[3],
+                            causal=causal)
+        rows = [int(cu_q[i]) + r for i in range(batch) for r in range(int(used_q[i]))]
+        torch.testing.assert_close(got[0][rows], want[0][rows], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got[1][:, rows], want[1][:, rows], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("value,error,match", [
     (-1, ValueError, "attention_chunk must be >= 0"),
     (8.0, TypeError, "attention_chunk must be an int, got float"),

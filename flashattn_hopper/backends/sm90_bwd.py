@@ -52,9 +52,10 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
 # at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
-# 30, H200). The lockstep tile stays for benchmarks: ``perf/bench_bwd.py --tiles 64:128x128:2:rows``. d=64 also forms
-# dS^T by packed 16-bit products (``ds_packed``; every d64 key but softcap's and the gate's): +1.3 to +5.2 % on an H200 (NOTES
-# session 31); at d=128, which keeps fp32 P^T, it removes 16 of 437 instructions and measured even, so it stays off.
+# 30, H200). The lockstep tile stays for benchmarks: ``perf/bench_bwd.py --tiles 64:128x128:2:rows``. d=64 also
+# forms dS^T by packed 16-bit products (``ds_packed``: bf16 keys but softcap's and the gated GQA one): +1.3 to +5.2 %
+# on an H200 (NOTES session 31); at d=128, which keeps fp32 P^T, it removes 16 of 437 instructions and measured
+# even, so it stays off there.
 # 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
 # rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
@@ -80,7 +81,7 @@ class BwdSm90Key(KernelKey):
     dq_transposed: bool = False  # tile_m 80 (BWD_SM90_TILE_80)
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
-    ds_packed: bool = False  # BwdSm90Tile's (not with softcap or the gate)
+    ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -157,9 +158,10 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if t.trace else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}),
-            # (the gated GQA key spills 12 bytes with it: it keeps the fp32 products)
-            **({"ds_packed": True} if t.ds_packed and not flags.get("softcap") and not (flags.get("gate") and gqa)
-               and t.tile_m != 80 else {}), **flags,
+            # Not fp16 (its range: the 16-bit difference can overflow where the fp32 product would not, and a
+            # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
+            **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
+               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -191,7 +193,7 @@ class BwdSm90(BwdSm80):
 
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), the opt-in 80 x 128
-        tile (dQ^T) and its postprocess, d64 causal (ping-pong),
+        tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed),
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
@@ -212,6 +214,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
+            main(arch, "bf16", 64, 64, False, True, deterministic=True),
             main(arch, "bf16", 128, 128, True, False, varlen=True),
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),

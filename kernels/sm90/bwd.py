@@ -74,8 +74,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
 
         | pipeline    | stages | producer -> consumer            | tx bytes per stage          |
         | pipeline_kv | 1      | TMA K, V -> every MMA warp      | tile_n * (head_dim + head_dim_v) * 2 |
-        | pipeline_q  | 2      | TMA Q[m], LSE[m] -> MMA warps   | tile_m * head_dim * 2 + 4 * tile_m |
-        | pipeline_do | 2      | TMA dO[m], dPsum[m] -> MMA warps| tile_m * head_dim_v * 2 + 4 * tile_m |
+        | pipeline_q  | 2 (1-3)| TMA Q[m], LSE[m] -> MMA warps   | tile_m * head_dim * 2 + 4 * tile_m |
+        | pipeline_do | 2 (1-3)| TMA dO[m], dPsum[m] -> MMA warps| tile_m * head_dim_v * 2 + 4 * tile_m |
 
     Per m_block, each MMA warpgroup (its 64 keys)::
 
@@ -589,7 +589,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         m_block_max: Int32,
     ):
         """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
-        query block into the two-stage rings (the consumers release a stage after its last GEMM)."""
+        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM)."""
         atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
         d = self.head_dim
         if m_block_min < m_block_max:

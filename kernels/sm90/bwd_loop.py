@@ -226,7 +226,8 @@ class FlashBwdSm90Loop:
         if tidx % _WG_THREADS == 0 and bx < 2 and by == 0 and bz == 0:
             t0 = stamps[0]
             n = _TRACE_POINTS
-            cute.printf("trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d (q %d do %d) | %d %d %d %d %d %d %d %d (q %d do %d)",
+            line = "trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d (q %d do %d) | %d %d %d %d %d %d %d %d (q %d do %d)"
+            cute.printf(line,
                         bx, wg_idx, t0, stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
                         stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[n] - t0,
                         stamps[n + 1] - t0, stamps[n + 2] - t0, stamps[n + 3] - t0, stamps[n + 4] - t0,
