@@ -165,6 +165,17 @@ def acc_to_frag_a_sm80(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, acc_to_frag_a_layout_sm80(acc.layout))
 
 
+def _b16x2_kind(dtype: type[cutlass.Numeric]) -> str:
+    return "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+
+
+def _asm_b32(ptx: str, operands: list, constraints: str) -> Uint32:
+    """One 32-bit result of an inline PTX instruction without side effects (so ptxas schedules it freely)."""
+    out = llvm.inline_asm(T.i32(), operands, ptx, constraints, has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Uint32(out)
+
+
 @dsl_user_op
 def cvt_f32x2_to_b16x2(
     lo: Float32, hi: Float32, dtype: type[cutlass.Numeric], *, loc=None, ip=None
@@ -175,34 +186,16 @@ def cvt_f32x2_to_b16x2(
     PTX without side effects so ptxas can schedule it freely; ``TensorSSA.to`` does not always
     emit the paired form (design doc pitfall 16).
     """
-    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
     # PTX packs the first source into the upper half, hence the (hi, lo) operand order.
-    packed = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Uint32(packed)
+    return _asm_b32(f"cvt.rn.{_b16x2_kind(dtype)}.f32 $0, $1, $2;",
+                    [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)], "=r,f,f")
 
 
 @dsl_user_op
 def mul_b16x2(a: Uint32, b: Uint32, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> Uint32:
     """Two packed bf16/fp16 products, each rounded once (RN): one ``mul.rn.{bf16x2,f16x2}`` (HMUL2)."""
-    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
-    out = llvm.inline_asm(
-        T.i32(),
-        [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-        f"mul.rn.{kind} $0, $1, $2;",
-        "=r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Uint32(out)
+    return _asm_b32(f"mul.rn.{_b16x2_kind(dtype)} $0, $1, $2;",
+                    [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)], "=r,r,r")
 
 
 def convert_to_16bit(src: cute.Tensor, dtype: type[cutlass.Numeric]) -> cute.Tensor:
