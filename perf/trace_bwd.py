@@ -29,18 +29,20 @@ def main() -> None:
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--pingpong", action="store_true", help="the tile with pingpong too")
+    ap.add_argument("--pingpong", choices=["table", "on", "off"], default="table",
+                    help="the table tile's ping-pong flag (hdim 64: on), or forced on / off")
     args = ap.parse_args()
     for hdim in args.hdims:
         batch, nheads = max(16384 // args.seqlen, 1), 2048 // hdim
         family = BwdSm90()
-        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True, pingpong=args.pingpong)}
+        pingpong = BWD_SM90_TILES[hdim].pingpong if args.pingpong == "table" else args.pingpong == "on"
+        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True, pingpong=pingpong)}
         q, k, v, dout = (torch.randn(batch, args.seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda")
                          for _ in range(4))
         p = validate.validate_dense(q, k, v, None, args.causal, (-1, -1), 0.0)
         out, lse = flash_attn_func(q, k, v, causal=args.causal, return_lse=True, backend="sm90")
         for run in range(3):  # (the first compiles; the last is printed warm)
-            print(f"# hdim {hdim} seqlen {args.seqlen} causal {args.causal} tile {BWD_SM90_TILES[hdim]} run {run}",
+            print(f"# hdim {hdim} seqlen {args.seqlen} causal {args.causal} tile {family.tiles[hdim]} run {run}",
                   flush=True)
             family.backward(dout, q, k, v, out, lse, p, None, False)
             torch.cuda.synchronize()
