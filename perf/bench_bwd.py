@@ -53,8 +53,7 @@ def parse_tile(spec: str):
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      dpsum_in_gemm="dpx" in parts)}
+                                      pingpong="pingpong" in parts, ds_packed="packed" in parts)}
     return hdim, family
 
 

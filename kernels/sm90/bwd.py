@@ -49,8 +49,6 @@ from ..common.softmax import softcap_scale_log2
 from ..common.utils import LOG2_E, assume_strides_aligned, select_head, select_modes
 
 _SMEM_ALIGN = 1024  # each operand buffer starts on a full period of the 128-byte swizzle
-_SLICE_K = 16  # dpsum_in_gemm: the dP^T GEMM's extra k16 slice (V's ones, dO's -dPsum parts)
-_DPSUM_SLICES = 4  # dpsum_in_gemm: dO's slice per MMA warpgroup and block parity
 _SMEM_CAPACITY = 227 * 1024
 # (producer, MMA warpgroup) registers per thread after setmaxnreg: 128 * (24 + 2 * 240) <= 64K.
 _PRODUCER_REGS, _MMA_REGS = 24, 240
@@ -142,13 +140,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        dpsum_in_gemm: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}),
-                                    **({"dpsum_in_gemm": True} if dpsum_in_gemm else {}))
+                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -192,11 +188,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # dP^T - dPsum by the dP^T GEMM itself (opt-in; ``dpsum_slice``): one more k16 slice, ones in V's first two
-        # columns against -dPsum's bf16 hi and lo parts in dO's, so dS^T's FADD pass and the dPsum loads go
-        # (-64 FADD and -16 LDS per warp and block at hdim 64); each warpgroup writes its own dO slice per
-        # block (two by block parity), synchronized by its own mbarrier (no named barrier is free).
-        self.dpsum_in_gemm = dpsum_in_gemm
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -220,7 +211,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, pingpong=False, dpsum_in_gemm=False) -> str | None:
+                      dq_transposed=False, pingpong=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -248,23 +239,18 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return "is_causal and is_local are exclusive"
         if has_gate and has_softcap:
             return "the gate's bias enters the raw score, which the softcap would pass through tanh"
-        if dpsum_in_gemm and (has_gate or has_softcap or dq_transposed or dtype is not cutlass.BFloat16):
-            return "dpsum_in_gemm is the plain loop's at tile_m 64 / 128, bf16 (its slice holds -dPsum in bf16 parts)"
         if num_stages not in (1, 2, 3):
             return f"num_stages must be 1, 2 or 3, got {num_stages}"
-        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate,
-                                   dpsum_in_gemm) > _SMEM_CAPACITY:
+        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None
 
     @staticmethod
-    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False, dpsum_in_gemm=False) -> int:
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False) -> int:
         elem = dtype.width // 8
         operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * tile_m * 4 if has_gate else 0
-        slices = (tile_n + _DPSUM_SLICES * tile_m) * _SLICE_K * elem + 1024 if dpsum_in_gemm else 0
-        return (operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + slices
-                + 1024 + 256)
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -277,9 +263,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
-            # dpsum_in_gemm: V's ones slice (once) and dO's -dPsum slice, one per warpgroup and block parity.
-            "sVx": make_smem_layout_sm90(self.dtype, self.tile_n, _SLICE_K),
-            "sdOx": make_smem_layout_sm90(self.dtype, self.tile_m, _SLICE_K, _DPSUM_SLICES),
         }
 
     def _shared_storage(self, layouts):
@@ -288,15 +271,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
 
         stats = _stats_stride(self.tile_m) * self.num_stages
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * self.tile_m if self.has_gate else 4
-        slice_v = cute.cosize(layouts["sVx"]) if self.dpsum_in_gemm else 8
-        slice_do = cute.cosize(layouts["sdOx"]) if self.dpsum_in_gemm else 8
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_dpx: cute.struct.MemRange[cutlass.Int64, 2]  # dpsum_in_gemm: one per MMA warpgroup
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             sK: buffer(layouts["sK"])
@@ -308,8 +288,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
-            sVx: cute.struct.Align[cute.struct.MemRange[self.dtype, slice_v], _SMEM_ALIGN]
-            sdOx: cute.struct.Align[cute.struct.MemRange[self.dtype, slice_do], _SMEM_ALIGN]
 
         return SharedStorage
 
@@ -498,11 +476,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
             tx_count=self.tx_bytes_do, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
         )
-        if const_expr(self.dpsum_in_gemm):
-            if cute.arch.thread_idx()[0] == 0:
-                for wg in cutlass.range_constexpr(self.num_mma_wg):
-                    cute.arch.mbarrier_init(storage.mbar_dpx.data_ptr() + wg, _WG_THREADS // 32)
-                cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         layouts = self._smem_layouts()
 
@@ -517,9 +490,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
-        dpsum_slices = None
-        if const_expr(self.dpsum_in_gemm):
-            dpsum_slices = (smem(storage.sVx, "sVx"), smem(storage.sdOx, "sdOx"), storage.mbar_dpx.data_ptr())
 
         # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
         block_x, head_idx, block_z = cute.arch.block_idx()
@@ -572,7 +542,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
                     seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
-                    sQuerySums, gate, dgk, dpsum_slices,
+                    sQuerySums, gate, dgk,
                 )
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)

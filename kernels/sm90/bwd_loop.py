@@ -47,11 +47,9 @@ class FlashBwdSm90Loop:
         sQuerySums: cute.Tensor,
         gate: cute.Tensor | None,
         dgk: cute.Tensor | None,
-        dpsum_slices=None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv). ``gate``
-        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums.
-        ``dpsum_slices`` (dpsum_in_gemm): ``(sVx, sdOx, mbarriers)``, ``dpsum_slice``'s buffers."""
+        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -61,9 +59,6 @@ class FlashBwdSm90Loop:
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         d = self.head_dim
         tSrK, tSrQ, tdPrV, tdPrdO = self.sdp_operands(wg_sdp, sQ, sK, sV, sdO)
-        dp_slice = None
-        if const_expr(self.dpsum_in_gemm):
-            dp_slice = self.dpsum_slice_init(wg_sdp, dpsum_slices, tidx % _WG_THREADS, wg_idx)
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
@@ -106,7 +101,7 @@ class FlashBwdSm90Loop:
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)
             acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
-                                            stamps, m_block - m_block_min, sdPsum, dp_slice)
+                                            stamps, m_block - m_block_min)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -127,13 +122,13 @@ class FlashBwdSm90Loop:
                 # exp2 above that wait but measured 2-5 % slower at hdim 128 (session 24).
                 warpgroup.wait_group(0)  # dP^T has landed
                 self.stamp(stamps, m_block - m_block_min, 3)
-                if const_expr(self.ds_packed or self.dpsum_in_gemm):
+                if const_expr(self.ds_packed):
                     rdS = self.ds16_from_probs16(rP, acc_dP, sdPsum, tScS_mn, stage)
                 else:
                     self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
-            if const_expr(self.has_softcap or not (self.ds_packed or self.dpsum_in_gemm)):
+            if const_expr(self.has_softcap or not self.ds_packed):
                 rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
@@ -253,11 +248,9 @@ class FlashBwdSm90Loop:
 
     @cute.jit
     def issue_s_dp(self, tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q: pipeline.PipelineTmaAsync,
-                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, stamps=None, block: Int32 | None = None,
-                   sdPsum=None, dp_slice=None):
+                   pipe_do: pipeline.PipelineTmaAsync, state, stage: Int32, stamps=None, block: Int32 | None = None):
         """``(acc_S, acc_dP)``: S^T = K Q^T and dP^T = V dO^T of Q/dO ring stage ``stage`` issued, each after its
-        TMA landed (``state``); not waited for (shared with ``bwd_wide.py``). ``dp_slice`` (dpsum_in_gemm): dP^T
-        takes the block's -dPsum slice too (``dpsum_slice``), so it is dP^T - dPsum."""
+        TMA landed (``state``); not waited for (shared with ``bwd_wide.py``)."""
         pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
         if const_expr(stamps is not None):
             self.stamp(stamps, block, 8)
@@ -267,10 +260,7 @@ class FlashBwdSm90Loop:
         if const_expr(stamps is not None):
             self.stamp(stamps, block, 9)
         acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        extra = None
-        if const_expr(dp_slice is not None):
-            extra = self.dpsum_slice(dp_slice, sdPsum, stage, block)
-        wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1, extra=extra)
+        wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=-1)
         return acc_S, acc_dP
 
     @cute.jit
@@ -351,54 +341,13 @@ class FlashBwdSm90Loop:
         difference in fp32, rounded to 16 bits in pairs, times the 16-bit P^T ``rP`` pair by pair (HMUL2), so that
         P^T is never widened back to fp32. Two roundings where ``ds_from_probs`` has one; PyTorch's own 16-bit
         backward rounds dP^T itself before the difference."""
-        if const_expr(not self.dpsum_in_gemm):  # (else the dP^T GEMM has subtracted it)
-            acc_dP_mn = acc_rows_cols(acc_dP)
-            for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
-                dpsum = sdPsum[tScS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
-                    acc_dP_mn[r, c] = acc_dP_mn[r, c] - dpsum
+        acc_dP_mn = acc_rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[1])):
+            dpsum = sdPsum[tScS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn.shape[0])):
+                acc_dP_mn[r, c] = acc_dP_mn[r, c] - dpsum
         rdS = convert_to_16bit(acc_dP, self.dtype)
         ds_pairs, p_pairs = cute.recast_tensor(rdS, Uint32), cute.recast_tensor(rP, Uint32)
         for i in cutlass.range_constexpr(cute.size(ds_pairs)):
             ds_pairs[i] = mul_b16x2(ds_pairs[i], p_pairs[i], self.dtype)
         return rdS
-
-    @cute.jit
-    def dpsum_slice_init(self, wg_sdp, dpsum_slices, thread: Int32, wg_idx: Int32):
-        """(dpsum_in_gemm) Before the loop: this warpgroup's 64 rows of V's slice (ones in the first two columns:
-        -dPsum's bf16 hi and lo parts each times one) and its two dO slices' zero columns, then fenced for the
-        async proxy (the first block's mbarrier orders them before the first dP^T). Returns the operand
-        fragments and the barrier ``dpsum_slice`` uses."""
-        sVx, sdOx, mbar = dpsum_slices
-        if thread < 64:
-            row = wg_idx * 64 + thread
-            for c in cutlass.range_constexpr(cute.size(sVx.shape[1])):
-                sVx[row, c] = self.dtype(1.0) if c < 2 else self.dtype(0.0)
-        if thread < self.tile_m:
-            for parity in cutlass.range_constexpr(2):
-                for c in cutlass.range_constexpr(cute.size(sdOx.shape[1])):
-                    sdOx[thread, c, 2 * wg_idx + parity] = self.dtype(0.0)
-        cute.arch.fence_view_async_shared()
-        return (wg_sdp.make_fragment_A(wg_sdp.partition_A(sVx)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdOx)),
-                sdOx, mbar + wg_idx, thread, wg_idx)
-
-    @cute.jit
-    def dpsum_slice(self, dp_slice, sdPsum, stage: Int32, block: Int32):
-        """(dpsum_in_gemm) This warpgroup's dO slice of the block (buffer by block parity): row q holds -dPsum_q as
-        bf16 hi + lo (exact to ~2^-17 once the GEMM adds them in fp32); every warp fences its rows for the async
-        proxy and arrives, and all wait for the warpgroup's four arrivals. Returns the slice pair for the dP^T
-        WGMMA's ``extra``. (The other parity's buffer is the one the previous block's dP^T read: a warp writes a
-        buffer again only two blocks on, past an mbarrier every warp arrived on after its own dP^T wait.)"""
-        tdPrVx, tdPrdOx, sdOx, mbar, thread, wg_idx = dp_slice
-        buf = 2 * wg_idx + block % 2
-        if thread < self.tile_m:
-            neg = -sdPsum[thread, stage]
-            hi = neg.to(self.dtype)
-            sdOx[thread, 0, buf] = hi
-            sdOx[thread, 1, buf] = (neg - hi.to(Float32)).to(self.dtype)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(mbar)
-        cute.arch.mbarrier_wait(mbar, block % 2)
-        return tdPrVx, tdPrdOx[None, None, None, buf]
