@@ -222,9 +222,11 @@ def test_chunk_varlen_seqused(backend, causal):
     rows = torch.cat([torch.arange(int(cu_q[i]), int(cu_q[i]) + int(used_q[i])) for i in range(4)]).cuda()
     assert_close_to_ref("out", out[rows], ref[0][rows], pt[0][rows])
     assert_close_to_ref("lse", lse[:, rows], ref[1][:, rows], pt[1][:, rows], atol=1e-4)
-    # A tensor max_seqlen gives the same bits (the segment table is sized from the shapes, never from it).
-    again = flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(257), torch.tensor(250), backend=backend, **args)
-    assert torch.equal(again[rows], out[rows])
+    # A tensor max_seqlen, or an int one below the longest sequence (64 < 250: it once merged that sequence's
+    # later chunks into one segment), gives the same bits: the segment table is sized from the shapes.
+    for max_q, max_k in ((torch.tensor(257), torch.tensor(250)), (64, 64)):
+        again = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **args)
+        assert torch.equal(again[rows], out[rows])
     dout = torch.randn_like(q)
     varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_q": used_q, "seqused_k": used_k}
     check_grads_api(q, k, v, dout, varlen=varlen, backend=backend, causal=causal, attention_chunk=64)
