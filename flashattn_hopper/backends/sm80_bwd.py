@@ -168,6 +168,10 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)  # (contiguous() keeps a misaligned view as it is)
 
 
+# (sm90 trace keys: 2 CTAs x 2 MMA warpgroups x 2 blocks x 10 points of kernels/sm90/bwd_loop.py ``store_stamps``)
+TRACE_SLOTS = 80
+
+
 def _unused_semaphore(device_index: int) -> torch.Tensor:
     """The semaphore slots' tensor when deterministic=0 (the kernel never touches it then): one
     int32 per device, allocated once instead of a zeroed one per call; a fresh one under CUDA graph
@@ -564,6 +568,8 @@ class BwdPlan:
             sem_q = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32, device=dev)
             sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // key.tile_n, dtype=torch.int32, device=dev)
                       if key.gqa else sem_q)
+        elif getattr(key, "trace", False):  # (sm90 debug timeline: the kernel stores its clocks there)
+            sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS, dtype=torch.int32, device=dev)
         else:
             sem_q = sem_kv = _unused_semaphore(device_index(dev))
         tail_sums = None

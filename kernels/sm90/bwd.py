@@ -145,6 +145,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
+        if reason is None and trace and deterministic:
+            reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -177,8 +179,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # The gate at tile_m 128: dV waits until the dG sums are staged (with dV issued right after dS^T,
         # its pinned P^T beside the sums spilled 2 registers). (At tile_m 64 that order spilled 31.)
         self.dv_after_sums = tile_m == 128 and has_gate
-        # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 8 points of blocks TRACE_BLOCK and
-        # TRACE_BLOCK + 1, printed by the first two CTAs after their loop (plain loop only).
+        # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 10 points of blocks TRACE_BLOCK and
+        # TRACE_BLOCK + 1, stored by the first two CTAs after their loop into mdQ_sem (the host passes a
+        # ``TRACE_SLOTS`` buffer there; plain loop only, never with deterministic).
         self.trace = trace
         # Ping-pong (opt-in, perf/NOTES.md session 29): no per-block meeting of the MMA warpgroups; each stores its
         # dS^T, issues dK and the previous block's dQ, and signals the other (``pingpong_tail``); warpgroup 1 starts
@@ -542,7 +545,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
                     seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
-                    sQuerySums, gate, dgk,
+                    sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                 )
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)

@@ -47,9 +47,11 @@ class FlashBwdSm90Loop:
         sQuerySums: cute.Tensor,
         gate: cute.Tensor | None,
         dgk: cute.Tensor | None,
+        trace_out: cute.Tensor | None = None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv). ``gate``
-        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums."""
+        and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
+        (trace): where ``store_stamps`` puts the clocks."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -172,7 +174,7 @@ class FlashBwdSm90Loop:
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, last % 2], tdQrKt, zero_init=True, wg_wait=0)
                 self.dq_to_smem(acc_dQ, tdQsdQ, last > 0)
         if const_expr(self.trace):
-            self.print_stamps(stamps, tidx, wg_idx)
+            self.store_stamps(stamps, tidx, wg_idx, trace_out)
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return acc_dK, acc_dV, tiled_mma_dkv
@@ -220,19 +222,16 @@ class FlashBwdSm90Loop:
                 stamps[_TRACE_POINTS + point] = cute.arch.clock()
 
     @cute.jit
-    def print_stamps(self, stamps, tidx: Int32, wg_idx: Int32):
-        """(trace) The first two CTAs' warpgroup leaders print their stamps relative to the first (one line)."""
+    def store_stamps(self, stamps, tidx: Int32, wg_idx: Int32, trace_out: cute.Tensor):
+        """(trace) The first two CTAs' warpgroup leaders store their 2 x ``_TRACE_POINTS`` raw clocks into
+        ``trace_out`` (int32, ``(cta * 2 + warpgroup) * 2 * _TRACE_POINTS + i``; ``perf/trace_bwd.py`` reads them).
+        Stored, not printed: a ``printf`` is a function call, across which ptxas serializes every WGMMA of the
+        kernel (C7510), which made the traces of sessions 29-31 time a serialized kernel."""
         bx, by, bz = cute.arch.block_idx()
         if tidx % _WG_THREADS == 0 and bx < 2 and by == 0 and bz == 0:
-            t0 = stamps[0]
-            n = _TRACE_POINTS
-            line = "trace cta %d wg %d t0 %u: %d %d %d %d %d %d %d (q %d do %d) | %d %d %d %d %d %d %d %d (q %d do %d)"
-            cute.printf(line,
-                        bx, wg_idx, t0, stamps[1] - t0, stamps[2] - t0, stamps[3] - t0, stamps[4] - t0, stamps[5] - t0,
-                        stamps[6] - t0, stamps[7] - t0, stamps[8] - t0, stamps[9] - t0, stamps[n] - t0,
-                        stamps[n + 1] - t0, stamps[n + 2] - t0, stamps[n + 3] - t0, stamps[n + 4] - t0,
-                        stamps[n + 5] - t0, stamps[n + 6] - t0, stamps[n + 7] - t0, stamps[n + 8] - t0,
-                        stamps[n + 9] - t0)
+            base = (bx * 2 + wg_idx) * (2 * _TRACE_POINTS)
+            for i in cutlass.range_constexpr(2 * _TRACE_POINTS):
+                trace_out[base + i] = stamps[i]
 
     def sdp_operands(self, wg_sdp, sQ, sK, sV, sdO):
         """``(tSrK, tSrQ, tdPrV, tdPrdO)``: this warpgroup's smem operands of S^T = K Q^T and dP^T = V dO^T (shared
