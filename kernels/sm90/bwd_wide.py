@@ -154,6 +154,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sQuerySums: cute.Tensor,
         gate: None,  # (no gate here)
         dgk: None,
+        trace_out: None = None,  # (no trace here)
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv)."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
