@@ -34,7 +34,7 @@ class BwdSm90Tile:
     num_stages: int = 2  # Q / dO ring stages
     dq_split_rows: bool = False  # the two warpgroups split dQ by rows (tile_m 128) instead of columns
     dq_transposed: bool = False  # tile_m 80: dQ^T = K^T dS^T (kernels/sm90/bwd.py), hdim 128 only
-    trace: bool = False  # debug: clock() stamps of two blocks printed by two CTAs (kernels/sm90/bwd_loop.py)
+    trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
 
