@@ -169,7 +169,7 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
 
 
 # (sm90 trace keys: 2 CTAs x 2 MMA warpgroups x 2 blocks x 10 points of kernels/sm90/bwd_loop.py ``store_stamps``)
-TRACE_SLOTS = 80
+TRACE_SLOTS = 128
 
 
 def _unused_semaphore(device_index: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from ..common.utils import acc_rows_cols, convert_to_16bit, mul_b16x2, transpose
 
 
 TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
-_TRACE_POINTS = 10  # 0-7 along the block (``perf/trace_bwd.py``), 8 Q landed, 9 dO landed
+_TRACE_POINTS = 16  # 0-7 along the block (``perf/trace_bwd.py``), 8 Q landed, 9 dO landed, 10-15 finer points
 
 
 class FlashBwdSm90Loop:
@@ -104,6 +104,9 @@ class FlashBwdSm90Loop:
             self.stamp(stamps, m_block - m_block_min, 0)
             acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
                                             stamps, m_block - m_block_min)
+            if const_expr(self.dq_late):
+                if m_block - m_block_min >= 2:  # the block before stored dQ (of the one before it): hand it off now
+                    self.dq_publish()
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -130,6 +133,7 @@ class FlashBwdSm90Loop:
                     self.ds_from_probs(rP if const_expr(self.ds_from_p16) else acc_S, acc_dP, sdPsum, tScS_mn, stage)
                 if const_expr(not self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
+                self.stamp(stamps, m_block - m_block_min, 15)
             if const_expr(self.has_softcap or not self.ds_packed):
                 rdS = convert_to_16bit(acc_dP, self.dtype)
             if const_expr(self.has_gate):
@@ -143,8 +147,10 @@ class FlashBwdSm90Loop:
                 self.pingpong_tail(rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
                                    acc_dK, pipe_q, pipe_do, state, stage, m_block - m_block_min, wg_idx, stamps)
             else:
+                self.stamp(stamps, m_block - m_block_min, 10)
                 cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
                 tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+                self.stamp(stamps, m_block - m_block_min, 11)
                 # Every warpgroup's dS^T is in smem and visible to the async proxy (WGMMA); dV runs meanwhile.
                 cute.arch.fence_view_async_shared()
                 self.stamp(stamps, m_block - m_block_min, 4)
@@ -157,10 +163,11 @@ class FlashBwdSm90Loop:
                 else:
                     acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                     wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+                self.stamp(stamps, m_block - m_block_min, 14)
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
                 self.stamp(stamps, m_block - m_block_min, 6)
                 pipe_do.consumer_release(state)  # dP^T and dV have read dO
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
+                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min, stamps, m_block - m_block_min)
                 warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
                 self.stamp(stamps, m_block - m_block_min, 7)
                 pipe_q.consumer_release(state)
@@ -168,6 +175,9 @@ class FlashBwdSm90Loop:
         if const_expr(self.pingpong):
             if m_block_min < m_block_max:  # the last block's dQ, once the other warpgroup's dS^T of it is in smem
                 last = m_block_max - 1 - m_block_min
+                if const_expr(self.dq_late):
+                    if last > 0:  # the last block's store of its previous block's dQ, not yet handed off
+                        self.dq_publish()
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (last % 2) + 1 - wg_idx,
                                   number_of_threads=self.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
@@ -190,8 +200,10 @@ class FlashBwdSm90Loop:
         if block > 0:  # the other's dS^T(block - 1) stored and its dQ(block - 2) done reading this stage
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (1 - ds_stage) + 1 - wg_idx,
                               number_of_threads=self.num_mma_threads)
+        self.stamp(stamps, block, 10)
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
         tdKrdS.store(acc_to_frag_a_sm90(rdS).load())
+        self.stamp(stamps, block, 11)
         cute.arch.fence_view_async_shared()
         self.stamp(stamps, block, 4)
         if block == 0 and wg_idx == 0:
@@ -202,6 +214,7 @@ class FlashBwdSm90Loop:
         # before this warpgroup's arrival below)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 1 - ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
+        self.stamp(stamps, block, 14)
         warpgroup.wait_group(0)  # dV, dK (and dQ) done: dO, Q and the other stage of sdSt are read
         self.stamp(stamps, block, 6)
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * ds_stage + wg_idx,
@@ -209,7 +222,7 @@ class FlashBwdSm90Loop:
         pipe_do.consumer_release(state)
         pipe_q.consumer_release(state)
         if block > 0:
-            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1)
+            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1, stamps, block, publish=not self.dq_late)
         self.stamp(stamps, block, 7)
 
     @cute.jit
