@@ -194,13 +194,10 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])
-@pytest.mark.parametrize("dq_flags", [{}, {"dq_late": True}, {"dq_late": True, "dq_split_writers": True}],
-                         ids=["dq", "dq_late", "dq_late_writers"])
-def test_bwd_sm90_pingpong(seqlens, hdim, causal, dq_flags):
+def test_bwd_sm90_pingpong(seqlens, hdim, causal):
     """Ping-pong (``BwdSm90Tile.pingpong``, hdim 64's default, opt-in at 128: the MMA warpgroups do not meet per block, dQ lags one block and
     is flushed after the loop, warpgroup 1 starts half a block late) at the table's tile of each head dim: dq,
-    dk, dv against the fp32 reference with the parity rule, odd lengths, GQA, one-block CTAs (64 x 300); with dQ's
-    hand-off to the writer under the next block's issue (``dq_late``) and one writer warp per warpgroup."""
+    dk, dv against the fp32 reference with the parity rule, odd lengths, GQA, one-block CTAs (64 x 300)."""
     import dataclasses
 
     from flashattn_hopper import flash_attn_func, validate
@@ -211,12 +208,10 @@ def test_bwd_sm90_pingpong(seqlens, hdim, causal, dq_flags):
     s_q, s_k = seqlens
     q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, hdim)
     family = BwdSm90()
-    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], pingpong=True, **dq_flags)}
+    family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], pingpong=True)}
     p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    key = family.plan(p, None, False, q.device).main_key
-    assert key.pingpong and key.dq_late == dq_flags.get("dq_late", False)
-    assert key.dq_split_writers == dq_flags.get("dq_split_writers", False)
+    assert family.plan(p, None, False, q.device).main_key.pingpong
     grads = family.backward(dout, q, k, v, out, lse, p, None, False)
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)

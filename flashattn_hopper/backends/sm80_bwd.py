@@ -168,7 +168,7 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)  # (contiguous() keeps a misaligned view as it is)
 
 
-# (sm90 trace keys: 2 CTAs x 2 MMA warpgroups x 2 blocks x 10 points of kernels/sm90/bwd_loop.py ``store_stamps``)
+# (sm90 trace keys: 2 CTAs x 2 MMA warpgroups x 2 blocks x 16 points of kernels/sm90/bwd_loop.py ``store_stamps``)
 TRACE_SLOTS = 128
 
 

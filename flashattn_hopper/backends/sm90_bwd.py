@@ -37,8 +37,6 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
-    dq_late: bool = False  # (ping-pong) dQ's fence and hand-off to the writer under the next block's GEMM issue
-    dq_split_writers: bool = False  # (ping-pong) one dQ writer warp per MMA warpgroup
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -84,8 +82,6 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
-    dq_late: bool = False  # BwdSm90Tile's (ping-pong keys only)
-    dq_split_writers: bool = False  # BwdSm90Tile's (ping-pong keys only)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -162,10 +158,6 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if t.trace else {}),
             **({"pingpong": True} if t.pingpong and not flags.get("gate") and not flags.get("softcap")
                and not flags.get("deterministic") else {}),
-            **({"dq_late": True} if t.dq_late and t.pingpong and not flags.get("gate") and not flags.get("softcap")
-               and not flags.get("deterministic") else {}),
-            **({"dq_split_writers": True} if t.dq_split_writers and t.pingpong and not flags.get("gate")
-               and not flags.get("softcap") and not flags.get("deterministic") else {}),
             # Not fp16 (its range: the 16-bit difference can overflow where the fp32 product would not, and a
             # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
@@ -265,8 +257,6 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
-            **({"dq_late": True} if k.dq_late else {}),
-            **({"dq_split_writers": True} if k.dq_split_writers else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

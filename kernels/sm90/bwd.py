@@ -140,17 +140,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        dq_late: bool = False,
-        dq_split_writers: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
-        if reason is None and dq_late and not pingpong:
-            reason = "dq_late defers dQ's hand-off to the next block's issue, which only the ping-pong loop has"
-        if reason is None and dq_split_writers and (deterministic or has_gate):
-            reason = "dq_split_writers: deterministic turns and the gate's query sums take both parts in one warp"
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is not None:
@@ -185,7 +179,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # The gate at tile_m 128: dV waits until the dG sums are staged (with dV issued right after dS^T,
         # its pinned P^T beside the sums spilled 2 registers). (At tile_m 64 that order spilled 31.)
         self.dv_after_sums = tile_m == 128 and has_gate
-        # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 10 points of blocks TRACE_BLOCK and
+        # Debug timeline (perf/trace_bwd.py): each MMA warpgroup's clock() at 16 points of blocks TRACE_BLOCK and
         # TRACE_BLOCK + 1, stored by the first two CTAs after their loop into mdQ_sem (the host passes a
         # ``TRACE_SLOTS`` buffer there; plain loop only, never with deterministic).
         self.trace = trace
@@ -197,13 +191,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # (ping-pong) A block's dQ stores are fenced and handed to the writer warp after the next block's S^T and dP^T
-        # are issued, not right after the stores: the trace (NOTES session 32) showed that fence waiting 150-460
-        # cycles at a block's end, where the other warpgroup's SS GEMMs hold the smem bandwidth, on this warpgroup's chain.
-        self.dq_late = dq_late
-        # One dQ writer warp per MMA warpgroup (warps 1 and 2), so that neither's sdQ part waits behind the other's
-        # hand-off (one in-order writer couples the ping-pong warpgroups at every block).
-        self.dq_split_writers = dq_split_writers
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -551,15 +538,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                         sdQ, mdQaccum[scratch_b, head_idx, None],
                         mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
                         row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
-                        (0,) if const_expr(self.dq_split_writers) else (0, 1),
                     )
-                if const_expr(self.dq_split_writers):
-                    if warp_idx == 2:
-                        self.store_dq(
-                            sdQ, mdQaccum[scratch_b, head_idx, None],
-                            mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
-                            row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq, (1,),
-                        )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 acc_dK, acc_dV, tiled_mma_dkv = self.mma(

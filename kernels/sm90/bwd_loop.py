@@ -104,9 +104,6 @@ class FlashBwdSm90Loop:
             self.stamp(stamps, m_block - m_block_min, 0)
             acc_S, acc_dP = self.issue_s_dp(tiled_mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipe_q, pipe_do, state, stage,
                                             stamps, m_block - m_block_min)
-            if const_expr(self.dq_late):
-                if m_block - m_block_min >= 2:  # the block before stored dQ (of the one before it): hand it off now
-                    self.dq_publish()
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
                     acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
@@ -175,9 +172,6 @@ class FlashBwdSm90Loop:
         if const_expr(self.pingpong):
             if m_block_min < m_block_max:  # the last block's dQ, once the other warpgroup's dS^T of it is in smem
                 last = m_block_max - 1 - m_block_min
-                if const_expr(self.dq_late):
-                    if last > 0:  # the last block's store of its previous block's dQ, not yet handed off
-                        self.dq_publish()
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (last % 2) + 1 - wg_idx,
                                   number_of_threads=self.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
@@ -222,7 +216,7 @@ class FlashBwdSm90Loop:
         pipe_do.consumer_release(state)
         pipe_q.consumer_release(state)
         if block > 0:
-            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1, stamps, block, publish=not self.dq_late)
+            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1, stamps, block)
         self.stamp(stamps, block, 7)
 
     @cute.jit

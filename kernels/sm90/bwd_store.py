@@ -55,11 +55,9 @@ class FlashBwdSm90Store:
                               tidx % _WG_THREADS, 4)
 
     @cute.jit
-    def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean, stamps=None, block: Int32 | None = None,
-                   publish: cutlass.Constexpr[bool] = True):
+    def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean, stamps=None, block: Int32 | None = None):
         """This block's dQ -> sdQ once the writer's last reduce-add has read it (``after_first``:
-        there was one), then tell the writer (``publish``; else ``dq_publish`` does, later). (``stamps``,
-        ``block``: the trace's points 12, 13.)"""
+        there was one), then tell the writer. (``stamps``, ``block``: the trace's points 12, 13.)"""
         wg_idx = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - _WG_THREADS) // _WG_THREADS)
         if after_first:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg_idx, number_of_threads=self.dq_sync_threads)
@@ -68,22 +66,14 @@ class FlashBwdSm90Store:
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
         if const_expr(stamps is not None):
             self.stamp(stamps, block, 13)
-        if const_expr(publish):
-            self.dq_publish()
-
-    @cute.jit
-    def dq_publish(self):
-        """The dQ stores in sdQ -> visible to the TMA unit, and the writer told (DQ_FULL)."""
-        wg_idx = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - _WG_THREADS) // _WG_THREADS)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg_idx, number_of_threads=self.dq_sync_threads)
 
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None,
-                 wgs: cutlass.Constexpr[tuple] = (0, 1)):
-        """dQ writer warp (of the MMA warpgroups ``wgs``: both, or one each for ``dq_split_writers``): per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
+        """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
         n_block, descending for causal/local), each turn's add complete in L2 before the next may
@@ -104,10 +94,9 @@ class FlashBwdSm90Store:
             if m_block > m_block_min:
                 # Hand each warpgroup its part back once the previous block's add of it has read it
                 # (bulk groups complete in order: part k's before part k + 1's).
-                for i in cutlass.range_constexpr(len(wgs)):
-                    wg = wgs[i]
+                for wg in cutlass.range_constexpr(self.num_mma_wg):
                     if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(len(wgs) - 1 - i, read=True)
+                        cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
                     cute.arch.sync_warp()
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg,
                                              number_of_threads=self.dq_sync_threads)
@@ -119,8 +108,7 @@ class FlashBwdSm90Store:
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
             # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
             # groups (commit and waits are per thread).
-            for i in cutlass.range_constexpr(len(wgs)):
-                wg = wgs[i]
+            for wg in cutlass.range_constexpr(self.num_mma_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
                 if lane == 0:
                     bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
