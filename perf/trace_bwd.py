@@ -45,6 +45,11 @@ def print_stamps(stamps: torch.Tensor) -> None:
                       flush=True)
 
 
+def _flag(spec: str) -> tuple[str, bool | int]:
+    name, _, value = spec.partition("=")
+    return name, int(value) if value else True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
@@ -53,14 +58,14 @@ def main() -> None:
     ap.add_argument("--pingpong", choices=["table", "on", "off"], default="table",
                     help="the table tile's ping-pong flag (hdim 64: on), or forced on / off")
     ap.add_argument("--flags", nargs="*", default=[],
-                    help="extra BwdSm90Tile flags set on the traced tile, e.g. dq_late dq_split_writers")
+                    help="extra BwdSm90Tile fields set on the traced tile: NAME (True) or NAME=INT, e.g. dq_slots=2")
     args = ap.parse_args()
     for hdim in args.hdims:
         batch, nheads = max(16384 // args.seqlen, 1), 2048 // hdim
         family = BwdSm90()
         pingpong = BWD_SM90_TILES[hdim].pingpong if args.pingpong == "table" else args.pingpong == "on"
         family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True, pingpong=pingpong,
-                                                  **{f: True for f in args.flags})}
+                                                  **dict(_flag(f) for f in args.flags))}
         q, k, v, dout = (torch.randn(batch, args.seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda")
                          for _ in range(4))
         p = validate.validate_dense(q, k, v, None, args.causal, (-1, -1), 0.0)
