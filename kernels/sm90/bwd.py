@@ -141,6 +141,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         pingpong: bool = False,
         ds_packed: bool = False,
         dq_slots: int = 1,
+        skip_dq_reduce: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -197,6 +198,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # have read its part, not the last one's (the trace: that read completes ~3,300-3,500 cycles after the hand-off,
         # about a block; NOTES session 32).
         self.dq_slots = dq_slots
+        self.skip_dq_reduce = skip_dq_reduce  # DIAGNOSTIC ONLY (wrong dQ): the writer issues no reduce-add
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer

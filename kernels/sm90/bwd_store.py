@@ -117,7 +117,7 @@ class FlashBwdSm90Store:
             # groups (commit and waits are per thread).
             for wg in cutlass.range_constexpr(self.num_mma_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
-                if lane == 0:
+                if lane == 0 and not self.skip_dq_reduce:
                     bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half,
                                         sdQ.iterator + slot * tile_elems + wg * half, half * 4)
                     cute.arch.cp_async_bulk_commit_group()

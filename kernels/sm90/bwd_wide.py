@@ -68,6 +68,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                          deterministic=deterministic, head_dim_v=head_dim_v)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
         self.dq_slots = 1
+        self.skip_dq_reduce = False
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
