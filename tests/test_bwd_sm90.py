@@ -193,37 +193,6 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("loop", ["lockstep", "pingpong", "deterministic"])
-def test_bwd_sm90_dq_slots(seqlens, loop, causal):
-    """Two sdQ buffers by block parity (``BwdSm90Tile.dq_slots`` 2, hdim 128: a dQ store waits for the reduce-add
-    of two blocks back): dq, dk, dv against the fp32 reference with the parity rule in the lockstep, ping-pong and
-    deterministic loops (the writer's hand-back counts two slots' groups), odd lengths, GQA, one-block CTAs."""
-    import dataclasses
-
-    from flashattn_hopper import flash_attn_func, validate
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90
-
-    from .test_bwd import reference_grads
-
-    s_q, s_k = seqlens
-    q, k, v, dout = make_inputs(2, s_q, s_k, 4, 2, 128)
-    family = BwdSm90()
-    family.tiles = {128: dataclasses.replace(BWD_SM90_TILES[128], dq_slots=2, pingpong=loop == "pingpong")}
-    p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
-    deterministic = loop == "deterministic"
-    assert family.plan(p, None, deterministic, q.device).main_key.dq_slots == 2
-    grads = family.backward(dout, q, k, v, out, lse, p, None, deterministic)
-    _, *ref = reference_grads(q, k, v, dout, causal)
-    _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
-    check_against_refs(grads, (q, k, v), ref, pt)
-    if deterministic:
-        again = family.backward(dout, q, k, v, out, lse, p, None, True)
-        assert all(torch.equal(a, b) for a, b in zip(grads, again))
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_bwd_sm90_pingpong(seqlens, hdim, causal):
     """Ping-pong (``BwdSm90Tile.pingpong``, hdim 64's default, opt-in at 128: the MMA warpgroups do not meet per block, dQ lags one block and

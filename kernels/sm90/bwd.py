@@ -140,14 +140,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        dq_slots: int = 1,
-        skip_dq_reduce: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
-                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}),
-                                    **({"dq_slots": dq_slots} if dq_slots != 1 else {}))
+                                    dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is not None:
@@ -194,11 +191,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # sdQ buffers, used by block parity (2): a warpgroup's dQ store waits for the reduce-add of two blocks back to
-        # have read its part, not the last one's (the trace: that read completes ~3,300-3,500 cycles after the hand-off,
-        # about a block; NOTES session 32).
-        self.dq_slots = dq_slots
-        self.skip_dq_reduce = skip_dq_reduce  # DIAGNOSTIC ONLY (wrong dQ): the writer issues no reduce-add
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -222,7 +214,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=2,
                       dq_split_rows=False, has_softcap=False, head_dim_v=None, has_gate=False,
-                      dq_transposed=False, pingpong=False, dq_slots=1) -> str | None:
+                      dq_transposed=False, pingpong=False) -> str | None:
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
         if head_dim not in (64, 96, 128):
@@ -252,18 +244,16 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return "the gate's bias enters the raw score, which the softcap would pass through tanh"
         if num_stages not in (1, 2, 3):
             return f"num_stages must be 1, 2 or 3, got {num_stages}"
-        if dq_slots not in (1, 2):
-            return f"dq_slots must be 1 or 2, got {dq_slots}"
-        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate, dq_slots) > _SMEM_CAPACITY:
+        if FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate) > _SMEM_CAPACITY:
             return "does not fit in shared memory"
         return None
 
     @staticmethod
-    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False, dq_slots=1) -> int:
+    def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate=False) -> int:
         elem = dtype.width // 8
         operands = (2 * tile_n * head_dim + 2 * num_stages * tile_m * head_dim + 2 * tile_m * tile_n) * elem
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * tile_m * 4 if has_gate else 0
-        return operands + dq_slots * tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + 1024 + 256
+        return operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + query_sums + 1024 + 256
 
     # ------------------------------------------------------------------ layouts and MMAs
 
@@ -298,7 +288,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             sdO: buffer(layouts["sdO"])
             sdSt: buffer(layouts["sdSt"])
             # fp32 dQ staging: the m_block's tile in the dQ MMA's fragment order (``dq_staging``).
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_slots * self.tile_m * self.head_dim], _SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
 
@@ -498,7 +488,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         sQ, sdO = smem(storage.sQ, "sQ"), smem(storage.sdO, "sdO")
         sK, sV = smem(storage.sK, "sK"), smem(storage.sV, "sV")
         sdSt = smem(storage.sdSt, "sdSt")
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.dq_slots * self.tile_m * self.head_dim))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
         stats_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, _stats_stride(self.tile_m)))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sdPsum = storage.sdPsum.get_tensor(stats_layout)

@@ -164,7 +164,7 @@ class FlashBwdSm90Loop:
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
                 self.stamp(stamps, m_block - m_block_min, 6)
                 pipe_do.consumer_release(state)  # dP^T and dV have read dO
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block - m_block_min, stamps, m_block - m_block_min)
+                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min, stamps, m_block - m_block_min)
                 warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
                 self.stamp(stamps, m_block - m_block_min, 7)
                 pipe_q.consumer_release(state)
@@ -176,7 +176,7 @@ class FlashBwdSm90Loop:
                                   number_of_threads=self.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, last % 2], tdQrKt, zero_init=True, wg_wait=0)
-                self.dq_to_smem(acc_dQ, tdQsdQ, last)
+                self.dq_to_smem(acc_dQ, tdQsdQ, last > 0)
         if const_expr(self.trace):
             self.store_stamps(stamps, tidx, wg_idx, trace_out)
         if const_expr(self.has_gate):
@@ -216,7 +216,7 @@ class FlashBwdSm90Loop:
         pipe_do.consumer_release(state)
         pipe_q.consumer_release(state)
         if block > 0:
-            self.dq_to_smem(acc_dQ, tdQsdQ, block - 1, stamps, block)
+            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1, stamps, block)
         self.stamp(stamps, block, 7)
 
     @cute.jit

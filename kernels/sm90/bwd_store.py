@@ -55,16 +55,11 @@ class FlashBwdSm90Store:
                               tidx % _WG_THREADS, 4)
 
     @cute.jit
-    def dq_to_smem(self, acc_dQ, tdQsdQ, index: Int32, stamps=None, block: Int32 | None = None):
-        """The dQ of this warpgroup's ``index``-th block (from the CTA's first) -> its sdQ slot (``dq_slots``: by
-        parity) once the writer's reduce-add of the slot's last use has read it, then tell the writer. (``stamps``,
-        ``block``: the trace's points 12, 13.)"""
+    def dq_to_smem(self, acc_dQ, tdQsdQ, after_first: cutlass.Boolean, stamps=None, block: Int32 | None = None):
+        """This block's dQ -> sdQ once the writer's last reduce-add has read it (``after_first``:
+        there was one), then tell the writer. (``stamps``, ``block``: the trace's points 12, 13.)"""
         wg_idx = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - _WG_THREADS) // _WG_THREADS)
-        if const_expr(self.dq_slots > 1):
-            slot_base = tdQsdQ.iterator + (index % self.dq_slots) * (self.tile_m * self.head_dim)
-            tdQsdQ = cute.make_tensor(cute.make_ptr(Float32, slot_base.toint(), slot_base.memspace, assumed_align=16),
-                                      tdQsdQ.layout)
-        if index >= self.dq_slots:
+        if after_first:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg_idx, number_of_threads=self.dq_sync_threads)
         if const_expr(stamps is not None):
             self.stamp(stamps, block, 12)
@@ -96,14 +91,12 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
-            index = m_block - m_block_min
-            slot = index % self.dq_slots if const_expr(self.dq_slots > 1) else 0
-            if index >= self.dq_slots:
-                # Hand each warpgroup its part of this slot back once the add of its last use has read it
-                # (bulk groups complete in order: part k's before part k + 1's, a slot's before the next's).
+            if m_block > m_block_min:
+                # Hand each warpgroup its part back once the previous block's add of it has read it
+                # (bulk groups complete in order: part k's before part k + 1's).
                 for wg in cutlass.range_constexpr(self.num_mma_wg):
                     if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(self.dq_slots * self.num_mma_wg - 1 - wg, read=True)
+                        cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
                     cute.arch.sync_warp()
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DQ_EMPTY) + wg,
                                              number_of_threads=self.dq_sync_threads)
@@ -117,9 +110,9 @@ class FlashBwdSm90Store:
             # groups (commit and waits are per thread).
             for wg in cutlass.range_constexpr(self.num_mma_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
-                if lane == 0 and not self.skip_dq_reduce:
-                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half,
-                                        sdQ.iterator + slot * tile_elems + wg * half, half * 4)
+                if lane == 0:
+                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
+                                        half * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.has_gate):
                 bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,

@@ -67,8 +67,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
                          deterministic=deterministic, head_dim_v=head_dim_v)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
-        self.dq_slots = 1
-        self.skip_dq_reduce = False
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
@@ -218,7 +216,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             pipe_do.consumer_release(state)
             state.advance()
             warpgroup.wait_group(0)
-            self.dq_to_smem(acc_dQ, tdQsdQ, m_block - m_block_min)
+            self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
         return acc_dK, acc_dV, tiled_mma_dkv
 
     # ------------------------------------------------------------------ epilogue
