@@ -241,7 +241,6 @@ class BwdSm80:
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
             **({"gate": True} if gate else {}),
         )
-        main = self._main_key_for_lengths(main, p)
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
             if plan[0] > 0:
@@ -257,10 +256,6 @@ class BwdSm80:
     splits_tail = True
     # Tensor slots after the main kernel's split-tail argument (sm90: the gate's bias and dG's sums).
     gate_slots = 0
-
-    def _main_key_for_lengths(self, main: BwdKey, p: AttnProblem) -> BwdKey:
-        """The main key as the problem's lengths refine it; here as it is."""
-        return main
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """Main-key fields of the call's mode; here none (``deterministic`` is a runtime argument)."""

@@ -12,7 +12,6 @@ falls back when this family cannot implement them).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +56,6 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # forms dS^T by packed 16-bit products (``ds_packed``: bf16 keys but softcap's and the gated GQA one): +1.3 to +5.2 %
 # on an H200 (NOTES session 31); at d=128, which keeps fp32 P^T, it removes 16 of 437 instructions and measured
 # even, so it stays off there.
-# Calls with seqlen_q <= 512 keep the lockstep loop (``_main_key_for_lengths``): ping-pong's half-block stagger of
-# warpgroup 1 and its last-dQ flush are a large share of a CTA that walks 1-4 query blocks (NOTES session 32).
-PINGPONG_MAX_SHORT_SEQLEN_Q = 512
 # 80 x 128 at hdim 128 (FA4's dense non-causal tile; the dQ GEMM runs transposed; the scratch pads query
 # rows to multiples of 640, dense only): built and correct, not in the table. Measured on an H200
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
@@ -145,13 +141,6 @@ class BwdSm90(BwdSm80):
         grads = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums),
                      rows_dpsum=rows_dpsum)
         return (*grads[:3], key_sums, query_sums, *grads[3:])
-
-    def _main_key_for_lengths(self, main: BwdSm90Key, p: AttnProblem) -> BwdSm90Key:
-        """Ping-pong only where a CTA walks more than ``PINGPONG_MAX_SHORT_SEQLEN_Q`` query rows: below, its
-        half-block stagger and last-dQ flush cost more than the overlap gains (lockstep +2 to +3 % at 512)."""
-        if main.pingpong and p.seqlen_q <= PINGPONG_MAX_SHORT_SEQLEN_Q:
-            return dataclasses.replace(main, pingpong=False)
-        return main
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
