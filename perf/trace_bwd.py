@@ -27,6 +27,7 @@ from flashattn_hopper import flash_attn_func, validate
 from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90
 
 POINTS = 16  # kernels/sm90/bwd_loop.py _TRACE_POINTS
+CTA_BASE = 128  # kernels/sm90/bwd_loop.py TRACE_CTA_BASE
 
 
 def print_stamps(stamps: torch.Tensor) -> None:
@@ -43,6 +44,34 @@ def print_stamps(stamps: torch.Tensor) -> None:
                 print(f"trace cta {cta} wg {wg} block {blk} t0 {t0 % (1 << 32)}: {main} (q {r[8]} do {r[9]}) "
                       f"[dS-in {r[10]} dS-st {r[11]} dQ-empty {r[12]} dQ-st {r[13]} issued {r[14]} dV-iss {r[15]}]",
                       flush=True)
+
+
+def print_cta_spans(stamps: torch.Tensor, label: str) -> None:
+    """Every CTA's span (``store_cta_span``: SM, start, end in ns, m_blocks): the duration fitted as a per-CTA
+    fixed cost plus a per-block one, the gaps between one SM's consecutive CTAs, and the SMs' busy share."""
+    rows = stamps.view(-1)[CTA_BASE:].view(-1, 4).cpu().to(torch.int64)
+    rows = rows[rows[:, 2] != 0]
+    if rows.numel() == 0:
+        print(f"{label}: no CTA spans", flush=True)
+        return
+    t0 = int(rows[:, 1].min())
+    start, end = (rows[:, 1] - t0) % (1 << 32), (rows[:, 2] - t0) % (1 << 32)
+    dur, blocks, sm = (end - start).double(), rows[:, 3].double(), rows[:, 0]
+    design = torch.stack([torch.ones_like(blocks), blocks], 1)
+    fixed, per_block = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
+    gaps, busy = [], 0.0
+    for s_id in sm.unique().tolist():
+        mine = (sm == s_id).nonzero()[:, 0]
+        order = mine[start[mine].argsort()]
+        busy += float(dur[order].sum())
+        gaps += (start[order][1:] - end[order][:-1]).tolist()
+    span = float(end.max())
+    n_sm = len(sm.unique())
+    print(f"{label}: {rows.shape[0]} CTAs on {n_sm} SMs, span {span / 1e3:.1f} us, CTA {float(dur.mean()) / 1e3:.2f} us "
+          f"mean ({float(blocks.mean()):.2f} blocks) = {fixed / 1e3:.2f} us fixed + {per_block / 1e3:.3f} us per block; "
+          f"gap between an SM's CTAs {sum(gaps) / max(len(gaps), 1) / 1e3:.2f} us mean; SMs busy "
+          f"{busy / (span * n_sm):.1%}; last SM idle from {float(torch.stack([end[sm == x].max() for x in sm.unique()]).min()) / 1e3:.1f} us",
+          flush=True)
 
 
 def _flag(spec: str) -> tuple[str, bool | int]:
@@ -76,7 +105,9 @@ def main() -> None:
                   flush=True)
             plan(dout, q, k, v, out, lse)
             torch.cuda.synchronize()
-            print_stamps(plan.trace_stamps)
+            if args.seqlen > 4 * 128:  # (blocks TRACE_BLOCK and the next exist)
+                print_stamps(plan.trace_stamps)
+            print_cta_spans(plan.trace_stamps, f"hdim {hdim} seqlen {args.seqlen} causal {args.causal} run {run}")
 
 
 if __name__ == "__main__":

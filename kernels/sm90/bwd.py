@@ -457,6 +457,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta_start = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
         # The postprocess (a programmatic dependent: it waits for this grid to complete) may launch once
         # every CTA of this grid has started: its launch then overlaps the last wave.
         cute.arch.griddepcontrol_launch_dependents()
@@ -569,6 +570,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                         seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
                         sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
                     )
+                if const_expr(self.trace):
+                    self.store_cta_span(mdQ_sem[0, 0, None], cta_start, tidx, m_block_max - m_block_min)
 
     # ------------------------------------------------------------------ producer
 

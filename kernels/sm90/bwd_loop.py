@@ -23,6 +23,7 @@ from ..common.utils import acc_rows_cols, convert_to_16bit, mul_b16x2, transpose
 
 
 TRACE_BLOCK = 4  # (trace) the first of the two traced blocks of each CTA's loop
+TRACE_CTA_BASE = 128  # (trace) where ``store_cta_span`` starts: after 2 CTAs x 2 warpgroups x 2 blocks x 16 points
 _TRACE_POINTS = 16  # 0-7 along the block (``perf/trace_bwd.py``), 8 Q landed, 9 dO landed, 10-15 finer points
 
 
@@ -239,6 +240,20 @@ class FlashBwdSm90Loop:
             base = (bx * 2 + wg_idx) * (2 * _TRACE_POINTS)
             for i in cutlass.range_constexpr(2 * _TRACE_POINTS):
                 trace_out[base + i] = stamps[i]
+
+    @cute.jit
+    def store_cta_span(self, trace_out: cute.Tensor, cta_start: Int32, tidx: Int32, num_blocks: Int32):
+        """(trace) Every CTA's (SM, start, end, m_blocks): %smid, the low 32 bits of %globaltimer (ns) at the kernel's
+        entry and after this MMA warpgroup's epilogue, and its block count, at ``TRACE_CTA_BASE + 4 * linear CTA``
+        (``perf/trace_bwd.py --ctas``: the per-CTA fixed cost against the per-block one)."""
+        if tidx == 0:
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            base = TRACE_CTA_BASE + 4 * (bx + gx * (by + gy * bz))
+            trace_out[base] = Int32(cute.arch.smid())
+            trace_out[base + 1] = Int32(cta_start)
+            trace_out[base + 2] = Int32(cute.arch.globaltimer_lo())
+            trace_out[base + 3] = num_blocks
 
     def sdp_operands(self, wg_sdp, sQ, sK, sV, sdO):
         """``(tSrK, tSrQ, tdPrV, tdPrdO)``: this warpgroup's smem operands of S^T = K Q^T and dP^T = V dO^T (shared
