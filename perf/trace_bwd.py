@@ -33,7 +33,7 @@ CTA_BASE = 128  # kernels/sm90/bwd_loop.py TRACE_CTA_BASE
 def print_stamps(stamps: torch.Tensor) -> None:
     """One line per (CTA, warpgroup) and traced block: its t0 (raw clock) and the points relative to it,
     ``1-7 (q 8 do 9) [10-15]``; the second block's line starts with its point 0."""
-    raw = stamps.view(2, 2, 2, POINTS).cpu().to(torch.int64)  # (cta, warpgroup, block, point)
+    raw = stamps.view(-1)[: 8 * POINTS].view(2, 2, 2, POINTS).cpu().to(torch.int64)  # (cta, warpgroup, block, point)
     for cta in range(2):
         for wg in range(2):
             t0 = int(raw[cta, wg, 0, 0])
@@ -47,31 +47,33 @@ def print_stamps(stamps: torch.Tensor) -> None:
 
 
 def print_cta_spans(stamps: torch.Tensor, label: str) -> None:
-    """Every CTA's span (``store_cta_span``: SM, start, end in ns, m_blocks): the duration fitted as a per-CTA
-    fixed cost plus a per-block one, the gaps between one SM's consecutive CTAs, and the SMs' busy share."""
-    rows = stamps.view(-1)[CTA_BASE:].view(-1, 4).cpu().to(torch.int64)
-    rows = rows[rows[:, 2] != 0]
+    """Every CTA's span (``store_cta_span``: SM, m_blocks, and in ns its entry, K/V landed, loop done, epilogue done):
+    the duration fitted as a per-CTA fixed cost plus a per-block one, the mean prologue / loop / epilogue, the gaps
+    between one SM's consecutive CTAs, and the SMs' busy share."""
+    rows = stamps.view(-1)[CTA_BASE:].view(-1, 6).cpu().to(torch.int64)
+    rows = rows[rows[:, 5] != 0]
     if rows.numel() == 0:
         print(f"{label}: no CTA spans", flush=True)
         return
-    t0 = int(rows[:, 1].min())
-    start, end = (rows[:, 1] - t0) % (1 << 32), (rows[:, 2] - t0) % (1 << 32)
-    dur, blocks, sm = (end - start).double(), rows[:, 3].double(), rows[:, 0]
+    t0 = int(rows[:, 2].min())
+    start, kv, loop, end = ((rows[:, c] - t0) % (1 << 32) for c in (2, 3, 4, 5))
+    dur, blocks, sm = (end - start).double(), rows[:, 1].double(), rows[:, 0]
     design = torch.stack([torch.ones_like(blocks), blocks], 1)
     fixed, per_block = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
+    loop_fixed, loop_block = torch.linalg.lstsq(design, (loop - kv).double()[:, None]).solution[:, 0].tolist()
     gaps, busy = [], 0.0
     for s_id in sm.unique().tolist():
         mine = (sm == s_id).nonzero()[:, 0]
         order = mine[start[mine].argsort()]
         busy += float(dur[order].sum())
         gaps += (start[order][1:] - end[order][:-1]).tolist()
-    span = float(end.max())
-    n_sm = len(sm.unique())
-    print(f"{label}: {rows.shape[0]} CTAs on {n_sm} SMs, span {span / 1e3:.1f} us, CTA {float(dur.mean()) / 1e3:.2f} us "
-          f"mean ({float(blocks.mean()):.2f} blocks) = {fixed / 1e3:.2f} us fixed + {per_block / 1e3:.3f} us per block; "
-          f"gap between an SM's CTAs {sum(gaps) / max(len(gaps), 1) / 1e3:.2f} us mean; SMs busy "
-          f"{busy / (span * n_sm):.1%}; last SM idle from {float(torch.stack([end[sm == x].max() for x in sm.unique()]).min()) / 1e3:.1f} us",
-          flush=True)
+    span, n_sm = float(end.max()), len(sm.unique())
+    us = lambda t: float(t.double().mean()) / 1e3  # noqa: E731
+    print(f"{label}: {rows.shape[0]} CTAs on {n_sm} SMs, span {span / 1e3:.1f} us; CTA {us(end - start):.2f} us "
+          f"({float(blocks.mean()):.2f} blocks) = {fixed / 1e3:.2f} fixed + {per_block / 1e3:.3f} per block "
+          f"(fit); prologue to K/V landed {us(kv - start):.2f}, loop {us(loop - kv):.2f} (= {loop_fixed / 1e3:.2f} + "
+          f"{loop_block / 1e3:.3f} per block), epilogue {us(end - loop):.2f}; gap between an SM's CTAs "
+          f"{sum(gaps) / max(len(gaps), 1) / 1e3:.2f}; SMs busy {busy / (span * n_sm):.1%}", flush=True)
 
 
 def _flag(spec: str) -> tuple[str, bool | int]:

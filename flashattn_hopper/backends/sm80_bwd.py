@@ -569,10 +569,10 @@ class BwdPlan:
             sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // key.tile_n, dtype=torch.int32, device=dev)
                       if key.gqa else sem_q)
         elif getattr(key, "trace", False):  # (sm90 debug timeline: the kernel stores its clocks there)
-            # (then every CTA's span: 4 int32 each, kernels/sm90/bwd_loop.py ``store_cta_span``; an upper bound of
+            # (then every CTA's span: 6 int32 each, kernels/sm90/bwd_loop.py ``store_cta_span``; an upper bound of
             # the grid, varlen's included)
             ctas = (self.s_k_pad // key.tile_n + p.batch + 1) * p.nheads * self.b_scr
-            sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS + 4 * ctas, dtype=torch.int32, device=dev)
+            sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS + 6 * ctas, dtype=torch.int32, device=dev)
         else:
             sem_q = sem_kv = _unused_semaphore(device_index(dev))
         tail_sums = None

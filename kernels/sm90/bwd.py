@@ -542,12 +542,13 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
-                acc_dK, acc_dV, tiled_mma_dkv = self.mma(
+                mma_out = self.mma(
                     sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
                     seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
                     sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                 )
+                acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
                 if const_expr(self.is_gqa):
@@ -571,7 +572,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                         sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
                     )
                 if const_expr(self.trace):
-                    self.store_cta_span(mdQ_sem[0, 0, None], cta_start, tidx, m_block_max - m_block_min)
+                    self.store_cta_span(mdQ_sem[0, 0, None], (cta_start, *mma_out[3]), tidx, m_block_max - m_block_min)
 
     # ------------------------------------------------------------------ producer
 

@@ -50,7 +50,8 @@ class FlashBwdSm90Loop:
         dgk: cute.Tensor | None,
         trace_out: cute.Tensor | None = None,
     ):
-        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv). ``gate``
+        """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv[, (K/V landed, loop done)
+        %globaltimer stamps: trace only]). ``gate``
         and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
         (trace): where ``store_stamps`` puts the clocks."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
@@ -91,6 +92,7 @@ class FlashBwdSm90Loop:
             key_sums.fill(0.0)
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
+        kv_landed = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         stamps = None
         if const_expr(self.trace):
@@ -178,11 +180,13 @@ class FlashBwdSm90Loop:
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, last % 2], tdQrKt, zero_init=True, wg_wait=0)
                 self.dq_to_smem(acc_dQ, tdQsdQ, last > 0)
+        times = ()
         if const_expr(self.trace):
             self.store_stamps(stamps, tidx, wg_idx, trace_out)
+            times = ((kv_landed, cute.arch.globaltimer_lo()),)
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
-        return acc_dK, acc_dV, tiled_mma_dkv
+        return (acc_dK, acc_dV, tiled_mma_dkv, *times)
 
     @cute.jit
     def pingpong_tail(self, rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
@@ -242,18 +246,20 @@ class FlashBwdSm90Loop:
                 trace_out[base + i] = stamps[i]
 
     @cute.jit
-    def store_cta_span(self, trace_out: cute.Tensor, cta_start: Int32, tidx: Int32, num_blocks: Int32):
-        """(trace) Every CTA's (SM, start, end, m_blocks): %smid, the low 32 bits of %globaltimer (ns) at the kernel's
-        entry and after this MMA warpgroup's epilogue, and its block count, at ``TRACE_CTA_BASE + 4 * linear CTA``
-        (``perf/trace_bwd.py --ctas``: the per-CTA fixed cost against the per-block one)."""
+    def store_cta_span(self, trace_out: cute.Tensor, cta_times, tidx: Int32, num_blocks: Int32):
+        """(trace) Every CTA's (SM, m_blocks, entry, K/V landed, loop done, epilogue done): %smid, the block count and
+        the low 32 bits of %globaltimer (ns) at the kernel's entry, past ``wait_kv``, after the m_block loop (the
+        ping-pong flush included) and after this MMA warpgroup's epilogue, at ``TRACE_CTA_BASE + 6 * linear CTA``
+        (``perf/trace_bwd.py``: the per-CTA fixed cost against the per-block one, and where it goes)."""
         if tidx == 0:
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
-            base = TRACE_CTA_BASE + 4 * (bx + gx * (by + gy * bz))
+            base = TRACE_CTA_BASE + 6 * (bx + gx * (by + gy * bz))
             trace_out[base] = Int32(cute.arch.smid())
-            trace_out[base + 1] = Int32(cta_start)
-            trace_out[base + 2] = Int32(cute.arch.globaltimer_lo())
-            trace_out[base + 3] = num_blocks
+            trace_out[base + 1] = num_blocks
+            for i in cutlass.range_constexpr(3):
+                trace_out[base + 2 + i] = Int32(cta_times[i])
+            trace_out[base + 5] = Int32(cute.arch.globaltimer_lo())
 
     def sdp_operands(self, wg_sdp, sQ, sK, sV, sdO):
         """``(tSrK, tSrQ, tdPrV, tdPrdO)``: this warpgroup's smem operands of S^T = K Q^T and dP^T = V dO^T (shared
