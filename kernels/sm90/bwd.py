@@ -140,14 +140,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        tma_epilogue: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
                                     has_softcap, head_dim_v=head_dim_v, has_gate=has_gate,
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
-        if reason is None and tma_epilogue and is_gqa:
-            reason = "tma_epilogue stores 16-bit dK / dV: MHA only (GQA reduce-adds fp32 sums)"
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is not None:
@@ -194,10 +191,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # Dense MHA: dK and dV leave sK / sV by two TMA stores from one thread (the CTA waits for their smem reads
-        # only) instead of every MMA thread's 128-bit loads and stores (varlen keeps those: a TMA box would write
-        # into the next sequence's rows).
-        self.tma_epilogue = tma_epilogue
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -393,11 +386,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_load, mLSE_t, stat_layout, (self.tile_m,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_load, mdPsum_t, stat_layout, (self.tile_m,))
         mdQaccum = assume_strides_aligned(mdQaccum)  # (whole tiles go out by 16-byte-aligned bulk adds)
-        tma_store_dkv = (None, None, None, None)
-        if const_expr(self.tma_epilogue):  # dense MHA: dK / dV tiles out of sK / sV by two TMA stores
-            tma_store = cpasync.CopyBulkTensorTileS2GOp()
-            tma_store_dkv = (*cpasync.make_tiled_tma_atom(tma_store, mdK, layouts["sK"], (self.tile_n, d)),
-                             *cpasync.make_tiled_tma_atom(tma_store, mdV, layouts["sV"], (self.tile_n, dv)))
         SharedStorage = self._shared_storage(layouts)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         if const_expr(self.has_softcap):
@@ -416,7 +404,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
             mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mGate, mdGq, mdGk,
-            *tma_store_dkv, SharedStorage,
+            SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -465,10 +453,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         mGate: cute.Tensor | None,  # has_gate: (s_k | total_k, nheads[, batch]) fp32
         mdGq: cute.Tensor | None,  # has_gate: (s_q | total_q, nheads[, batch]) fp32
         mdGk: cute.Tensor | None,  # has_gate: like mGate
-        tma_atom_dK: cute.CopyAtom | None,  # tma_epilogue: the dK / dV TMA stores (atoms, coordinate tensors)
-        tma_dK: cute.Tensor | None,
-        tma_atom_dV: cute.CopyAtom | None,
-        tma_dV: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
@@ -579,13 +563,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                         acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
                         mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
                         head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging,
-                    )
-                elif const_expr(self.tma_epilogue):
-                    self.epilogue_mha_tma(
-                        acc_dK, acc_dV, softmax_scale,
-                        seqlen.k_view(select_head(tma_dK, head_idx_kv, 2), batch_idx),
-                        seqlen.k_view(select_head(tma_dV, head_idx_kv, 2), batch_idx),
-                        tma_atom_dK, tma_atom_dV, sK, sV, tiled_mma_dkv, tidx, n_block,
                     )
                 else:
                     self.epilogue_mha(

@@ -12,7 +12,7 @@ import enum
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from . import bwd_gate
 from ..common.block_info import BlockInfo
@@ -158,34 +158,6 @@ class FlashBwdSm90Store:
                 cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
                 tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
             )
-
-    @cute.jit
-    def epilogue_mha_tma(self, acc_dK, acc_dV, dk_scale: Float32, tma_dK_cur, tma_dV_cur, tma_atom_dK, tma_atom_dV,
-                         sK, sV, tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32):
-        """``epilogue_mha`` with TMA stores (``tma_epilogue``, dense): dK * scale, dV -> 16-bit -> sK / sV (stmatrix),
-        fenced for the async proxy, one barrier, then one thread stores both tiles (the TMA clips rows past
-        seqlen_k) and waits for their smem reads only."""
-        acc_dK.store(acc_dK.load() * dk_scale)
-        rdK = convert_to_16bit(acc_dK, self.dtype)
-        rdV = convert_to_16bit(acc_dV, self.dtype)
-        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_dkv,
-        ).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
-        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA unit's reads
-        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
-        if tidx == 0:
-            for atom, mX, sX, cols in ((tma_atom_dK, tma_dK_cur, sK, self.head_dim),
-                                       (tma_atom_dV, tma_dV_cur, sV, self.head_dim_v)):
-                gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
-                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                                   cute.group_modes(gX, 0, 2))
-                cute.copy(atom, tXsX, tXgX)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sK / sV are read before the CTA exits
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
