@@ -140,6 +140,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
+        kv_prefetch_next: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -191,6 +192,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
+        # Dense: the producer first prefetches the K/V tile of the CTA ~%nsmid linear ids on into L2 (``prefetch_next_kv``):
+        # a CTA's prologue to K/V landed is 1.3-3.6 us (NOTES session 32), mostly DRAM latency.
+        self.kv_prefetch_next = kv_prefetch_next
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -529,6 +533,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
                 if warp_idx == 0:
+                    if const_expr(self.kv_prefetch_next and not varlen):
+                        self.prefetch_next_kv(mK, mV, tma_atom_K, tma_atom_V, sK, sV, qhead_per_kvhead)
                     self.load(
                         mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
                         pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
@@ -575,6 +581,23 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     self.store_cta_span(mdQ_sem[0, 0, None], (cta_start, *mma_out[3]), tidx, m_block_max - m_block_min)
 
     # ------------------------------------------------------------------ producer
+
+    @cute.jit
+    def prefetch_next_kv(self, mK, mV, atom_K, atom_V, sK, sV, qhead_per_kvhead: Int32):
+        """(kv_prefetch_next, dense) K and V of the CTA about ``%nsmid`` linear ids on into L2 (TMA prefetch): the
+        block scheduler hands CTAs out in linear order as SMs free up, so that one starts about when this one ends,
+        and its prologue's K/V load then hits L2 instead of DRAM."""
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        following = bx + gx * (by + gy * bz) + Int32(cute.arch.nsmid())
+        if following < gx * gy * gz:
+            n_next, head_next, batch_next = following % gx, (following // gx) % gy, following // (gx * gy)
+            head_kv_next = head_next // qhead_per_kvhead
+            for atom, mX, sX, cols in ((atom_K, mK, sK, self.head_dim), (atom_V, mV, sV, self.head_dim_v)):
+                gX = cute.local_tile(mX[None, None, head_kv_next, batch_next], (self.tile_n, cols), (n_next, 0))
+                _, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                                cute.group_modes(gX, 0, 2))
+                cute.prefetch(atom, tXgX)
 
     @cute.jit
     def load(
