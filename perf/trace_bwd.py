@@ -29,6 +29,7 @@ import torch
 
 from flashattn_hopper import flash_attn_func, validate
 from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90
+from flashattn_hopper.kernels.sm90.bwd_loop import TRACE_BLOCK
 
 POINTS = 16  # kernels/sm90/bwd_loop.py _TRACE_POINTS
 CTA_BASE = 128  # kernels/sm90/bwd_loop.py TRACE_CTA_BASE
@@ -59,12 +60,20 @@ def print_cta_spans(stamps: torch.Tensor, label: str) -> None:
     if rows.numel() == 0:
         print(f"{label}: no CTA spans", flush=True)
         return
-    t0 = int(rows[:, 2].min())
-    start, kv, loop, end = ((rows[:, c] - t0) % (1 << 32) for c in (2, 3, 4, 5))
+    # (32-bit nanosecond stamps: relative to the first row's entry, wrapped into +-2**31, then from the earliest)
+    ref = int(rows[0, 2])
+    start, kv, loop, end = ((((rows[:, c] - ref + (1 << 31)) % (1 << 32)) - (1 << 31)) for c in (2, 3, 4, 5))
+    t0 = int(start.min())
+    start, kv, loop, end = start - t0, kv - t0, loop - t0, end - t0
     dur, blocks, sm = (end - start).double(), rows[:, 1].double(), rows[:, 0]
-    design = torch.stack([torch.ones_like(blocks), blocks], 1)
-    fixed, per_block = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
-    loop_fixed, loop_block = torch.linalg.lstsq(design, (loop - kv).double()[:, None]).solution[:, 0].tolist()
+    if blocks.unique().numel() > 1:  # (a fit needs CTAs of different block counts: causal or local)
+        design = torch.stack([torch.ones_like(blocks), blocks], 1)
+        fixed, per_block = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
+        loop_fixed, loop_block = torch.linalg.lstsq(design, (loop - kv).double()[:, None]).solution[:, 0].tolist()
+        fit = f"{fixed / 1e3:.2f} fixed + {per_block / 1e3:.3f} per block (fit)"
+        loop_fit = f"= {loop_fixed / 1e3:.2f} + {loop_block / 1e3:.3f} per block"
+    else:
+        fit, loop_fit = "no fit: every CTA has the same block count", "no fit"
     gaps, busy = [], 0.0
     for s_id in sm.unique().tolist():
         mine = (sm == s_id).nonzero()[:, 0]
@@ -74,9 +83,8 @@ def print_cta_spans(stamps: torch.Tensor, label: str) -> None:
     span, n_sm = float(end.max()), len(sm.unique())
     us = lambda t: float(t.double().mean()) / 1e3  # noqa: E731
     print(f"{label}: {rows.shape[0]} CTAs on {n_sm} SMs, span {span / 1e3:.1f} us; CTA {us(end - start):.2f} us "
-          f"({float(blocks.mean()):.2f} blocks) = {fixed / 1e3:.2f} fixed + {per_block / 1e3:.3f} per block "
-          f"(fit); prologue to K/V landed {us(kv - start):.2f}, loop {us(loop - kv):.2f} (= {loop_fixed / 1e3:.2f} + "
-          f"{loop_block / 1e3:.3f} per block), epilogue {us(end - loop):.2f}; gap between an SM's CTAs "
+          f"({float(blocks.mean()):.2f} blocks) = {fit}; prologue to K/V landed {us(kv - start):.2f}, loop "
+          f"{us(loop - kv):.2f} ({loop_fit}), epilogue {us(end - loop):.2f}; gap between an SM's CTAs "
           f"{sum(gaps) / max(len(gaps), 1) / 1e3:.2f}; SMs busy {busy / (span * n_sm):.1%}", flush=True)
 
 
@@ -93,14 +101,14 @@ def main() -> None:
     ap.add_argument("--pingpong", choices=["table", "on", "off"], default="table",
                     help="the table tile's ping-pong flag (hdim 64: on), or forced on / off")
     ap.add_argument("--flags", nargs="*", default=[],
-                    help="extra BwdSm90Tile fields set on the traced tile: NAME (True) or NAME=INT, e.g. dq_slots=2")
+                    help="extra BwdSm90Tile fields set on the traced tile: NAME (True) or NAME=INT, e.g. kv_prefetch_next")
     args = ap.parse_args()
     for hdim in args.hdims:
         batch, nheads = max(16384 // args.seqlen, 1), 2048 // hdim
         family = BwdSm90()
         pingpong = BWD_SM90_TILES[hdim].pingpong if args.pingpong == "table" else args.pingpong == "on"
-        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], trace=True, pingpong=pingpong,
-                                                  **dict(_flag(f) for f in args.flags))}
+        family.tiles = {hdim: dataclasses.replace(BWD_SM90_TILES[hdim], **{"trace": True, "pingpong": pingpong,
+                                                                             **dict(_flag(f) for f in args.flags)})}
         q, k, v, dout = (torch.randn(batch, args.seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda")
                          for _ in range(4))
         p = validate.validate_dense(q, k, v, None, args.causal, (-1, -1), 0.0)
@@ -111,7 +119,9 @@ def main() -> None:
                   flush=True)
             plan(dout, q, k, v, out, lse)
             torch.cuda.synchronize()
-            if args.seqlen > 4 * 128:  # (blocks TRACE_BLOCK and the next exist)
+            tile = family.tiles[hdim]
+            if args.seqlen >= (TRACE_BLOCK + 2) * tile.tile_m + (tile.tile_n if args.causal else 0):
+                # (blocks TRACE_BLOCK and the next exist in both traced CTAs)
                 print_stamps(plan.trace_stamps)
             print_cta_spans(plan.trace_stamps, f"hdim {hdim} seqlen {args.seqlen} causal {args.causal} run {run}")
 

@@ -164,7 +164,9 @@ class BwdSm90(BwdSm80):
             # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
-            **({"kv_prefetch_next": True} if t.kv_prefetch_next and not flags.get("varlen") else {}), **flags,
+            # (not the wide kernel's tile_n 64; not deterministic, whose causal CTAs reverse their key block)
+            **({"kv_prefetch_next": True} if t.kv_prefetch_next and t.tile_n == 128 and not flags.get("varlen")
+               and not flags.get("deterministic") else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:

@@ -533,12 +533,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
                 if warp_idx == 0:
-                    if const_expr(self.kv_prefetch_next and not varlen):
-                        self.prefetch_next_kv(mK, mV, tma_atom_K, tma_atom_V, sK, sV, qhead_per_kvhead)
                     self.load(
                         mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
                         pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
                         row_offset_q, n_block, m_block_min, m_block_max,
+                        qhead_per_kvhead if const_expr(self.kv_prefetch_next and not varlen) else None,
                     )
                 if warp_idx == 1:
                     self.store_dq(
@@ -617,9 +616,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
+        qhead_per_kvhead: Int32 | None = None,
     ):
         """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
-        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM)."""
+        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM).
+        ``qhead_per_kvhead`` (kv_prefetch_next, dense): then also the next CTA's K/V into L2 (``prefetch_next_kv``)."""
         atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
         d = self.head_dim
         if m_block_min < m_block_max:
@@ -672,3 +673,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                 cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)
                 state.advance()
+            if const_expr(qhead_per_kvhead is not None):
+                # (after this CTA's last loads: the next CTA starts ~num_stages blocks later, so the lines do not
+                # have to outlive a whole CTA's Q/dO traffic in L2)
+                self.prefetch_next_kv(mK, mV, atom_K, atom_V, sK, sV, qhead_per_kvhead)

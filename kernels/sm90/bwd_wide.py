@@ -67,7 +67,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
                          deterministic=deterministic, head_dim_v=head_dim_v)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
-        self.kv_prefetch_next = False
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
