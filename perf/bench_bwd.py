@@ -42,7 +42,7 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:kvnext]`` -> (hdim, an sm90 backward family whose table
+    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed]`` -> (hdim, an sm90 backward family whose table
     has that tile; ``pingpong`` and ``packed`` set ``BwdSm90Tile``'s flags of those names, so ``64:128x128:2:rows``
     is the lockstep loop without ds_packed and hdim 64's default is ``64:128x128:2:rows:pingpong:packed``)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
@@ -53,8 +53,7 @@ def parse_tile(spec: str):
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      kv_prefetch_next="kvnext" in parts)}
+                                      pingpong="pingpong" in parts, ds_packed="packed" in parts)}
     return hdim, family
 
 

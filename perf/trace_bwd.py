@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--pingpong", choices=["table", "on", "off"], default="table",
                     help="the table tile's ping-pong flag (hdim 64: on), or forced on / off")
     ap.add_argument("--flags", nargs="*", default=[],
-                    help="extra BwdSm90Tile fields set on the traced tile: NAME (True) or NAME=INT, e.g. kv_prefetch_next")
+                    help="extra BwdSm90Tile fields set on the traced tile: NAME (True) or NAME=INT, e.g. ds_packed")
     args = ap.parse_args()
     for hdim in args.hdims:
         batch, nheads = max(16384 // args.seqlen, 1), 2048 // hdim

@@ -7,8 +7,7 @@ def variant_keys(spec, arch: str) -> list:
     """The keys users hit (``all_keys``) plus sm90 variants measured but not shipped that must keep
     compiling: clusters of 2 with K/V multicast on the other head dims' table tiles (hdim 64: 3 MMA
     warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys), the
-    in-kernel sink and (sm90) the in-kernel gate, the sm90 backward's trace and K/V-prefetch keys, one representative
-    each."""
+    in-kernel sink and (sm90) the in-kernel gate, the sm90 backward's trace key, one representative each."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
         clustered = [
@@ -28,12 +27,11 @@ def variant_keys(spec, arch: str) -> list:
             keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False)
                      for in_gemm in (True, False)]
     if spec.kind == "bwd_sm90" and keys:
-        # Opt-in backward variants: the debug trace (per-block clocks, every CTA's span) and the next CTA's K/V
-        # prefetched into L2 (``kv_prefetch_next``, not yet measured), on the dense hdim-128 MHA table tile.
+        # The opt-in debug trace (per-block clocks, every CTA's span) on the dense hdim-128 MHA table tile.
         dense = next(key for key in keys if key.kernel == "bwd_sm90" and key.head_dim == 128 and not key.gqa
                      and not key.varlen and not key.causal and not key.local and not key.softcap
                      and not key.deterministic and not key.gate and not key.dq_transposed)
-        keys += [dataclasses.replace(dense, trace=True), dataclasses.replace(dense, kv_prefetch_next=True)]
+        keys.append(dataclasses.replace(dense, trace=True))
     if spec.kind == "bwd_sm80" and keys:
         # The preprocess with a learnable sink's gradient parts (sinks.py's eager backward), dense and varlen.
         for varlen in (False, True):

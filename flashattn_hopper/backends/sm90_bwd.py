@@ -37,7 +37,6 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
-    kv_prefetch_next: bool = False  # dense: the next CTA's K/V into L2 (kernels/sm90/bwd.py prefetch_next_kv)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -83,7 +82,6 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
-    kv_prefetch_next: bool = False  # BwdSm90Tile's (dense keys)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -163,10 +161,7 @@ class BwdSm90(BwdSm80):
             # Not fp16 (its range: the 16-bit difference can overflow where the fp32 product would not, and a
             # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
-               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
-            # (not the wide kernel's tile_n 64; not deterministic, whose causal CTAs reverse their key block)
-            **({"kv_prefetch_next": True} if t.kv_prefetch_next and t.tile_n == 128 and not flags.get("varlen")
-               and not flags.get("deterministic") else {}), **flags,
+               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -262,7 +257,6 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
-            **({"kv_prefetch_next": True} if k.kv_prefetch_next else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

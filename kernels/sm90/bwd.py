@@ -140,7 +140,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        kv_prefetch_next: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -192,9 +191,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # Dense: the producer first prefetches the K/V tile of the CTA ~%nsmid linear ids on into L2 (``prefetch_next_kv``):
-        # a CTA's prologue to K/V landed is 1.3-3.6 us (NOTES session 32), mostly DRAM latency.
-        self.kv_prefetch_next = kv_prefetch_next
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -537,7 +533,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                         mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
                         pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
                         row_offset_q, n_block, m_block_min, m_block_max,
-                        qhead_per_kvhead if const_expr(self.kv_prefetch_next and not varlen) else None,
                     )
                 if warp_idx == 1:
                     self.store_dq(
@@ -582,23 +577,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     # ------------------------------------------------------------------ producer
 
     @cute.jit
-    def prefetch_next_kv(self, mK, mV, atom_K, atom_V, sK, sV, qhead_per_kvhead: Int32):
-        """(kv_prefetch_next, dense) K and V of the CTA about ``%nsmid`` linear ids on into L2 (TMA prefetch): the
-        block scheduler hands CTAs out in linear order as SMs free up, so that one starts about when this one ends,
-        and its prologue's K/V load then hits L2 instead of DRAM."""
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, gz = cute.arch.grid_dim()
-        following = bx + gx * (by + gy * bz) + Int32(cute.arch.nsmid())
-        if following < gx * gy * gz:
-            n_next, head_next, batch_next = following % gx, (following // gx) % gy, following // (gx * gy)
-            head_kv_next = head_next // qhead_per_kvhead
-            for atom, mX, sX, cols in ((atom_K, mK, sK, self.head_dim), (atom_V, mV, sV, self.head_dim_v)):
-                gX = cute.local_tile(mX[None, None, head_kv_next, batch_next], (self.tile_n, cols), (n_next, 0))
-                _, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                                cute.group_modes(gX, 0, 2))
-                cute.prefetch(atom, tXgX)
-
-    @cute.jit
     def load(
         self,
         mQ, mK, mV, mdO, mLSE, mdPsum,  # TMA coordinate tensors
@@ -616,11 +594,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
-        qhead_per_kvhead: Int32 | None = None,
     ):
         """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
-        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM).
-        ``qhead_per_kvhead`` (kv_prefetch_next, dense): then also the next CTA's K/V into L2 (``prefetch_next_kv``)."""
+        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM)."""
         atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
         d = self.head_dim
         if m_block_min < m_block_max:
@@ -673,7 +649,3 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                 cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)
                 state.advance()
-            if const_expr(qhead_per_kvhead is not None):
-                # (after this CTA's last loads: the next CTA starts ~num_stages blocks later, so the lines do not
-                # have to outlive a whole CTA's Q/dO traffic in L2)
-                self.prefetch_next_kv(mK, mV, atom_K, atom_V, sK, sV, qhead_per_kvhead)
