@@ -72,7 +72,8 @@ class FlashBwdSm90Store:
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None,
+                 blocks_before: Int32 | None = None):
         """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
@@ -81,7 +82,9 @@ class FlashBwdSm90Store:
 
         ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
         (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
-        per-query dS sums, which take the slot's sums in the same step (and turn)."""
+        per-query dS sums, which take the slot's sums in the same step (and turn). ``blocks_before``
+        (persistent, ``bwd_persistent.py``): blocks the CTA's earlier tiles handed over (sdQ's hand-back counts
+        them; the caller waits for the last adds after its last tile)."""
         lane = cute.arch.lane_idx()
         cute.arch.griddepcontrol_wait()  # the preprocess zeroed dQaccum (``load``'s wait)
         tile_elems = self.tile_m * self.head_dim
@@ -91,7 +94,8 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
-            if m_block > m_block_min:
+            if (m_block > m_block_min if const_expr(blocks_before is None)
+                    else blocks_before + m_block - m_block_min > 0):
                 # Hand each warpgroup its part back once the previous block's add of it has read it
                 # (bulk groups complete in order: part k's before part k + 1's).
                 for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -128,8 +132,9 @@ class FlashBwdSm90Store:
                 semaphore_signal(
                     mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
                 )
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
+        if const_expr(blocks_before is None):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
 
     # ------------------------------------------------------------------ epilogues
 
