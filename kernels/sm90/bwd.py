@@ -535,7 +535,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
                 self.mma_persistent(
                     (sQ, sK, sV, sdO, sLSE, sdPsum), sdSt, sdQ, sQuerySums, pipe_kv, pipe_q, pipe_do, scheduler,
                     handoff, seqlens, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                    softmax_scale, mdK, mdV, qhead_per_kvhead,
+                    softmax_scale, mdK, mdV, qhead_per_kvhead, self.staging_views(storage.sdSt),
                 )
         else:
             # This CTA's (sequence, key block): varlen CTAs past the last tile have none.

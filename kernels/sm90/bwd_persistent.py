@@ -4,8 +4,10 @@ Purpose: at most one CTA per SM, each taking key blocks ``(n_block, head, batch)
 (``common/tile_scheduler.py``: the first tile is the CTA's index, the next ``grid + atomicAdd``) instead of one
 CTA per key block. A non-persistent CTA pays 4.3-5.8 us of fixed cost per key block on an H100 (launch, barrier
 init, K/V's first load, the epilogue's drain; perf/NOTES.md session 32), ~30-43 % of a 512-1k causal kernel.
-Persistent, the next tile's first Q/dO stages load under this tile's epilogue, its K/V as soon as the epilogue
-released sK / sV, and the prologue is paid once per SM.
+Persistent, the prologue is paid once per SM, and the next tile's first Q/dO stages and its K/V load under this
+tile's epilogue: K/V's stage is released at the tile's last GEMM, and the epilogue stages dK / dV through sdSt
+(``staging_views``) instead of sK / sV. (Staged through sK / sV, released after the epilogue, the walk measured
+flat: K/V's load latency, 1.3-3.4 us under load, stayed exposed; perf/NOTES.md session 33.)
 
 Roles (each walks the same tile sequence; the producer warp fetches the next index and publishes it through
 ``TileHandoff``, whose consumers are the MMA threads and the dQ writer's lanes):
@@ -13,21 +15,21 @@ Roles (each walks the same tile sequence; the producer warp fetches the next ind
     | role        | per tile                                                                         |
     | producer    | [first tile, or one without blocks: K/V first] Q/dO/LSE/dPsum of each m_block     |
     |             | into the ring (state carried across tiles); K/V after the first block's, once    |
-    |             | the previous tile's epilogue released their stage; fetch + publish the next tile |
+    |             | the previous tile's last GEMM released their stage; fetch + publish the next tile|
     | dQ writer   | its m_blocks' reduce-adds, sdQ's hand-back counted over the CTA's lifetime       |
-    | MMA (x2)    | wait K/V (every tile: the producer loads them even without blocks, the epilogue  |
-    |             | stages through sK / sV), zeroed dK/dV, the m_block loop (ring state carried),    |
-    |             | the epilogue, then release K/V's stage                                           |
+    | MMA (x2)    | wait K/V (every tile: the producer loads them even without blocks), zeroed dK/dV,|
+    |             | the m_block loop (ring state carried), release K/V's stage, the epilogue through |
+    |             | sdSt, a barrier of both warpgroups before the next tile's dS^T stores            |
 
-    Pipelines across tiles: pipeline_kv's one stage flips phase per tile (producer acquire waits for the MMA
-    warps' release after the epilogue); pipeline_q / pipeline_do keep one ring state per role for the CTA's
+    Pipelines across tiles: pipeline_kv's one stage flips phase per tile (producer acquire waits for the 8 MMA
+    warps' release after their last GEMM); pipeline_q / pipeline_do keep one ring state per role for the CTA's
     whole life; the DQ_EMPTY / DQ_FULL named barriers count blocks over the CTA's life (``blocks_before``).
 
 Timeline of one SM (two tiles)::
 
     producer  |K V|Q0 Q1 ...........Qn|Q0'|K' V'|Q1' ...
-    MMA       |   |blk0 blk1 ... blkn |epilogue|rel|blk0' ...
-    writer    |        dQ0  dQ1 ... dQn |        dQ0' ...
+    MMA       |   |blk0 blk1 ... blkn |rel|epilogue (sdSt)|blk0' ...
+    writer    |        dQ0  dQ1 ... dQn |             dQ0' ...
 
 Scope: dense, MHA, non-deterministic, no gate, no trace, tile_n 128 (the table's keys; ``FlashBwdSm90``'s
 constructor refuses the rest). GQA stages its fp32 dK/dV sums in sQ | sdO, which the next tile's Q/dO would
@@ -40,13 +42,14 @@ Paper: FlashAttention-3 (Shah et al., 2024) section 3.1 (persistent kernels); de
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..common.bwd_utils import m_block_min_max
 from ..common.seqlen import SeqlenInfo
+from ..common.sm90_utils import make_smem_layout_sm90
 from ..common.tile_scheduler import TileHandoff, TileScheduler
 from ..common.utils import opaque_i32, select_head
-from .bwd_store import _WG_THREADS
+from .bwd_store import _WG_THREADS, NamedBarrierBwd
 
 
 class FlashBwdSm90Persistent:
@@ -64,6 +67,18 @@ class FlashBwdSm90Persistent:
             window_left, window_right,
         )
         return n_block, head_idx, batch_idx, seqlen, m_block_min, m_block_max
+
+    def staging_views(self, sdSt_storage) -> tuple:
+        """``(dK's, dV's)`` epilogue staging tiles, sK-shaped views of sdSt's buffer (free once the tile's last
+        dQ GEMM has read it): both where they fit (hdim 64: 2 x 16 KB of 64 KB), else one for both in turn (hdim
+        128: 32 KB; ``epilogue_mha`` with ``sV`` None)."""
+        sdSt_elems = 2 * self.tile_n * self.tile_m  # (``_smem_layouts``: pds_stages = 2)
+        if const_expr(2 * self.tile_n * self.head_dim <= sdSt_elems):
+            both = make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim, 2)
+            views = sdSt_storage.get_tensor(both.outer, swizzle=both.inner)
+            return views[None, None, 0], views[None, None, 1]
+        one = make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim)
+        return sdSt_storage.get_tensor(one.outer, swizzle=one.inner), None
 
     @cute.jit
     def load_persistent(self, tensors, smem, atoms, pipe_kv, pipe_q, pipe_do, scheduler: TileScheduler,
@@ -123,9 +138,11 @@ class FlashBwdSm90Persistent:
     @cute.jit
     def mma_persistent(self, smem, sdSt, sdQ, sQuerySums, pipe_kv, pipe_q, pipe_do, scheduler: TileScheduler,
                        handoff: TileHandoff, seqlens: tuple, scale_log2: Float32, softcap_scale: Float32 | None,
-                       softmax_scale: Float32, mdK: cute.Tensor, mdV: cute.Tensor, qhead_per_kvhead: Int32):
-        """MMA warpgroups: for every tile of the CTA the m_block loop (``mma``), the MHA epilogue through sK / sV,
-        then K/V's stage released to the producer."""
+                       softmax_scale: Float32, mdK: cute.Tensor, mdV: cute.Tensor, qhead_per_kvhead: Int32,
+                       staging: tuple):
+        """MMA warpgroups: for every tile of the CTA the m_block loop (``mma``), K/V's stage released to the
+        producer as soon as the last GEMM has read it, then the MHA epilogue through ``staging`` (sK-shaped views of
+        sdSt, ``staging_views``), under which the next tile's K/V land."""
         sQ, sK, sV, sdO, sLSE, sdPsum = smem
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         blocks_before = Int32(0)
@@ -143,6 +160,9 @@ class FlashBwdSm90Persistent:
                 seqlen, n_block, m_block_min, m_block_max, scale_log2, softcap_scale, seqlens[2], seqlens[3],
                 sQuerySums, None, None, None, (state, kv_state, blocks_before),
             )
+            # Every warp is past its last GEMM (``mma`` ends on a full wait), so no WGMMA reads sK / sV any more:
+            # the stage's empty barrier completes once all 8 warps have arrived.
+            pipe_kv.consumer_release(kv_state)
             head_idx_kv = head_idx // qhead_per_kvhead
             # (the epilogue's addresses from a thread index computed here, not hoisted out of the tile loop)
             tidx = opaque_i32(cute.arch.thread_idx()[0]) - _WG_THREADS
@@ -150,14 +170,11 @@ class FlashBwdSm90Persistent:
                 acc_dK, acc_dV, softmax_scale,
                 seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
                 seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
-                sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
+                staging[0], staging[1], tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
             )
-            # The epilogue's generic-proxy writes and reads of sK / sV come before the next tile's TMA writes
-            # into them (a proxy fence per thread), and every lane of the warp is past them before lane 0
-            # releases the stage for the warp.
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_warp()
-            pipe_kv.consumer_release(kv_state)
+            # Every MMA thread's epilogue reads of sdSt are done before the next tile's dS^T stores (other rows of
+            # other warpgroups in sdSt's own layout).
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
             blocks_before += m_block_max - m_block_min
             tile_idx, _ = scheduler.next_tile_consumer(
                 tile_idx, handoff, pipeline.PipelineState(1, tiles_done, Int32(0), tiles_done % 2)

@@ -142,7 +142,8 @@ class FlashBwdSm90Store:
     def epilogue_mha(self, acc_dK, acc_dV, dk_scale: Float32, mdK_cur, mdV_cur, sK, sV,
                      tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32, seqlen_k: Int32):
         """dK * scale, dV -> 16-bit -> sK / sV (stmatrix; every WGMMA is done reading them) ->
-        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores."""
+        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores. ``sV`` None (the persistent
+        walk at hdim 128, staging in sdSt, which holds one of them): dK, then dV through ``sK``."""
         acc_dK.store(acc_dK.load() * dk_scale)
         rdK = convert_to_16bit(acc_dK, self.dtype)
         rdV = convert_to_16bit(acc_dV, self.dtype)
@@ -152,17 +153,32 @@ class FlashBwdSm90Store:
             tiled_mma_dkv,
         ).get_slice(tidx)
         cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
+        if const_expr(sV is not None):
+            cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
         rows = (64, self.head_dim)
         row0 = n_block * self.tile_n + wg_idx * 64
         wg_block = n_block * (self.tile_n // 64) + wg_idx
-        for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
+        if const_expr(sV is None):
             store_rows_predicated(
-                cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
+                cute.local_tile(sK, rows, (wg_idx, 0)), cute.local_tile(mdK_cur, rows, (wg_block, 0)),
                 tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
             )
+            # (this warpgroup's rows are read: dV takes their place)
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
+            cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sK))
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
+            store_rows_predicated(
+                cute.local_tile(sK, rows, (wg_idx, 0)), cute.local_tile(mdV_cur, rows, (wg_block, 0)),
+                tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
+            )
+        else:
+            for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
+                store_rows_predicated(
+                    cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
+                    tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
+                )
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
