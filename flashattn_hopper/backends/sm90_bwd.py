@@ -86,7 +86,7 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
-    persistent: bool = False  # BwdSm90Tile's (dense MHA, not deterministic, no gate or trace)
+    persistent: bool = False  # BwdSm90Tile's (dense MHA, not deterministic, no gate)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -168,7 +168,7 @@ class BwdSm90(BwdSm80):
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
             # (GQA stages its sums in sQ | sdO; deterministic and varlen keep one CTA per key block)
-            **({"persistent": True} if t.persistent and not gqa and t.tile_n == 128 and not t.trace
+            **({"persistent": True} if t.persistent and not gqa and t.tile_n == 128
                and not t.dq_transposed and not any(flags.get(f) for f in ("varlen", "deterministic", "gate"))
                else {}), **flags,
         )

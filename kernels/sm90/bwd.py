@@ -152,9 +152,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
-        if reason is None and persistent and (deterministic or is_gqa or has_gate or trace or dq_transposed):
+        if reason is None and persistent and (deterministic or is_gqa or has_gate or dq_transposed):
             reason = ("persistent is the dense MHA walk: not deterministic (turns per key block), GQA (its staging "
-                      "in sQ | sdO), the gate, trace or tile_m 80")
+                      "in sQ | sdO), the gate or tile_m 80")
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -536,6 +536,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
                     (sQ, sK, sV, sdO, sLSE, sdPsum), sdSt, sdQ, sQuerySums, pipe_kv, pipe_q, pipe_do, scheduler,
                     handoff, seqlens, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
                     softmax_scale, mdK, mdV, qhead_per_kvhead, self.staging_views(storage.sdSt),
+                    mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                 )
         else:
             # This CTA's (sequence, key block): varlen CTAs past the last tile have none.

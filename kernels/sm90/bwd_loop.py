@@ -198,7 +198,7 @@ class FlashBwdSm90Loop:
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         if const_expr(carried is not None):
-            times = (state,)
+            times = (*times, state)
         return (acc_dK, acc_dV, tiled_mma_dkv, *times)
 
     @cute.jit
@@ -261,15 +261,19 @@ class FlashBwdSm90Loop:
                 trace_out[base + i] = stamps[i]
 
     @cute.jit
-    def store_cta_span(self, trace_out: cute.Tensor, cta_times, tidx: Int32, num_blocks: Int32):
+    def store_cta_span(self, trace_out: cute.Tensor, cta_times, tidx: Int32, num_blocks: Int32,
+                       tile_idx: Int32 | None = None):
         """(trace) Every CTA's (SM, m_blocks, entry, K/V landed, loop done, epilogue done): %smid, the block count and
         the low 32 bits of %globaltimer (ns) at the kernel's entry, past ``wait_kv``, after the m_block loop (the
         ping-pong flush included) and after this MMA warpgroup's epilogue, at ``TRACE_CTA_BASE + 6 * linear CTA``
-        (``perf/trace_bwd.py``: the per-CTA fixed cost against the per-block one, and where it goes)."""
+        (``perf/trace_bwd.py``: the per-CTA fixed cost against the per-block one, and where it goes). ``tile_idx``
+        (persistent): one row per tile at its index, its "entry" the MMA warps' start of the tile."""
         if tidx == 0:
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
             base = TRACE_CTA_BASE + 6 * (bx + gx * (by + gy * bz))
+            if const_expr(tile_idx is not None):
+                base = TRACE_CTA_BASE + 6 * tile_idx
             trace_out[base] = Int32(cute.arch.smid())
             trace_out[base + 1] = num_blocks
             for i in cutlass.range_constexpr(3):

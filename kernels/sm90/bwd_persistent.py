@@ -31,7 +31,7 @@ Timeline of one SM (two tiles)::
     MMA       |   |blk0 blk1 ... blkn |rel|epilogue (sdSt)|blk0' ...
     writer    |        dQ0  dQ1 ... dQn |             dQ0' ...
 
-Scope: dense, MHA, non-deterministic, no gate, no trace, tile_n 128 (the table's keys; ``FlashBwdSm90``'s
+Scope: dense, MHA, non-deterministic, no gate, tile_n 128 (the table's keys; ``FlashBwdSm90``'s
 constructor refuses the rest). GQA stages its fp32 dK/dV sums in sQ | sdO, which the next tile's Q/dO would
 overwrite; deterministic CTAs take turns per key block; varlen maps its grid through ``varlen_tile_coord``.
 
@@ -139,10 +139,11 @@ class FlashBwdSm90Persistent:
     def mma_persistent(self, smem, sdSt, sdQ, sQuerySums, pipe_kv, pipe_q, pipe_do, scheduler: TileScheduler,
                        handoff: TileHandoff, seqlens: tuple, scale_log2: Float32, softcap_scale: Float32 | None,
                        softmax_scale: Float32, mdK: cute.Tensor, mdV: cute.Tensor, qhead_per_kvhead: Int32,
-                       staging: tuple):
+                       staging: tuple, trace_out: cute.Tensor | None = None):
         """MMA warpgroups: for every tile of the CTA the m_block loop (``mma``), K/V's stage released to the
         producer as soon as the last GEMM has read it, then the MHA epilogue through ``staging`` (sK-shaped views of
-        sdSt, ``staging_views``), under which the next tile's K/V land."""
+        sdSt, ``staging_views``), under which the next tile's K/V land. ``trace_out`` (trace): the clocks' and
+        every tile's span's buffer (``bwd_loop.py`` ``store_stamps``, ``store_cta_span``)."""
         sQ, sK, sV, sdO, sLSE, sdPsum = smem
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         blocks_before = Int32(0)
@@ -155,11 +156,14 @@ class FlashBwdSm90Persistent:
             n_block, head_idx, batch_idx, seqlen, m_block_min, m_block_max = self.tile_rows(
                 scheduler, tile_idx, *seqlens
             )
-            acc_dK, acc_dV, tiled_mma_dkv, state = self.mma(
+            tile_start = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
+            mma_out = self.mma(
                 sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
                 seqlen, n_block, m_block_min, m_block_max, scale_log2, softcap_scale, seqlens[2], seqlens[3],
-                sQuerySums, None, None, None, (state, kv_state, blocks_before),
+                sQuerySums, None, None, trace_out, (state, kv_state, blocks_before),
             )
+            acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
+            state = mma_out[-1]
             # Every warp is past its last GEMM (``mma`` ends on a full wait), so no WGMMA reads sK / sV any more:
             # the stage's empty barrier completes once all 8 warps have arrived.
             pipe_kv.consumer_release(kv_state)
@@ -172,6 +176,8 @@ class FlashBwdSm90Persistent:
                 seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
                 staging[0], staging[1], tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
             )
+            if const_expr(self.trace):
+                self.store_cta_span(trace_out, (tile_start, *mma_out[3]), tidx, m_block_max - m_block_min, tile_idx)
             # Every MMA thread's epilogue reads of sdSt are done before the next tile's dS^T stores (other rows of
             # other warpgroups in sdSt's own layout).
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
