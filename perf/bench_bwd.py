@@ -42,10 +42,9 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:persistent]`` -> (hdim, an sm90 backward family whose table
-    has that tile; ``pingpong``, ``packed`` and ``persistent`` set ``BwdSm90Tile``'s flags of those names, so
-    ``64:128x128:2:rows`` is the lockstep loop without ds_packed, one CTA per key block, and hdim 64's default is
-    ``64:128x128:2:rows:pingpong:packed:persistent``)."""
+    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed]`` -> (hdim, an sm90 backward family whose table
+    has that tile; ``pingpong`` and ``packed`` set ``BwdSm90Tile``'s flags of those names, so ``64:128x128:2:rows``
+    is the lockstep loop without ds_packed and hdim 64's default is ``64:128x128:2:rows:pingpong:packed``)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")
@@ -54,8 +53,7 @@ def parse_tile(spec: str):
     family = BwdSm90()
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      persistent="persistent" in parts)}
+                                      pingpong="pingpong" in parts, ds_packed="packed" in parts)}
     return hdim, family
 
 

@@ -246,28 +246,3 @@ def test_bwd_sm90_ds_packed(seqlens, hdim, pingpong, causal, dtype):
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
     check_against_refs(grads, (q, k, v), ref, pt)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [(4, 1023, 1024, 16, False, (-1, -1)), (3, 2000, 2048, 8, True, (-1, -1)), (4, 113, 1024, 16, False, (0, 0)),
-     (8, 64, 300, 32, True, (-1, -1))],
-    ids=["full_512_tiles", "causal_384_tiles", "window_empty_tiles", "one_block_tiles"],
-)
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_bwd_sm90_persistent(hdim, case):
-    """The persistent walk of the table's dense MHA keys (``BwdSm90Tile.persistent``, kernels/sm90/bwd_persistent.py):
-    more key blocks than SMs, so that CTAs take several tiles and carry their pipelines, dQ hand-off counts and K/V
-    stage across them; causal tiles of different lengths; key blocks no query sees (a window whose last query
-    sees one key: their dK/dV are zeros, staged through sK / sV like any other); one-block tiles. Parity rule
-    against the fp32 reference on poisoned buffers, and the tile counter left at zero for the next launch."""
-    from flashattn_hopper import validate
-    from flashattn_hopper.backends.common import tile_counter
-
-    batch, s_q, s_k, h, causal, window = case
-    q, k, v, dout = make_inputs(batch, s_q, s_k, h, h, hdim)
-    p = validate.validate_dense(q, k, v, None, causal, window, 0.0)
-    assert dispatch.BWD_KERNELS["sm90"].plan(p, None, False, q.device).main_key.persistent
-    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal, window_size=window)
-    torch.cuda.synchronize()
-    assert tile_counter(q.device.index).item() == 0, "the launch must leave its tile counter at zero"

@@ -581,11 +581,8 @@ def tile_counter(device_index: int, stream_handle: int | None = None) -> torch.T
     device's current one). One per stream: launches on a stream run in order,
     launches on two streams may overlap. Under CUDA graph capture every call gets its own zeroed
     counter (a captured memset): a replay may run beside eager calls on the capture stream.
-    Assumes launches on one stream that use it do not overlap and that a destroyed stream's handle is
-    not reused while its causal kernels still run. The persistent sm90 backward (kernels/sm90/bwd.py) shares
-    it: its main kernel is a programmatic dependent of the preprocess, which triggers it only past its own
-    ``griddepcontrol.wait``, i.e. once every earlier kernel on the stream completed, and its postprocess,
-    which may start under it, does not touch the counter."""
+    Assumes launches on one stream do not overlap (no programmatic dependent launch) and that a
+    destroyed stream's handle is not reused while its causal kernels still run."""
     if is_capturing(device_index):
         return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
     if stream_handle is None:

@@ -28,7 +28,7 @@ from ..packed import sequence_of_rows
 from ..validate import AttnProblem
 from .common import (
     DTYPE_NAMES, MAX_GRID_YZ, UNBOUNDED_WINDOW, VarlenArgs, cutlass_dtype, device_index, fake_bshd, ffi_compile,
-    int_ready, mask_flags, num_sms, pad_head_dim, tile_counter, varlen_flags, window_args,
+    int_ready, mask_flags, num_sms, pad_head_dim, varlen_flags, window_args,
 )
 
 SEQ_PAD = 128  # kernels/common/bwd_utils.py SEQ_PAD: scratch buffers pad seqlens to this
@@ -452,8 +452,6 @@ class BwdSm80:
         if main_key.gqa and main_key.head_dim_v != main_key.head_dim:
             post_v = compile_cache.get(dataclasses.replace(post_kv_key, head_dim=main_key.head_dim_v), self.compile)
         tail_blocks, tail_segments = 0, 1
-        if getattr(main_key, "persistent", False):  # (the sm90 kernel reads the slot as its CTA count at most)
-            tail_segments = sms
         if main_key.tail_split:
             tail_blocks, tail_segments = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main_key.tile_m,
                                                    main_key.tile_n, sms)
@@ -590,9 +588,7 @@ class BwdPlan:
         self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q, sink, sink_parts)
         main_args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk_main, dv_main, sem_q, sem_kv, *self.scalars,
                      cu_q, cu_k, su_q, su_k)
-        # The persistent sm90 kernel takes its tile counter in the split tail's slot.
-        counter = tile_counter(dev.index) if getattr(key, "persistent", False) else None
-        self.main(*main_args, counter, *(self.no_gate if gate is None else gate))
+        self.main(*main_args, None, *(self.no_gate if gate is None else gate))
         if self.segments is not None and self.tail_blocks > 0:
             self.segments(*main_args, tail_sums)
         self.post_dq(dq_accum, dq, self.scale, cu_q, su_q)

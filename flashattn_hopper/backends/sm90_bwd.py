@@ -37,7 +37,6 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
-    persistent: bool = False  # dense MHA keys: at most one CTA per SM, key blocks by a tile counter (bwd_persistent.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -45,8 +44,8 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, persistent=True),
-    128: BwdSm90Tile(tile_m=64, tile_n=128, persistent=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True),
+    128: BwdSm90Tile(tile_m=64, tile_n=128),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
@@ -62,9 +61,6 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
 # 1k-4k; within +-2 % again in session 24, after which 64 x 128 gained 3-7 % (dV after dS^T).
 # Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
-# d=64 and d=128 dense MHA keys (not deterministic, no gate) walk key blocks persistently (``persistent``: at most
-# one CTA per SM, kernels/sm90/bwd_persistent.py); ``perf/bench_bwd.py --tiles`` without ``:persistent`` times the
-# one-CTA-per-key-block kernel.
 BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 
 
@@ -86,7 +82,6 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
-    persistent: bool = False  # BwdSm90Tile's (dense MHA, not deterministic, no gate)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -166,11 +161,7 @@ class BwdSm90(BwdSm80):
             # Not fp16 (its range: the 16-bit difference can overflow where the fp32 product would not, and a
             # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
-               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
-            # (GQA stages its sums in sQ | sdO; deterministic and varlen keep one CTA per key block)
-            **({"persistent": True} if t.persistent and not gqa and t.tile_n == 128
-               and not t.dq_transposed and not any(flags.get(f) for f in ("varlen", "deterministic", "gate"))
-               else {}), **flags,
+               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -266,7 +257,6 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
-            **({"persistent": True} if k.persistent else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
@@ -285,5 +275,4 @@ class BwdSm90(BwdSm80):
         gate = (None,) * 3
         if k.gate:  # bias, per-query sums, per-key sums: (b, h, s) | varlen (h, total), fp32, contiguous
             gate = tuple(fake_f32(tuple(cute.sym_int() for _ in range(2 if k.varlen else 3))) for _ in range(3))
-        counter = _fake_ints(cute.sym_int()) if k.persistent else None  # (the split tail's slot)
-        return ffi_compile(kernel, *fakes, *scalars, *ints, counter, *gate, options=options)
+        return ffi_compile(kernel, *fakes, *scalars, *ints, None, *gate, options=options)

@@ -18,7 +18,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Uint32
+from cutlass import Boolean, Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -174,16 +174,6 @@ def _asm_b32(ptx: str, operands: list, constraints: str) -> Uint32:
     out = llvm.inline_asm(T.i32(), operands, ptx, constraints, has_side_effects=False, is_align_stack=False,
                           asm_dialect=llvm.AsmDialect.AD_ATT)
     return Uint32(out)
-
-
-@dsl_user_op
-def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
-    """``x`` through a volatile ``mov``: what is computed from the result cannot be hoisted above it. In a
-    persistent kernel's tile loop, the epilogue's thread addresses (loop-invariant) would otherwise be hoisted
-    out of the loop and held in registers across every m_block loop (bwd_persistent.py: 7 spilled at hdim 128)."""
-    out = llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return Int32(out)
 
 
 @dsl_user_op

@@ -23,9 +23,7 @@ softcap (``dS_x = dS_s * (1 - tanh^2)``, as ``sm80/bwd.py``), GQA/MQA, determini
 GQA dK/dV sums (semaphores, ``common/bwd_utils.py``).
 
 The MMA warpgroups' m_block loop is in ``bwd_loop.py`` (``FlashBwdSm90Loop``), the dQ writer's role and the
-dK/dV epilogues in ``bwd_store.py`` (``FlashBwdSm90Store``), the persistent tile walk (``persistent``: dense MHA
-keys, at most one CTA per SM) in ``bwd_persistent.py`` (``FlashBwdSm90Persistent``); all are mixins of the kernel
-class.
+dK/dV epilogues in ``bwd_store.py`` (``FlashBwdSm90Store``); both are mixins of the kernel class.
 
 Paper: FlashAttention-3 (Shah et al., 2024) section 3 and appendix B (backward); design doc
 ``fa3_cute_design.md`` section 2.
@@ -43,13 +41,11 @@ from cutlass.memory import SmemAllocator
 
 from . import bwd_gate
 from .bwd_loop import FlashBwdSm90Loop
-from .bwd_persistent import FlashBwdSm90Persistent
 from .bwd_store import _WG_THREADS, FlashBwdSm90Store
 from ..common.bwd_utils import m_block_min_max, scratch_offset, tiled_mma_dq_sm90, tiled_mma_dqt_sm90
 from ..common.seqlen import SeqlenInfo, num_varlen_tiles_upper_bound, varlen_tile_coord
 from ..common.sm90_utils import make_smem_layout_sm90
 from ..common.softmax import softcap_scale_log2
-from ..common.tile_scheduler import TileHandoff, TileScheduler
 from ..common.utils import LOG2_E, assume_strides_aligned, select_head, select_modes
 
 _SMEM_ALIGN = 1024  # each operand buffer starts on a full period of the 128-byte swizzle
@@ -64,7 +60,7 @@ def _stats_stride(tile_m: int) -> int:
     return -(-tile_m // 32) * 32
 
 
-class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
+class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     """FA3 backward on sm90: one CTA per key block ``(n_block, head, batch)``, 384 threads.
 
         | warpgroup | warps | registers | role                                                |
@@ -144,7 +140,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
-        persistent: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -152,9 +147,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
-        if reason is None and persistent and (deterministic or is_gqa or has_gate or dq_transposed):
-            reason = ("persistent is the dense MHA walk: not deterministic (turns per key block), GQA (its staging "
-                      "in sQ | sdO), the gate or tile_m 80")
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -199,9 +191,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
-        # Persistent (bwd_persistent.py): a grid of at most max_ctas CTAs walking key blocks from a dynamic tile
-        # counter, so that a key block's prologue and epilogue overlap its neighbours' loads (dense only).
-        self.persistent = persistent
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -302,9 +291,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
-            if self.persistent:  # the tile handoff (common/tile_scheduler.py): its mbarriers and slot
-                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2]
-                next_tile: cute.struct.MemRange[cutlass.Int32, 4]
 
         return SharedStorage
 
@@ -347,12 +333,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         softcap: Float32,  # has_softcap only
         deterministic: Int32,  # must equal the compiled flag (the launcher's runtime argument)
         tail_blocks: Int32,  # unused (the sm80 launcher's split tail): 0
-        max_ctas: Int32,  # (the sm80 launcher's tail_segments slot) persistent: CTAs at most (SM count); else 1
+        tail_segments: Int32,  # unused: 1
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        mdKV_tail: cute.Tensor | None,  # persistent: the tile counter, (1,) int32 zero at launch and left zero; else None
+        mdKV_tail: cute.Tensor | None,  # unused: None
         mGate: cute.Tensor | None,  # has_gate: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32 bias
         mdGq: cute.Tensor | None,  # has_gate: like LSE, (batch, nheads, seqlen_q) | (nheads, total_q) fp32, zeroed
         mdGk: cute.Tensor | None,  # has_gate: like mGate, fp32 (rows past seqused_k are not written)
@@ -367,10 +353,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
             raise TypeError(f"dK/dV must be {acc_dtype}")
         if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
             raise TypeError("cu_seqlens_q and cu_seqlens_k must be given together")
-        if const_expr((mdKV_tail is not None) != self.persistent):
-            raise TypeError("the Hopper backward has no split tail: mdKV_tail is the persistent kernel's tile counter")
-        if const_expr(self.persistent and mCuSeqlensQ is not None):
-            raise TypeError("the persistent backward is dense only")
+        if const_expr(mdKV_tail is not None):
+            raise TypeError("the Hopper backward has no split tail")
         if const_expr(self.dq_transposed and mCuSeqlensQ is not None):
             raise TypeError("tile_m 80 is dense only: varlen scratch offsets are multiples of 128 rows")
         if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
@@ -414,14 +398,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         else:
             num_batch = mQ.shape[3]
             grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
-            if const_expr(self.persistent):
-                grid = [cutlass.min(grid[0] * grid[1] * grid[2], max_ctas), 1, 1]
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
             mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
-            mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mGate, mdGq, mdGk, mdKV_tail,
+            mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mGate, mdGq, mdGk,
             SharedStorage,
         ).launch(
             grid=grid,
@@ -471,7 +453,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         mGate: cute.Tensor | None,  # has_gate: (s_k | total_k, nheads[, batch]) fp32
         mdGq: cute.Tensor | None,  # has_gate: (s_q | total_q, nheads[, batch]) fp32
         mdGk: cute.Tensor | None,  # has_gate: like mGate
-        mTileCounter: cute.Tensor | None,  # persistent: (1,) int32, zero at launch, left zero
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
@@ -499,10 +480,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
             num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
             tx_count=self.tx_bytes_do, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
         )
-        handoff = None
-        if const_expr(self.persistent):  # consumers: the MMA threads and the dQ writer's lanes
-            handoff = TileHandoff.create(storage.next_tile.get_tensor(cute.make_layout(1)),
-                                         storage.mbar_tile.data_ptr(), self.num_mma_threads + 32)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         layouts = self._smem_layouts()
 
@@ -518,105 +495,84 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
         sdPsum = storage.sdPsum.get_tensor(stats_layout)
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
 
-        if const_expr(self.persistent):
-            pipeline.pipeline_init_wait(cluster_shape_mn=None)
-            scheduler = TileScheduler.create((seqlen_k_static + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch,
-                                             True, False, mTileCounter)
-            seqlens = (seqlen_q_static, seqlen_k_static, window_left, window_right)
+        # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
+        block_x, head_idx, block_z = cute.arch.block_idx()
+        varlen = const_expr(mCuSeqlensK is not None)
+        batch_idx, n_block = block_z, block_x
+        if const_expr(varlen):
+            batch_idx, n_block = varlen_tile_coord(block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK)
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+        if batch_idx >= 0:
+            seqlen = SeqlenInfo.create(
+                batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+            )
+            num_n_blocks = (seqlen.seqlen_k + (self.tile_n - 1)) // self.tile_n
+            if const_expr(self.is_causal or self.is_local):
+                if const_expr(self.deterministic):
+                    # Shortest-first: the last key block (fewest query blocks) takes the lowest
+                    # block index and the first turn on every m_block (sm80/bwd.py, same rule).
+                    n_block = num_n_blocks - 1 - n_block
+            m_block_min, m_block_max = m_block_min_max(
+                self.tile_m, self.tile_n, n_block, seqlen.seqlen_q, seqlen.seqlen_k, self.is_causal,
+                self.is_local, window_left, window_right,
+            )
+            # Scratch rows of this sequence: dense (batch, head) rows; varlen padded offsets.
+            scratch_b = Int32(0) if const_expr(varlen) else batch_idx
+            row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
+            head_idx_kv = head_idx // qhead_per_kvhead
+            # has_gate: this (sequence, query head)'s bias and sums, 1-D over its keys / queries.
+            gate = dgq = dgk = None
+            if const_expr(self.has_gate):
+                gate = seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx)
+                dgq = seqlen.q_view(select_head(mdGq, head_idx, 1), batch_idx)
+                dgk = seqlen.k_view(select_head(mdGk, head_idx, 1), batch_idx)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
                 if warp_idx == 0:
-                    self.load_persistent((mQ, mK, mV, mdO, mLSE, mdPsum), (sQ, sK, sV, sdO, sLSE, sdPsum), atoms,
-                                         pipe_kv, pipe_q, pipe_do, scheduler, handoff, seqlens, qhead_per_kvhead)
+                    self.load(
+                        mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
+                        pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
+                        row_offset_q, n_block, m_block_min, m_block_max,
+                    )
                 if warp_idx == 1:
-                    self.store_dq_persistent(sdQ, mdQaccum, mdQ_sem, scheduler, handoff, seqlens, sQuerySums)
+                    self.store_dq(
+                        sdQ, mdQaccum[scratch_b, head_idx, None],
+                        mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
+                        row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
+                    )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
-                self.mma_persistent(
-                    (sQ, sK, sV, sdO, sLSE, sdPsum), sdSt, sdQ, sQuerySums, pipe_kv, pipe_q, pipe_do, scheduler,
-                    handoff, seqlens, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                    softmax_scale, mdK, mdV, qhead_per_kvhead, self.staging_views(storage.sdSt),
-                    mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
+                mma_out = self.mma(
+                    sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
+                    seqlen, n_block, m_block_min, m_block_max, scale_log2,
+                    softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
+                    sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                 )
-        else:
-            # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
-            block_x, head_idx, block_z = cute.arch.block_idx()
-            varlen = const_expr(mCuSeqlensK is not None)
-            batch_idx, n_block = block_z, block_x
-            if const_expr(varlen):
-                batch_idx, n_block = varlen_tile_coord(block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK)
-            pipeline.pipeline_init_wait(cluster_shape_mn=None)
-            if batch_idx >= 0:
-                seqlen = SeqlenInfo.create(
-                    batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
-                )
-                num_n_blocks = (seqlen.seqlen_k + (self.tile_n - 1)) // self.tile_n
-                if const_expr(self.is_causal or self.is_local):
-                    if const_expr(self.deterministic):
-                        # Shortest-first: the last key block (fewest query blocks) takes the lowest
-                        # block index and the first turn on every m_block (sm80/bwd.py, same rule).
-                        n_block = num_n_blocks - 1 - n_block
-                m_block_min, m_block_max = m_block_min_max(
-                    self.tile_m, self.tile_n, n_block, seqlen.seqlen_q, seqlen.seqlen_k, self.is_causal,
-                    self.is_local, window_left, window_right,
-                )
-                # Scratch rows of this sequence: dense (batch, head) rows; varlen padded offsets.
-                scratch_b = Int32(0) if const_expr(varlen) else batch_idx
-                row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
-                head_idx_kv = head_idx // qhead_per_kvhead
-                # has_gate: this (sequence, query head)'s bias and sums, 1-D over its keys / queries.
-                gate = dgq = dgk = None
-                if const_expr(self.has_gate):
-                    gate = seqlen.k_view(select_head(mGate, head_idx, 1), batch_idx)
-                    dgq = seqlen.q_view(select_head(mdGq, head_idx, 1), batch_idx)
-                    dgk = seqlen.k_view(select_head(mdGk, head_idx, 1), batch_idx)
-                if warp_idx < 4:
-                    cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-                    if warp_idx == 0:
-                        self.load(
-                            mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
-                            pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
-                            row_offset_q, n_block, m_block_min, m_block_max,
-                        )
-                    if warp_idx == 1:
-                        self.store_dq(
-                            sdQ, mdQaccum[scratch_b, head_idx, None],
-                            mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
-                            row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
-                        )
-                else:
-                    cute.arch.setmaxregister_increase(_MMA_REGS)
-                    mma_out = self.mma(
-                        sQ, sK, sV, sdO, sdSt, sLSE, sdPsum, sdQ, pipe_kv, pipe_q, pipe_do,
-                        seqlen, n_block, m_block_min, m_block_max, scale_log2,
-                        softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
-                        sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
+                acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
+                tidx = cute.arch.thread_idx()[0] - _WG_THREADS
+                row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
+                if const_expr(self.is_gqa):
+                    k_block = (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block
+                    # fp32 staging of dV over sK | sV and of dK over sQ | sdO (each pair adjacent:
+                    # ``gqa_staging``), free once every WGMMA is done.
+                    staging = tuple(
+                        cute.make_tensor(cute.recast_ptr(ptr, dtype=Float32), cute.make_layout(self.gqa_staging))
+                        for ptr in (storage.sK.data_ptr(), storage.sQ.data_ptr())
                     )
-                    acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
-                    tidx = cute.arch.thread_idx()[0] - _WG_THREADS
-                    row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
-                    if const_expr(self.is_gqa):
-                        k_block = (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block
-                        # fp32 staging of dV over sK | sV and of dK over sQ | sdO (each pair adjacent:
-                        # ``gqa_staging``), free once every WGMMA is done.
-                        staging = tuple(
-                            cute.make_tensor(cute.recast_ptr(ptr, dtype=Float32), cute.make_layout(self.gqa_staging))
-                            for ptr in (storage.sK.data_ptr(), storage.sQ.data_ptr())
-                        )
-                        self.epilogue_gqa(
-                            acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
-                            mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
-                            head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging,
-                        )
-                    else:
-                        self.epilogue_mha(
-                            acc_dK, acc_dV, softmax_scale,
-                            seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
-                            seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
-                            sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
-                        )
-                    if const_expr(self.trace):
-                        self.store_cta_span(mdQ_sem[0, 0, None], (cta_start, *mma_out[3]), tidx, m_block_max - m_block_min)
+                    self.epilogue_gqa(
+                        acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
+                        mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
+                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging,
+                    )
+                else:
+                    self.epilogue_mha(
+                        acc_dK, acc_dV, softmax_scale,
+                        seqlen.k_view(select_head(mdK, head_idx_kv, 2), batch_idx),
+                        seqlen.k_view(select_head(mdV, head_idx_kv, 2), batch_idx),
+                        sK, sV, tiled_mma_dkv, tidx, n_block, seqlen.seqlen_k,
+                    )
+                if const_expr(self.trace):
+                    self.store_cta_span(mdQ_sem[0, 0, None], (cta_start, *mma_out[3]), tidx, m_block_max - m_block_min)
 
     # ------------------------------------------------------------------ producer
 
@@ -641,78 +597,55 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store, FlashBwdSm90Persistent):
     ):
         """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
         query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM)."""
+        atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
+        d = self.head_dim
         if m_block_min < m_block_max:
-            kv, q_do = self.load_partitions(mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
-                                            seqlen, batch_idx, head_idx, head_idx_kv, scratch_b, n_block)
-            self.load_kv(kv, atoms, pipe_kv, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+            gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
+            gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, self.head_dim_v),
+                                 (n_block, 0))
+            tKsK, tKgK = cpasync.tma_partition(
+                atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+            gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, self.head_dim_v),
+                                  (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            # Scratch rows of this (sequence, head): m_block's tile_m values start at
+            # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
+            gLSE = cute.local_tile(mLSE[None, head_idx, scratch_b], (self.tile_m,), (None,))
+            gdPsum = cute.local_tile(mdPsum[None, head_idx, scratch_b], (self.tile_m,), (None,))
+            tLsL, tLgL = cpasync.tma_partition(
+                atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
+            )
+            tPsP, tPgP = cpasync.tma_partition(
+                atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
+            )
+            block_offset = row_offset_q // self.tile_m
             # Launched as the preprocess's programmatic dependent: LSE_log2 and dPsum (and the zeroed
             # dQaccum the writer adds into) are complete only past this wait. K, V, Q and dO were
             # written before the preprocess started.
             cute.arch.griddepcontrol_wait()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                self.load_q_do(q_do, atoms, pipe_q, pipe_do, state, m_block, row_offset_q // self.tile_m)
+                pipe_q.producer_acquire(state)
+                bar_q = pipe_q.producer_get_barrier(state)
+                cute.copy(atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+                cute.copy(atom_LSE, tLgL[None, block_offset + m_block], tLsL[None, state.index], tma_bar_ptr=bar_q)
+                pipe_do.producer_acquire(state)
+                bar_do = pipe_do.producer_get_barrier(state)
+                cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)
                 state.advance()
-
-    @cute.jit
-    def load_partitions(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
-                        seqlen: SeqlenInfo, batch_idx: Int32, head_idx: Int32, head_idx_kv: Int32, scratch_b: Int32,
-                        n_block: Int32):
-        """The producer's TMA views of one key block: ``((tKgK, tKsK, tVgV, tVsV), (tQgQ, tQsQ, tLgL, tLsL, tdOgdO,
-        tdOsdO, tPgP, tPsP))``, the Q / dO / LSE / dPsum ones indexed by m_block (scratch rows: plus the sequence's
-        block offset)."""
-        atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
-        d = self.head_dim
-        gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, self.head_dim_v),
-                             (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, self.head_dim_v),
-                              (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tdOsdO, tdOgdO = cpasync.tma_partition(
-            atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-        )
-        # Scratch rows of this (sequence, head): m_block's tile_m values start at
-        # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
-        gLSE = cute.local_tile(mLSE[None, head_idx, scratch_b], (self.tile_m,), (None,))
-        gdPsum = cute.local_tile(mdPsum[None, head_idx, scratch_b], (self.tile_m,), (None,))
-        tLsL, tLgL = cpasync.tma_partition(
-            atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
-        )
-        tPsP, tPgP = cpasync.tma_partition(
-            atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
-        )
-        return (tKgK, tKsK, tVgV, tVsV), (tQgQ, tQsQ, tLgL, tLsL, tdOgdO, tdOsdO, tPgP, tPsP)
-
-    @cute.jit
-    def load_kv(self, kv, atoms, pipe_kv: pipeline.PipelineTmaAsync, kv_state: pipeline.PipelineState):
-        """K and V of the key block (``load_partitions``' first views) into their one stage, once it is free."""
-        tKgK, tKsK, tVgV, tVsV = kv
-        pipe_kv.producer_acquire(kv_state)
-        cute.copy(atoms[1], tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(atoms[2], tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-    @cute.jit
-    def load_q_do(self, q_do, atoms, pipe_q: pipeline.PipelineTmaAsync, pipe_do: pipeline.PipelineTmaAsync,
-                  state: pipeline.PipelineState, m_block: Int32, block_offset: Int32):
-        """Q + LSE and dO + dPsum of query block ``m_block`` into ring stage ``state`` (``block_offset``: the
-        sequence's first scratch block)."""
-        tQgQ, tQsQ, tLgL, tLsL, tdOgdO, tdOsdO, tPgP, tPsP = q_do
-        atom_Q, _, _, atom_dO, atom_LSE, atom_dPsum = atoms
-        pipe_q.producer_acquire(state)
-        bar_q = pipe_q.producer_get_barrier(state)
-        cute.copy(atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
-        cute.copy(atom_LSE, tLgL[None, block_offset + m_block], tLsL[None, state.index], tma_bar_ptr=bar_q)
-        pipe_do.producer_acquire(state)
-        bar_do = pipe_do.producer_get_barrier(state)
-        cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-        cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)

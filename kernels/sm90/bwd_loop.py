@@ -49,15 +49,11 @@ class FlashBwdSm90Loop:
         gate: cute.Tensor | None,
         dgk: cute.Tensor | None,
         trace_out: cute.Tensor | None = None,
-        carried: tuple | None = None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv[, (K/V landed, loop done)
-        %globaltimer stamps: trace only][, the Q/dO ring state past the loop: persistent only]). ``gate``
+        %globaltimer stamps: trace only]). ``gate``
         and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
-        (trace): where ``store_stamps`` puts the clocks. ``carried`` (persistent, ``bwd_persistent.py``): the
-        CTA's (Q/dO ring state, K/V state, dQ blocks handed to the writer in earlier tiles): then K/V are waited
-        for even without blocks (the producer loads them for every tile) and the dQ hand-off counts the CTA's
-        blocks, not the tile's."""
+        (trace): where ``store_stamps`` puts the clocks."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -95,14 +91,9 @@ class FlashBwdSm90Loop:
             key_sums = cute.make_rmem_tensor(key_bias.shape, Float32)
             key_sums.fill(0.0)
 
-        blocks_before = None
-        if const_expr(carried is None):
-            self.wait_kv(pipe_kv, m_block_min, m_block_max)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        else:
-            state, kv_state, blocks_before = carried
-            pipe_kv.consumer_wait(kv_state)
+        self.wait_kv(pipe_kv, m_block_min, m_block_max)
         kv_landed = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         stamps = None
         if const_expr(self.trace):
             stamps = cute.make_rmem_tensor((2 * _TRACE_POINTS,), Int32)
@@ -154,8 +145,7 @@ class FlashBwdSm90Loop:
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             if const_expr(self.pingpong):
                 self.pingpong_tail(rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
-                                   acc_dK, pipe_q, pipe_do, state, stage, m_block - m_block_min, wg_idx, stamps,
-                                   None if const_expr(carried is None) else blocks_before + m_block - m_block_min)
+                                   acc_dK, pipe_q, pipe_do, state, stage, m_block - m_block_min, wg_idx, stamps)
             else:
                 self.stamp(stamps, m_block - m_block_min, 10)
                 cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_stage])
@@ -177,8 +167,7 @@ class FlashBwdSm90Loop:
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
                 self.stamp(stamps, m_block - m_block_min, 6)
                 pipe_do.consumer_release(state)  # dP^T and dV have read dO
-                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min if const_expr(carried is None)
-                                else blocks_before + m_block - m_block_min > 0, stamps, m_block - m_block_min)
+                self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min, stamps, m_block - m_block_min)
                 warpgroup.wait_group(0)  # dK has read Q and dS^T's registers
                 self.stamp(stamps, m_block - m_block_min, 7)
                 pipe_q.consumer_release(state)
@@ -190,26 +179,22 @@ class FlashBwdSm90Loop:
                                   number_of_threads=self.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, last % 2], tdQrKt, zero_init=True, wg_wait=0)
-                self.dq_to_smem(acc_dQ, tdQsdQ, last > 0 if const_expr(carried is None) else blocks_before + last > 0)
+                self.dq_to_smem(acc_dQ, tdQsdQ, last > 0)
         times = ()
         if const_expr(self.trace):
             self.store_stamps(stamps, tidx, wg_idx, trace_out)
             times = ((kv_landed, cute.arch.globaltimer_lo()),)
         if const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
-        if const_expr(carried is not None):
-            times = (*times, state)
         return (acc_dK, acc_dV, tiled_mma_dkv, *times)
 
     @cute.jit
     def pingpong_tail(self, rdS, r2s_dS, tdSsdS, tdKrdS, tdKrQt, tdQrdS, tdQrKt, tdQsdQ, tiled_mma_dkv, tiled_mma_dq,
-                      acc_dK, pipe_q, pipe_do, state, stage: Int32, block: Int32, wg_idx: Int32, stamps,
-                      cta_block: Int32 | None = None):
+                      acc_dK, pipe_q, pipe_do, state, stage: Int32, block: Int32, wg_idx: Int32, stamps):
         """(pingpong) A block's end after dV's issue: dS^T to sdSt once the other warpgroup has read the stage (and
         stored its dS^T of the block before), dK, the *previous* block's dQ (both warpgroups' dS^T of it are in
         smem), then this warpgroup's arrival. No barrier ties the warpgroups within a block, so one's exp2 / dS^T
-        pass can run under the other's GEMMs (FA3's ping-pong); dQ lags one block, flushed after the loop.
-        ``cta_block`` (persistent): ``block`` counted over the CTA's earlier tiles too (the dQ hand-off's)."""
+        pass can run under the other's GEMMs (FA3's ping-pong); dQ lags one block, flushed after the loop."""
         ds_stage = block % 2
         if block > 0:  # the other's dS^T(block - 1) stored and its dQ(block - 2) done reading this stage
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (1 - ds_stage) + 1 - wg_idx,
@@ -236,7 +221,7 @@ class FlashBwdSm90Loop:
         pipe_do.consumer_release(state)
         pipe_q.consumer_release(state)
         if block > 0:
-            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1 if const_expr(cta_block is None) else cta_block > 1, stamps, block)
+            self.dq_to_smem(acc_dQ, tdQsdQ, block > 1, stamps, block)
         self.stamp(stamps, block, 7)
 
     @cute.jit
@@ -261,19 +246,15 @@ class FlashBwdSm90Loop:
                 trace_out[base + i] = stamps[i]
 
     @cute.jit
-    def store_cta_span(self, trace_out: cute.Tensor, cta_times, tidx: Int32, num_blocks: Int32,
-                       tile_idx: Int32 | None = None):
+    def store_cta_span(self, trace_out: cute.Tensor, cta_times, tidx: Int32, num_blocks: Int32):
         """(trace) Every CTA's (SM, m_blocks, entry, K/V landed, loop done, epilogue done): %smid, the block count and
         the low 32 bits of %globaltimer (ns) at the kernel's entry, past ``wait_kv``, after the m_block loop (the
         ping-pong flush included) and after this MMA warpgroup's epilogue, at ``TRACE_CTA_BASE + 6 * linear CTA``
-        (``perf/trace_bwd.py``: the per-CTA fixed cost against the per-block one, and where it goes). ``tile_idx``
-        (persistent): one row per tile at its index, its "entry" the MMA warps' start of the tile."""
+        (``perf/trace_bwd.py``: the per-CTA fixed cost against the per-block one, and where it goes)."""
         if tidx == 0:
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
             base = TRACE_CTA_BASE + 6 * (bx + gx * (by + gy * bz))
-            if const_expr(tile_idx is not None):
-                base = TRACE_CTA_BASE + 6 * tile_idx
             trace_out[base] = Int32(cute.arch.smid())
             trace_out[base + 1] = num_blocks
             for i in cutlass.range_constexpr(3):

@@ -72,8 +72,7 @@ class FlashBwdSm90Store:
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None,
-                 blocks_before: Int32 | None = None):
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
         """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
@@ -82,9 +81,7 @@ class FlashBwdSm90Store:
 
         ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
         (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
-        per-query dS sums, which take the slot's sums in the same step (and turn). ``blocks_before``
-        (persistent, ``bwd_persistent.py``): blocks the CTA's earlier tiles handed over (sdQ's hand-back counts
-        them; the caller waits for the last adds after its last tile)."""
+        per-query dS sums, which take the slot's sums in the same step (and turn)."""
         lane = cute.arch.lane_idx()
         cute.arch.griddepcontrol_wait()  # the preprocess zeroed dQaccum (``load``'s wait)
         tile_elems = self.tile_m * self.head_dim
@@ -94,8 +91,7 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
-            if (m_block > m_block_min if const_expr(blocks_before is None)
-                    else blocks_before + m_block - m_block_min > 0):
+            if m_block > m_block_min:
                 # Hand each warpgroup its part back once the previous block's add of it has read it
                 # (bulk groups complete in order: part k's before part k + 1's).
                 for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -132,9 +128,8 @@ class FlashBwdSm90Store:
                 semaphore_signal(
                     mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
                 )
-        if const_expr(blocks_before is None):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
 
     # ------------------------------------------------------------------ epilogues
 
@@ -142,8 +137,7 @@ class FlashBwdSm90Store:
     def epilogue_mha(self, acc_dK, acc_dV, dk_scale: Float32, mdK_cur, mdV_cur, sK, sV,
                      tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32, seqlen_k: Int32):
         """dK * scale, dV -> 16-bit -> sK / sV (stmatrix; every WGMMA is done reading them) ->
-        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores. ``sV`` None (the persistent
-        walk at hdim 128, staging in sdSt, which holds one of them): dK, then dV through ``sK``."""
+        each warpgroup stores its 64 rows below ``seqlen_k`` with 128-bit stores."""
         acc_dK.store(acc_dK.load() * dk_scale)
         rdK = convert_to_16bit(acc_dK, self.dtype)
         rdV = convert_to_16bit(acc_dV, self.dtype)
@@ -153,32 +147,17 @@ class FlashBwdSm90Store:
             tiled_mma_dkv,
         ).get_slice(tidx)
         cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sK))
-        if const_expr(sV is not None):
-            cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
+        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sV))
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
         rows = (64, self.head_dim)
         row0 = n_block * self.tile_n + wg_idx * 64
         wg_block = n_block * (self.tile_n // 64) + wg_idx
-        if const_expr(sV is None):
+        for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
             store_rows_predicated(
-                cute.local_tile(sK, rows, (wg_idx, 0)), cute.local_tile(mdK_cur, rows, (wg_block, 0)),
+                cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
                 tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
             )
-            # (this warpgroup's rows are read: dV takes their place)
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
-            cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sK))
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE_WG1) + wg_idx, number_of_threads=_WG_THREADS)
-            store_rows_predicated(
-                cute.local_tile(sK, rows, (wg_idx, 0)), cute.local_tile(mdV_cur, rows, (wg_block, 0)),
-                tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
-            )
-        else:
-            for sX, mX in ((sK, mdK_cur), (sV, mdV_cur)):
-                store_rows_predicated(
-                    cute.local_tile(sX, rows, (wg_idx, 0)), cute.local_tile(mX, rows, (wg_block, 0)),
-                    tidx % _WG_THREADS, seqlen_k - row0, self.dtype, _WG_THREADS,
-                )
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
