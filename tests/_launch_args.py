@@ -212,7 +212,7 @@ def main(arch: str) -> None:
     check(bwd.compile(main_key), (*main_tensors, 0.125, 7, 3, 1.0, 1, 5, 2, *varlen_none, None), 0x1234,
           "bwd_sm80")
     post_tensors = [common.to_cute(acc), common.to_cute(bshd)]
-    check(bwd.compile(post_dq), (*post_tensors, 0.125, None, None), 0x1234, "bwd_post_sm80")
+    check(bwd.compile(post_dq), (*post_tensors, 0.125, None, None, None), 0x1234, "bwd_post_sm80")
     check_bwd_plans(bwd, problem, arch, "bwd_sm80")
 
 

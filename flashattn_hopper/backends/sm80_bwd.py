@@ -53,6 +53,7 @@ class BwdPreKey(KernelKey):
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
     sink: bool = False  # also a learnable sink's gradient parts (FlashBwdPreprocess ``sink_grad``)
+    zero_dq: bool = True  # False: dQaccum left unzeroed (the sm90 main key's ``dq_claim`` zeroes it per tile)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class BwdPostKey(KernelKey):
     # with any dq_wgmma: each warpgroup's part of a tile is a fragment block of its own (the sm90
     # kernel's dQ hand-off per warpgroup and its GQA dK/dV sums, kernels/sm90/bwd_store.py)
     wg_blocks: bool = False
+    # the sm90 main key's ``dq_claim``: tiles whose state (the main kernel's semaphore slot) is 0 read as zeros
+    dq_claimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,8 @@ class BwdSm80:
         post_dq, post_kv = self._post_keys(arch, dtype, hdim, hdim_v, is_varlen, su_q, su_k, main=main)
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
-                      varlen=is_varlen, seqused=su_q, sink=sink),
+                      varlen=is_varlen, seqused=su_q, sink=sink,
+                      **({"zero_dq": False} if getattr(main, "dq_claim", False) else {})),
             main, post_dq, post_kv,
         )
 
@@ -347,7 +351,7 @@ class BwdSm80:
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
                 dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
-                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink,
+                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, zero_dq=pre.zero_dq,
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
@@ -365,10 +369,12 @@ class BwdSm80:
             kernel = FlashBwdPostprocess(
                 dtype, pk.head_dim, pk.tile_m, pk.num_threads, pk.atom_m or None, pk.dq_red_vec,
                 wgmma_split=pk.dq_wgmma or None, wg_blocks=pk.wg_blocks, pdl=configs.bwd_pdl(pk.arch),
+                dq_claimed=pk.dq_claimed,
             )
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pk.seqused else None)
             fakes = (_fake(f32, (b, h, acc_len), 4), qkv(s_q, h))
-            return ffi_compile(kernel, *fakes, f32(1.0), *ints, options=options)
+            state = _fake(i32, sem_q) if pk.dq_claimed else None
+            return ffi_compile(kernel, *fakes, f32(1.0), *ints, state, options=options)
         if key.kernel != self.kind:
             raise ValueError(f"not a key of this family: {key.name}")
         from ..kernels.sm80.bwd import FlashBwdSm80
@@ -564,6 +570,7 @@ class BwdPlan:
             dv_main = torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad * d_v, dtype=f32, device=dev)
         else:
             dk_main, dv_main = dk, dv
+        dq_state = None
         if self.deterministic:
             sem_q = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32, device=dev)
             sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // key.tile_n, dtype=torch.int32, device=dev)
@@ -573,6 +580,10 @@ class BwdPlan:
             # the grid, varlen's included)
             ctas = (self.s_k_pad // key.tile_n + p.batch + 1) * p.nheads * self.b_scr
             sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS + 6 * ctas, dtype=torch.int32, device=dev)
+        elif getattr(key, "dq_claim", False):  # (sm90: each dQaccum tile's claim state; the postprocess reads it)
+            sem_q = dq_state = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32,
+                                           device=dev)
+            sem_kv = _unused_semaphore(device_index(dev))
         else:
             sem_q = sem_kv = _unused_semaphore(device_index(dev))
         tail_sums = None
@@ -591,13 +602,13 @@ class BwdPlan:
         self.main(*main_args, None, *(self.no_gate if gate is None else gate))
         if self.segments is not None and self.tail_blocks > 0:
             self.segments(*main_args, tail_sums)
-        self.post_dq(dq_accum, dq, self.scale, cu_q, su_q)
+        self.post_dq(dq_accum, dq, self.scale, cu_q, su_q, dq_state)
         if self.post_kv is not None:
             if self.dk_fp32:
                 dk = self._dk_from_scratch(dk_main, cu_k, su_k)
             else:
-                self.post_kv(dk_main, dk, self.scale, cu_k, su_k)
-            self.post_v(dv_main, dv, 1.0, cu_k, su_k)
+                self.post_kv(dk_main, dk, self.scale, cu_k, su_k, None)
+            self.post_v(dv_main, dv, 1.0, cu_k, su_k, None)
         if d != p.head_dim:
             dq, dk = dq[..., : p.head_dim], dk[..., : p.head_dim]
         if d_v != p.head_dim_v:

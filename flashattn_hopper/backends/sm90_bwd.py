@@ -37,6 +37,7 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
+    dq_claim: bool = False  # dQaccum zeroed tile by tile by its first claimant, not by the preprocess (bwd_store.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -44,8 +45,8 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True),
-    128: BwdSm90Tile(tile_m=64, tile_n=128),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim=True),
+    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim=True),
     192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
 }
@@ -82,6 +83,7 @@ class BwdSm90Key(KernelKey):
     trace: bool = False  # BwdSm90Tile's
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
+    dq_claim: bool = False  # BwdSm90Tile's (not deterministic, not trace; then the preprocess does not zero dQaccum)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -161,7 +163,9 @@ class BwdSm90(BwdSm80):
             # Not fp16 (its range: the 16-bit difference can overflow where the fp32 product would not, and a
             # masked 0 * inf is NaN), not the gated GQA key (it spills 12 bytes with it), not tile_m 80 (not built).
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
-               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}), **flags,
+               and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
+            # (its tile states take the semaphores' slot: not with deterministic's turns or trace's clocks)
+            **({"dq_claim": True} if t.dq_claim and not t.trace and not flags.get("deterministic") else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -181,7 +185,7 @@ class BwdSm90(BwdSm80):
         dq = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=t.tile_m,
                         num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_q, dq_red_vec=4,
                         dq_wgmma="transposed" if t.dq_transposed else "rows" if t.dq_split_rows else "cols",
-                        wg_blocks=True)
+                        wg_blocks=True, **({"dq_claimed": True} if getattr(main, "dq_claim", False) else {}))
         if t.tile_n == 128:
             kv = BwdPostKey(kernel="bwd_post_sm80", arch=arch, dtype=dtype, head_dim=hdim, tile_m=128,
                             num_threads=_DQ_POST_THREADS, atom_m=0, varlen=varlen, seqused=seqused_k, dq_red_vec=4,
@@ -257,6 +261,7 @@ class BwdSm90(BwdSm80):
             **({"trace": True} if k.trace else {}),
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
+            **({"dq_claim": True} if k.dq_claim else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

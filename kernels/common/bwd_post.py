@@ -54,7 +54,7 @@ class FlashBwdPostprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = 64,
                  num_threads: int = 128, atom_m: int | None = None, vec: int = 1, wgmma_split: str | None = None,
-                 wg_blocks: bool = False, pdl: bool = False):
+                 wg_blocks: bool = False, pdl: bool = False, dq_claimed: bool = False):
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, 640 if wgmma_split == "transposed" else SEQ_PAD)
         fragment = atom_m is not None or wgmma_split is not None
         if vec not in (1, 4) or (vec != 1 and not fragment):
@@ -69,6 +69,8 @@ class FlashBwdPostprocess:
                       f"head_dim {head_dim}, {num_threads} threads, vec {vec}, atom_m {atom_m}")
         if wg_blocks and wgmma_split is None:
             reason = "wg_blocks (each warpgroup's part of a tile a fragment block) needs an sm90 wgmma_split"
+        if dq_claimed and not wg_blocks:
+            reason = "dq_claimed is the sm90 main kernel's dQ accumulator (wg_blocks)"
         if reason is not None:
             raise ValueError(f"FlashBwdPostprocess cannot implement this config: {reason}")
         self.dtype = dtype
@@ -88,6 +90,9 @@ class FlashBwdPostprocess:
         # sm_90 (``configs.bwd_pdl``): launched as a programmatic dependent of the main kernel, waiting
         # in the kernel for its accumulator, so the launch overlaps the main kernel's last CTAs.
         self.pdl = pdl
+        # The sm90 main kernel's ``dq_claim``: the accumulator was not zeroed beforehand; a tile whose state
+        # (``mState``, one int32 per tile, 0 = never claimed) is 0 received no contribution and reads as 0.
+        self.dq_claimed = dq_claimed
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, pad: int = SEQ_PAD) -> str | None:
@@ -101,10 +106,13 @@ class FlashBwdPostprocess:
         scale: Float32,
         mCuSeqlens: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsed: cute.Tensor | None,  # (batch,) int32
+        mState: cute.Tensor | None,  # dq_claimed: (batch | 1, nheads, seqlen_padded / tile_m) int32; else None
         stream: cuda.CUstream,
     ):
         if const_expr(mAccum.element_type != Float32 or mOut.element_type != self.dtype):
             raise TypeError(f"the accumulator must be Float32 and the output {self.dtype}")
+        if const_expr((mState is not None) != self.dq_claimed):
+            raise TypeError("mState is given exactly with dq_claimed")
         varlen = const_expr(mCuSeqlens is not None)
         if const_expr(varlen and self.wgmma_split == "transposed"):
             raise TypeError("the transposed dQ (tile_m 80) is dense only: varlen scratch pads sequences to 128 rows")
@@ -123,7 +131,7 @@ class FlashBwdPostprocess:
         class SharedStorage:
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
-        self.kernel(mAccum, mOut, scale, num_batch, mCuSeqlens, mSeqUsed, SharedStorage).launch(
+        self.kernel(mAccum, mOut, scale, num_batch, mCuSeqlens, mSeqUsed, mState, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes() if const_expr(self.fragment) else 0,
             stream=stream,
@@ -149,6 +157,7 @@ class FlashBwdPostprocess:
         num_batch: Int32,
         mCuSeqlens: cute.Tensor | None,
         mSeqUsed: cute.Tensor | None,
+        mState: cute.Tensor | None,
         SharedStorage: cutlass.Constexpr,
     ):
         if const_expr(self.pdl):
@@ -160,10 +169,10 @@ class FlashBwdPostprocess:
             )
             if batch_idx >= 0:
                 self.tile(mAccum, mOut, scale, mCuSeqlens, mSeqUsed, SharedStorage, m_block,
-                          head_idx, batch_idx)
+                          head_idx, batch_idx, mState)
         else:
             self.tile(mAccum, mOut, scale, mCuSeqlens, mSeqUsed, SharedStorage, block_x,
-                      head_idx, block_z)
+                      head_idx, block_z, mState)
 
     @cute.jit
     def tile(
@@ -177,6 +186,7 @@ class FlashBwdPostprocess:
         m_block: Int32,
         head_idx: Int32,
         batch_idx: Int32,
+        mState: cute.Tensor | None = None,
     ):
         """Rows ``m_block * tile_m ..`` of one (sequence, head): scale, convert, store."""
         seqlen_info = SeqlenInfo.create(batch_idx, mOut.shape[0], Int32(0), mCuSeqlens, None, mSeqUsed)
@@ -188,8 +198,11 @@ class FlashBwdPostprocess:
         if const_expr(not self.fragment):
             self.tile_row_major(mAccum_cur, mOut_cur, scale, m_block, block, seqlen_info.seqlen_q)
         else:
+            claimed = None
+            if const_expr(self.dq_claimed):
+                claimed = mState[Int32(0) if const_expr(varlen) else batch_idx, head_idx, block] != 0
             self.tile_fragment(
-                mAccum_cur, mOut_cur, scale, SharedStorage, m_block, block, seqlen_info.seqlen_q
+                mAccum_cur, mOut_cur, scale, SharedStorage, m_block, block, seqlen_info.seqlen_q, claimed
             )
 
     @cute.jit
@@ -236,7 +249,10 @@ class FlashBwdPostprocess:
         m_block: Int32,
         block: Int32,
         seqlen: Int32,
+        claimed: cutlass.Boolean | None = None,
     ):
+        """``claimed`` (dq_claimed): whether any contribution reached the tile (else it reads as zeros: never
+        zeroed, it holds whatever the buffer held)."""
         tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
 
@@ -259,8 +275,14 @@ class FlashBwdPostprocess:
             gAcc = fragment_accum(
                 mAccum_cur, self.tile_m * self.head_dim, self.num_threads, block, tidx, self.vec,
             )
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = gAcc[i] * scale
+        if const_expr(claimed is None):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = gAcc[i] * scale
+        else:
+            acc.fill(0.0)
+            if claimed:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = gAcc[i] * scale
         rO = convert_to_16bit(acc, self.dtype)
 
         storage = SmemAllocator().allocate(SharedStorage)

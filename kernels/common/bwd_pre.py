@@ -49,12 +49,13 @@ class FlashBwdPreprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
                  num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False,
-                 sink_grad: bool = False):
+                 sink_grad: bool = False, zero_dq: bool = True):
         """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``). ``pdl``
         (sm_90 only): launched as a programmatic dependent of the stream's previous kernel, it waits
         for that one before reading O, dO and LSE, and lets the main kernel launch once its loads
         are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``). ``sink_grad``: the
-        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``)."""
+        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``). ``zero_dq`` False: dQaccum is left as
+        it is (the sm90 main kernel's ``dq_claim``: each tile is zeroed by the first CTA to claim it)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if reason is not None:
@@ -66,6 +67,7 @@ class FlashBwdPreprocess:
         self.num_threads = num_threads
         self.pdl = pdl
         self.sink_grad = sink_grad
+        self.zero_dq = zero_dq
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
@@ -248,12 +250,13 @@ class FlashBwdPreprocess:
             if cute.arch.lane_idx() == 0:
                 mdSinkParts[scratch_b, head_idx, block_x * warps + cute.arch.warp_idx()] = warp_sum
 
-        copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
-        gdQaccum = accum_tile(
-            mdQaccum[scratch_b, head_idx, None], self.tile_m, self.head_dim,
-            pad_offset // self.tile_m + m_block,
-        )
-        tQgQaccum = copy_f32.get_slice(tidx).partition_D(gdQaccum)
-        zeros = cute.make_fragment_like(tQgQaccum)
-        zeros.fill(0.0)
-        cute.copy(copy_f32, zeros, tQgQaccum)
+        if const_expr(self.zero_dq):
+            copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
+            gdQaccum = accum_tile(
+                mdQaccum[scratch_b, head_idx, None], self.tile_m, self.head_dim,
+                pad_offset // self.tile_m + m_block,
+            )
+            tQgQaccum = copy_f32.get_slice(tidx).partition_D(gdQaccum)
+            zeros = cute.make_fragment_like(tQgQaccum)
+            zeros.fill(0.0)
+            cute.copy(copy_f32, zeros, tQgQaccum)

@@ -140,6 +140,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         trace: bool = False,
         pingpong: bool = False,
         ds_packed: bool = False,
+        dq_claim: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -147,6 +148,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                                     dq_transposed=dq_transposed, **({"pingpong": True} if pingpong else {}))
         if reason is None and trace and deterministic:
             reason = "trace stores its clocks where deterministic keeps its semaphores"
+        if reason is None and dq_claim and (deterministic or trace):
+            reason = "dq_claim keeps its tile states where deterministic keeps its turns and trace its clocks"
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -191,6 +194,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # rounded difference (``ds16_from_probs16``: per pair 2 FADD, 1 F2FP, 1 HMUL2) instead of fp32 products that
         # widen P^T back (ds_from_p16) and round after: the block pays per issued instruction (NOTES session 31).
         self.ds_packed = ds_packed
+        # dQaccum not zeroed by the preprocess: the dQ writer claims each tile before its first add (one int32
+        # state per tile in mdQ_sem), the claimant zeroes it (``FlashBwdSm90Store.claim_dq_tile``), so the tile's
+        # lines are allocated in L2 right before the adds instead of zeroed in DRAM and read back.
+        self.dq_claim = dq_claim
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -322,10 +329,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         mdO: cute.Tensor,  # like mQ
         mLSE_log2: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
         mdPsum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded) fp32
-        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, zeroed, fragment order
+        mdQaccum: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded * head_dim) fp32, fragment order, zeroed (dq_claim: not)
         mdK: cute.Tensor,  # MHA: like mK, 16-bit output;
         mdV: cute.Tensor,  # GQA: (batch | 1, nheads_k, seqlen_k_padded * head_dim) fp32, zeroed
-        mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed
+        mdQ_sem: cute.Tensor,  # (batch | 1, nheads, seqlen_q_padded / tile_m) int32, zeroed (turns or dq_claim's states)
         mdKV_sem: cute.Tensor,  # (batch | 1, nheads_k, seqlen_k_padded / tile_n) int32, zeroed
         softmax_scale: Float32,
         window_left: Int32,  # is_local only; unbounded: a huge value

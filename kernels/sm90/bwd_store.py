@@ -16,7 +16,9 @@ from cutlass.cute.nvgpu import warp
 
 from . import bwd_gate
 from ..common.block_info import BlockInfo
-from ..common.bwd_utils import bulk_reduce_add_f32, fragment_accum, red_add_tile, semaphore_signal, semaphore_wait
+from ..common.bwd_utils import (
+    bulk_reduce_add_f32, elem_pointer, fragment_accum, red_add_tile, semaphore_signal, semaphore_wait,
+)
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import store_rows_predicated
 from ..common.utils import convert_to_16bit
@@ -106,6 +108,8 @@ class FlashBwdSm90Store:
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
+            if const_expr(self.dq_claim):
+                self.claim_dq_tile(mdQaccum, mdQ_sem, q_block, lane)
             # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
             # groups (commit and waits are per thread).
             for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -130,6 +134,38 @@ class FlashBwdSm90Store:
                 )
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
+
+    @cute.jit
+    def claim_dq_tile(self, mdQaccum: cute.Tensor, mdQ_state: cute.Tensor, q_block: Int32, lane: Int32):
+        """(dq_claim) Make dQaccum's tile ``q_block`` zero before this CTA's first add into it, where the
+        preprocess did not zero the accumulator. Its state (0 never claimed, 1 being zeroed, 2 zeroed) moves
+        0 -> 1 by one CAS: the claimant's 32 lanes store zeros (16-byte stores), fence, and lane 0 stores 2
+        (release); a CTA that finds 1 waits for 2 (the claimant is running: it waits on nothing); one that
+        finds 2 goes on. Either way the acquire comes before a proxy fence, so the TMA unit's adds that
+        follow see the zeros. (The postprocess reads a tile still at 0 as zeros.)"""
+        state_ptr = elem_pointer(mdQ_state, q_block)
+        prev = Int32(2)
+        if lane == 0:
+            prev = cute.arch.atomic_cas(state_ptr, cmp=Int32(0), val=Int32(1), sem="acquire", scope="gpu")
+        prev = cute.arch.shuffle_sync(prev, 0)
+        if prev == 0:
+            # lane l stores elements 4 l .. 4 l + 3 of every 128: each warp store is 512 contiguous bytes
+            mine = fragment_accum(mdQaccum, self.tile_m * self.head_dim, 32, q_block, lane, 4)
+            zeros = cute.make_rmem_tensor((4,), Float32)
+            zeros.fill(0.0)
+            for i in cutlass.range(cute.size(mine, mode=[1]), unroll=8):
+                cute.autovec_copy(zeros, mine[None, i])
+            cute.arch.fence_acq_rel_gpu()  # (each lane's stores, before lane 0's release below)
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.store(state_ptr, Int32(2), sem="release", scope="gpu")
+        if prev == 1:
+            if lane == 0:
+                state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
+                while state != 2:
+                    state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")  # the zeros (generic proxy) before the adds (async proxy)
 
     # ------------------------------------------------------------------ epilogues
 
