@@ -91,6 +91,8 @@ class FlashBwdSm90Store:
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
+        # (dq_claim) what the claim of the next block's tile found, made a block ahead (``claim_dq_tile``)
+        next_claim = Int32(0)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
             if m_block > m_block_min:
@@ -109,7 +111,11 @@ class FlashBwdSm90Store:
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
             if const_expr(self.dq_claim):
-                self.claim_dq_tile(mdQaccum, mdQ_sem, q_block, lane)
+                # The tile is zero before the adds: claimed now on the first block, a block ahead after it.
+                claim = next_claim
+                if m_block == m_block_min:
+                    claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block, lane)
+                self.wait_dq_tile(mdQ_sem, q_block, claim, lane)
             # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
             # groups (commit and waits are per thread).
             for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -118,6 +124,11 @@ class FlashBwdSm90Store:
                     bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
                                         half * 4)
                     cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.dq_claim):
+                if m_block + 1 < m_block_max:
+                    # (non-causal CTAs of a head reach each tile together: claimed and zeroed a block ahead, the
+                    # tile is ready when they arrive, where a claim on arrival kept all but one waiting)
+                    next_claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block + 1, lane)
             if const_expr(self.has_gate):
                 bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
                                         seqlen.seqlen_q)
@@ -136,20 +147,19 @@ class FlashBwdSm90Store:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
 
     @cute.jit
-    def claim_dq_tile(self, mdQaccum: cute.Tensor, mdQ_state: cute.Tensor, q_block: Int32, lane: Int32):
-        """(dq_claim) Make dQaccum's tile ``q_block`` zero before this CTA's first add into it, where the
-        preprocess did not zero the accumulator. Its state (0 never claimed, 1 being zeroed, 2 zeroed) moves
-        0 -> 1 by one CAS: the claimant's 32 lanes store zeros (16-byte stores), fence, and lane 0 stores 2
-        (release); a CTA that finds 1 waits for 2 (the claimant is running: it waits on nothing); one that
-        finds 2 goes on. Either way the acquire comes before a proxy fence, so the TMA unit's adds that
-        follow see the zeros. (The postprocess reads a tile still at 0 as zeros.)"""
+    def claim_dq_tile(self, mdQaccum: cute.Tensor, mdQ_state: cute.Tensor, q_block: Int32, lane: Int32) -> Int32:
+        """(dq_claim) Claim dQaccum's tile ``q_block``, which the preprocess did not zero; returns what the claim
+        found (every lane). Its state (0 never claimed, 1 being zeroed, 2 zeroed) moves 0 -> 1 by one CAS
+        (acquire): the claimant's 32 lanes store the zeros (128-bit stores, 512 contiguous bytes per warp store),
+        fence, and lane 0 stores 2 (release), and it returns 2; a CTA that found 1 waits for 2 in
+        ``wait_dq_tile`` (the claimant waits on nothing in between, so no deadlock). (The postprocess reads a
+        tile still at 0 as zeros.)"""
         state_ptr = elem_pointer(mdQ_state, q_block)
         prev = Int32(2)
         if lane == 0:
             prev = cute.arch.atomic_cas(state_ptr, cmp=Int32(0), val=Int32(1), sem="acquire", scope="gpu")
         prev = cute.arch.shuffle_sync(prev, 0)
         if prev == 0:
-            # lane l stores elements 4 l .. 4 l + 3 of every 128: each warp store is 512 contiguous bytes
             mine = fragment_accum(mdQaccum, self.tile_m * self.head_dim, 32, q_block, lane, 4)
             zeros = cute.make_rmem_tensor((4,), Float32)
             zeros.fill(0.0)
@@ -159,13 +169,22 @@ class FlashBwdSm90Store:
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.store(state_ptr, Int32(2), sem="release", scope="gpu")
-        if prev == 1:
+            prev = Int32(2)
+        return prev
+
+    @cute.jit
+    def wait_dq_tile(self, mdQ_state: cute.Tensor, q_block: Int32, claim: Int32, lane: Int32):
+        """(dq_claim) Tile ``q_block`` is zero before this CTA's adds: ``claim`` (``claim_dq_tile``'s result) 1
+        waits for its claimant's release (acquire); then a proxy fence orders the zeros (generic proxy, ours or
+        acquired) before the TMA unit's adds (async proxy)."""
+        if claim == 1:
             if lane == 0:
+                state_ptr = elem_pointer(mdQ_state, q_block)
                 state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
                 while state != 2:
                     state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
             cute.arch.sync_warp()
-        cute.arch.fence_proxy("async.global")  # the zeros (generic proxy) before the adds (async proxy)
+        cute.arch.fence_proxy("async.global")
 
     # ------------------------------------------------------------------ epilogues
 
