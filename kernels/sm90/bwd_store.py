@@ -112,9 +112,15 @@ class FlashBwdSm90Store:
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
             if const_expr(self.dq_claim):
                 # The tile is zero before the adds: claimed now on the first block, a block ahead after it.
+                # The next block's claim is made here, under the wait for this block's dQ (at the block's end it
+                # held the next DQ_EMPTY hand-back for a CAS's round trip).
                 claim = next_claim
                 if m_block == m_block_min:
                     claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block, lane)
+                if m_block + 1 < m_block_max:
+                    # (non-causal CTAs of a head reach each tile together: claimed and zeroed a block ahead, the
+                    # tile is ready when they arrive, where a claim on arrival kept all but one waiting)
+                    next_claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block + 1, lane)
                 self.wait_dq_tile(mdQ_sem, q_block, claim, lane)
             # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
             # groups (commit and waits are per thread).
@@ -124,11 +130,6 @@ class FlashBwdSm90Store:
                     bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
                                         half * 4)
                     cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.dq_claim):
-                if m_block + 1 < m_block_max:
-                    # (non-causal CTAs of a head reach each tile together: claimed and zeroed a block ahead, the
-                    # tile is ready when they arrive, where a claim on arrival kept all but one waiting)
-                    next_claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block + 1, lane)
             if const_expr(self.has_gate):
                 bwd_gate.add_query_sums(sQuerySums, (m_block - m_block_min) % 2, dgq, m_block, self.tile_m,
                                         seqlen.seqlen_q)
