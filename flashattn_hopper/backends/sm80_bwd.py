@@ -53,7 +53,7 @@ class BwdPreKey(KernelKey):
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
     sink: bool = False  # also a learnable sink's gradient parts (FlashBwdPreprocess ``sink_grad``)
-    zero_dq: bool = True  # False: dQaccum left unzeroed (the sm90 main key's ``dq_claim`` zeroes it per tile)
+    dq_unzeroed: bool = False  # dQaccum left as it is (the sm90 main key's ``dq_claim`` zeroes it per tile)
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class BwdSm80:
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
                       varlen=is_varlen, seqused=su_q, sink=sink,
-                      **({"zero_dq": False} if getattr(main, "dq_claim", False) else {})),
+                      **({"dq_unzeroed": True} if getattr(main, "dq_claim", False) else {})),
             main, post_dq, post_kv,
         )
 
@@ -351,7 +351,7 @@ class BwdSm80:
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
                 dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
-                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, zero_dq=pre.zero_dq,
+                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, zero_dq=not pre.dq_unzeroed,
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (

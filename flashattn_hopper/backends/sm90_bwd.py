@@ -12,6 +12,7 @@ falls back when this family cannot implement them).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..validate import AttnProblem
 from .common import VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 from .gate_scan import scan_keys
 from .sm80_bwd import (
-    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdSm80, _fake, _fake_ints, _fake_packed,
+    _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
 
 
@@ -196,7 +197,9 @@ class BwdSm90(BwdSm80):
         return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """One representative per code path: d128 bf16 dense (MHA non-causal, GQA causal), the opt-in 80 x 128
+        """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of
+        a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
+        GQA causal), the opt-in 80 x 128
         tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed),
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
@@ -207,8 +210,11 @@ class BwdSm90(BwdSm80):
             return []
         main = self._main_key
         tile_80 = self.tile_80_key(arch)
+        claimed = main(arch, "bf16", 128, 128, False, False)  # (dq_claim: its pre and dQ post differ)
         return [
-            self._post_keys(arch, "bf16", 128, 128)[0],
+            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128, dq_unzeroed=True),
+            self._post_keys(arch, "bf16", 128, 128, main=claimed)[0],
+            self._post_keys(arch, "bf16", 128, 128, main=dataclasses.replace(claimed, dq_claim=False))[0],
             self._post_keys(arch, "bf16", 64, 64)[0],
             self._post_keys(arch, "bf16", 192, 128)[0],
             self._post_keys(arch, "bf16", 128, 128)[1],
