@@ -48,8 +48,8 @@ class BwdSm90Tile:
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim=True),
     128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim=True),
-    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2),
-    256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1),
+    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim=True),
+    256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim=True),
 }
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %

@@ -62,10 +62,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     """
 
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
-                 num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None):
+                 num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None, dq_claim=False):
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
-                         deterministic=deterministic, head_dim_v=head_dim_v)
+                         deterministic=deterministic, head_dim_v=head_dim_v, dq_claim=dq_claim)
         self.pds_stages = 4  # dS^T in 0, 1; P^T in 2, 3
 
     @staticmethod
