@@ -55,7 +55,7 @@ def parse_tile(spec: str):
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
                                       pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      dq_claim="claim" in parts)}
+                                      dq_claim="all" if "claim" in parts else "")}
     return hdim, family
 
 

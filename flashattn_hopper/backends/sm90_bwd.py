@@ -38,7 +38,9 @@ class BwdSm90Tile:
     trace: bool = False  # debug: clock() stamps of two blocks stored by two CTAs (bwd_loop.py store_stamps)
     pingpong: bool = False  # the MMA warpgroups do not meet per block; dQ lags one block (kernels/sm90/bwd_loop.py)
     ds_packed: bool = False  # dS^T by packed 16-bit products of P^T (kernels/sm90/bwd_loop.py ds16_from_probs16)
-    dq_claim: bool = False  # dQaccum zeroed tile by tile by its first claimant, not by the preprocess (bwd_store.py)
+    # dQaccum zeroed tile by tile by its first claimant, not by the preprocess (kernels/sm90/bwd_store.py
+    # ``claim_dq_tile``): "all" problems, "masked" (causal or local) ones only, or "" never
+    dq_claim: str = ""
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -46,10 +48,10 @@ class BwdSm90Tile:
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim=True),
-    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim=True),
-    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim=True),
-    256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim=True),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all"),
+    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
+    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all"),
+    256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
@@ -63,6 +65,10 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # (perf/NOTES.md, session 23) against 64 x 128: main kernel -1.8 % time at 16k, +7 % at 512, even at
 # 1k-4k; within +-2 % again in session 24, after which 64 x 128 gained 3-7 % (dV after dS^T).
 # Opt-in for benchmarks: ``perf/bench_bwd.py --tiles 128:80x128:2:transposed``.
+# dq_claim (the preprocess no longer zeroes dQaccum; each tile is zeroed in L2 by the first CTA to claim it, a block
+# ahead of its adds): on an H100 +10 / +17 % at hdim 64 / 128 512 causal, +4-6 % at 1k causal, +0-5 % at hdim 64
+# non-causal; hdim 128 non-causal lost 2.5-2.8 % at 2k-4k (repeat 5), so it claims under causal / local masks only
+# (perf/NOTES.md session 33).
 BWD_SM90_TILE_80 = BwdSm90Tile(tile_m=80, tile_n=128, dq_transposed=True)
 
 
@@ -166,7 +172,8 @@ class BwdSm90(BwdSm80):
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
             # (its tile states take the semaphores' slot: not with deterministic's turns or trace's clocks)
-            **({"dq_claim": True} if t.dq_claim and not t.trace and not flags.get("deterministic") else {}), **flags,
+            **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
+               and not t.trace and not flags.get("deterministic") else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -210,7 +217,7 @@ class BwdSm90(BwdSm80):
             return []
         main = self._main_key
         tile_80 = self.tile_80_key(arch)
-        claimed = main(arch, "bf16", 128, 128, False, False)  # (dq_claim: its pre and dQ post differ)
+        claimed = main(arch, "bf16", 128, 128, True, False)  # (dq_claim: its pre and dQ post differ)
         return [
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128, dq_unzeroed=True),
             self._post_keys(arch, "bf16", 128, 128, main=claimed)[0],
