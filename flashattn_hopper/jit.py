@@ -91,7 +91,8 @@ class KernelKey:
         """Short name for logs and progress lines, e.g. ``fwd_sm90-sm_90a-bf16-hdim192/128-tile128x128-causal``:
         kind, arch, dtype, head dims, the tile, the bool fields that are set and the fields that differ
         from their defaults (a bool field without a default counts as default False; an int field
-        without one is tile configuration, left to ``name``)."""
+        without one is tile configuration, left to ``name``; a field whose metadata says ``display=False``, one
+        another field implies, is left out too)."""
         return _display_name(self)
 
     @property
@@ -116,7 +117,7 @@ def _display_name(key: KernelKey) -> str:
         parts.append(f"tile{values['tile_m']}x{values['tile_n']}")
     for f in fields:
         value = values[f.name]
-        if f.name in _DISPLAY_LEAD:
+        if f.name in _DISPLAY_LEAD or f.metadata.get("display") is False:
             continue
         default = f.default
         if default is dataclasses.MISSING:

@@ -13,7 +13,7 @@ falls back when this family cannot implement them).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,7 +82,8 @@ class BwdSm90Key(KernelKey):
     causal: bool
     gqa: bool  # nheads != nheads_k: dK/dV summed over query heads in fp32 scratch
     num_stages: int = 2
-    dq_split_rows: bool = False
+    # (implied by tile_m 128, so left out of display names: they stay within a progress line's 120 columns)
+    dq_split_rows: bool = field(default=False, metadata={"display": False})
     local: bool = False
     softcap: bool = False
     varlen: bool = False
