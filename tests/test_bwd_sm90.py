@@ -246,3 +246,20 @@ def test_bwd_sm90_ds_packed(seqlens, hdim, pingpong, causal, dtype):
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
     check_against_refs(grads, (q, k, v), ref, pt)
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+def test_bwd_sm90_dq_claim_unclaimed_tiles(hdim):
+    """``dq_claim`` (the preprocess no longer zeroes dQaccum; each tile is zeroed by the first CTA to claim it):
+    a tile no key block adds into reads as zeros in the postprocess. Causal with more queries than keys (the first
+    500 rows see no key: whole tiles of them), on memory the caching allocator hands back full of NaN; the parity
+    rule against the fp32 reference on poisoned buffers (those rows' dq must be exactly the reference's zeros)."""
+    from flashattn_hopper import validate
+
+    q, k, v, dout = make_inputs(2, 700, 200, 4, 4, hdim)
+    p = validate.validate_dense(q, k, v, None, True, (-1, -1), 0.0)
+    assert dispatch.BWD_KERNELS["sm90"].plan(p, None, False, q.device).main_key.dq_claim
+    recycled = torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MB of NaN back to the cache
+    del recycled
+    dq, _, _ = check_poisoned_grads(q, k, v, dout, "sm90", causal=True)
+    assert torch.equal(dq[:, :500], torch.zeros_like(dq[:, :500])), "rows that see no key must get dq = 0"
