@@ -66,7 +66,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         | warpgroup | warps | registers | role                                                |
         | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m |
         | WG0       | 1     | 24        | dQ writer: bulk reduce-add sdQ -> dQaccum per m     |
-        | WG0       | 2-3   | 24        | idle (exit after setmaxnreg)                        |
+        | WG0       | 2     | 24        | idle; claim_warp: dq_claim's tile claims (opt-in)   |
+        | WG0       | 3     | 24        | idle (exit after setmaxnreg)                        |
         | WG1, WG2  | 4 each| 240       | MMA: 64 keys each; S^T, dP^T, dV, dK, dQ; epilogue  |
 
     Pipelines (mbarriers; producer arrive = one elected ``arrive.expect_tx``, consumer arrive =
@@ -114,6 +115,11 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     j's, and cannot reach block j+2 before the other passed DS_READY of j+1 (after its dQ(j)).
     Epilogue: MHA: dK * scale and dV to 16 bits, through sK/sV (stmatrix) to predicated 128-bit
     row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
+
+    dq_claim (the table's keys but deterministic / trace, hdim 128 under causal or local masks only): the
+    preprocess does not zero dQaccum; the writer claims each tile a block ahead (a CAS on the tile's state in
+    ``mdQ_sem``: 0 free, 1 being zeroed, 2 zeroed), the claimant zeroes it in L2 (``claim_dq_tile``), others wait
+    for 2; the postprocess reads a never-claimed tile as zeros.
 
     Launch: a programmatic dependent of the preprocess (``configs.bwd_pdl``): every CTA lets the
     postprocess launch at its start; the producer issues K and V, then waits for the preprocess
