@@ -495,6 +495,7 @@ class BwdPlan:
                  kv_fragment: bool = False, sink_warps: int = 0) -> None:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
         self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
+        self.dq_claim = getattr(main_key, "dq_claim", False)  # (sm90 keys: dQaccum tiles claimed, BwdSm90Tile)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
@@ -580,7 +581,7 @@ class BwdPlan:
             # the grid, varlen's included)
             ctas = (self.s_k_pad // key.tile_n + p.batch + 1) * p.nheads * self.b_scr
             sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS + 6 * ctas, dtype=torch.int32, device=dev)
-        elif getattr(key, "dq_claim", False):  # (sm90: each dQaccum tile's claim state; the postprocess reads it)
+        elif self.dq_claim:  # (sm90: each dQaccum tile's claim state; the postprocess reads it)
             sem_q = dq_state = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32,
                                            device=dev)
             sem_kv = _unused_semaphore(device_index(dev))

@@ -169,14 +169,8 @@ class FlashBwdSm90Store:
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
             pipe_claim.producer_acquire(state)
-            claim = self.claim_dq_tile(mdQaccum, mdQ_state, q_block, lane)
-            if claim == 1:
-                if lane == 0:
-                    state_ptr = elem_pointer(mdQ_state, q_block)
-                    seen = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != 2:
-                        seen = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
+            if self.claim_dq_tile(mdQaccum, mdQ_state, q_block, lane) == 1:
+                self.await_zeroed(mdQ_state, q_block, lane)
             pipe_claim.producer_commit(state)
             state.advance()
 
@@ -212,13 +206,19 @@ class FlashBwdSm90Store:
         waits for its claimant's release (acquire); then a proxy fence orders the zeros (generic proxy, ours or
         acquired) before the TMA unit's adds (async proxy)."""
         if claim == 1:
-            if lane == 0:
-                state_ptr = elem_pointer(mdQ_state, q_block)
-                state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
-                while state != 2:
-                    state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.sync_warp()
+            self.await_zeroed(mdQ_state, q_block, lane)
         cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def await_zeroed(self, mdQ_state: cute.Tensor, q_block: Int32, lane: Int32):
+        """(dq_claim) Lane 0 spins (acquire loads) until another CTA's claimant has released tile ``q_block``'s
+        zeros (state 2); the warp then goes on together."""
+        if lane == 0:
+            state_ptr = elem_pointer(mdQ_state, q_block)
+            state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
+            while state != 2:
+                state = cute.arch.load(state_ptr, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ epilogues
 
