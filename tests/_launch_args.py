@@ -205,7 +205,7 @@ def main(arch: str) -> None:
     pre_key, main_key, post_dq, _ = bwd.keys(problem, arch)
     acc, sem = torch.zeros(2, 4, 128 * 64), torch.zeros(1, 1, 1, dtype=torch.int32)
     pre_tensors = [common.to_cute(t) for t in (bshd, bshd, rows, rows, rows, acc)]
-    check(bwd.compile(pre_key), (*pre_tensors, None, None, None, None), 0x1234, "bwd_pre_sm80")
+    check(bwd.compile(pre_key), (*pre_tensors, None, None, None, None, None), 0x1234, "bwd_pre_sm80")
     main_tensors = [common.to_cute(t) for t in (bshd, bshd, bshd, bshd, rows, rows, acc, bshd, bshd, sem, sem)]
     # softmax_scale, window_left, window_right, softcap, deterministic, tail_blocks, tail_segments, varlen
     # slots, the split tail's partial sums (None: not the segments kernel)

@@ -53,7 +53,9 @@ class BwdPreKey(KernelKey):
     varlen: bool = False
     seqused: bool = False  # seqused_q given (varlen only)
     sink: bool = False  # also a learnable sink's gradient parts (FlashBwdPreprocess ``sink_grad``)
-    dq_unzeroed: bool = False  # dQaccum left as it is (the sm90 main key's ``dq_claim`` zeroes it per tile)
+    # > 0: dQaccum left as it is, the claim states of the sm90 main key's tiles of this many rows zeroed instead
+    # (its ``dq_claim`` zeroes each tile itself)
+    dq_state_tile_m: int = 0
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,7 @@ class BwdSm80:
         return (
             BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype=dtype, head_dim=hdim, head_dim_v=hdim_v,
                       varlen=is_varlen, seqused=su_q, sink=sink,
-                      **({"dq_unzeroed": True} if getattr(main, "dq_claim", False) else {})),
+                      **({"dq_state_tile_m": main.tile_m} if getattr(main, "dq_claim", False) else {})),
             main, post_dq, post_kv,
         )
 
@@ -351,7 +353,7 @@ class BwdSm80:
             pre: BwdPreKey = key  # type: ignore[assignment]
             kernel = FlashBwdPreprocess(
                 dtype, pre.head_dim, _PRE_TILE_M, _pre_threads(pre.head_dim_v), head_dim_v=pre.head_dim_v,
-                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, zero_dq=not pre.dq_unzeroed,
+                pdl=configs.bwd_pdl(pre.arch), sink_grad=pre.sink, state_tile_m=pre.dq_state_tile_m,
             )
             lse = _fake(f32, (h, s_q)) if varlen else _fake(f32, (b, h, s_q))
             fakes = (
@@ -361,7 +363,8 @@ class BwdSm80:
             ints = (_fake_ints(b1) if varlen else None, _fake_ints(nb) if pre.seqused else None)
             # (the sink's logits as the user's fp32 tensor: a view may start at any 4-byte offset)
             sink = (_fake(f32, (h,), align=4), _fake(f32, (b, h, cute.sym_int()))) if pre.sink else (None, None)
-            return ffi_compile(kernel, *fakes, *ints, *sink, options=options)
+            state = _fake(i32, sem_q) if pre.dq_state_tile_m else None
+            return ffi_compile(kernel, *fakes, *ints, *sink, state, options=options)
         if key.kernel == "bwd_post_sm80":
             from ..kernels.common.bwd_post import FlashBwdPostprocess
 
@@ -581,8 +584,8 @@ class BwdPlan:
             # the grid, varlen's included)
             ctas = (self.s_k_pad // key.tile_n + p.batch + 1) * p.nheads * self.b_scr
             sem_q = sem_kv = self.trace_stamps = torch.zeros(1, 1, TRACE_SLOTS + 6 * ctas, dtype=torch.int32, device=dev)
-        elif self.dq_claim:  # (sm90: each dQaccum tile's claim state; the postprocess reads it)
-            sem_q = dq_state = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32,
+        elif self.dq_claim:  # (sm90: each dQaccum tile's claim state, zeroed by the preprocess)
+            sem_q = dq_state = torch.empty(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32,
                                            device=dev)
             sem_kv = _unused_semaphore(device_index(dev))
         else:
@@ -597,7 +600,7 @@ class BwdPlan:
         if sink is not None:
             sink = sink.detach().to(device=dev, dtype=f32).contiguous()
             sink_parts = (torch.zeros if p.is_varlen else torch.empty)(self.sink_parts_shape, dtype=f32, device=dev)
-        self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q, sink, sink_parts)
+        self.pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_q, su_q, sink, sink_parts, dq_state)
         main_args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk_main, dv_main, sem_q, sem_kv, *self.scalars,
                      cu_q, cu_k, su_q, su_k)
         self.main(*main_args, None, *(self.no_gate if gate is None else gate))

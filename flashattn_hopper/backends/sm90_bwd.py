@@ -223,7 +223,8 @@ class BwdSm90(BwdSm80):
         tile_80 = self.tile_80_key(arch)
         claimed = main(arch, "bf16", 128, 128, True, False)  # (dq_claim: its pre and dQ post differ)
         return [
-            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128, dq_unzeroed=True),
+            BwdPreKey(kernel="bwd_pre_sm80", arch=arch, dtype="bf16", head_dim=128, head_dim_v=128,
+                      dq_state_tile_m=64),
             self._post_keys(arch, "bf16", 128, 128, main=claimed)[0],
             self._post_keys(arch, "bf16", 128, 128, main=dataclasses.replace(claimed, dq_claim=False))[0],
             self._post_keys(arch, "bf16", 64, 64)[0],

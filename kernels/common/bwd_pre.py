@@ -7,7 +7,8 @@ block, computed once (design doc 2.2), in fp32:
   and one MUFU.EX2; a row whose LSE is ``-inf`` (it sees no key) stores 0 (its scores are all
   masked, so P = 0 either way and no ``inf - inf`` arises); padding rows past ``seqlen_q`` store
   ``+inf`` and ``dPsum = 0``, so ``P = 0`` and ``dS = 0`` there (pitfall 19);
-- ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds;
+- ``dQaccum`` set to zero over the padded rows, ready for the main kernel's reduce-adds (or, for the sm90
+  kernel's ``dq_claim``, which zeroes each tile itself, the tiles' claim states ``mdQ_state`` set to 0);
 - with ``sink_grad`` (a learnable sink per head, ``flashattn_hopper/sinks.py``): each warp's part of the
   sink's gradient ``d sink_h = -sum_i exp(sink_h - LSE_i) * dPsum_i`` over its rows (LSE the sinked
   one), one fp32 value per warp in ``mdSinkParts``; the host sums the parts (a fixed order: bitwise
@@ -49,15 +50,18 @@ class FlashBwdPreprocess:
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int = SEQ_PAD,
                  num_threads: int = 128, head_dim_v: int | None = None, pdl: bool = False,
-                 sink_grad: bool = False, zero_dq: bool = True):
+                 sink_grad: bool = False, state_tile_m: int = 0):
         """``head_dim``: dQaccum's (q's); ``head_dim_v``: O and dO's (None: ``head_dim``). ``pdl``
         (sm_90 only): launched as a programmatic dependent of the stream's previous kernel, it waits
         for that one before reading O, dO and LSE, and lets the main kernel launch once its loads
         are issued (the main kernel waits for its outputs: ``configs.bwd_pdl``). ``sink_grad``: the
-        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``). ``zero_dq`` False: dQaccum is left as
-        it is (the sm90 main kernel's ``dq_claim``: each tile is zeroed by the first CTA to claim it)."""
+        sink's gradient parts too (``mSinkLogits``, ``mdSinkParts``). ``state_tile_m`` > 0 (the sm90 main
+        kernel's ``dq_claim``, whose tiles of that many rows are zeroed by the first CTA to claim them): dQaccum
+        is left as it is and the tiles' claim states (``mdQ_state``) are zeroed instead."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
+        if state_tile_m and (tile_m % state_tile_m or state_tile_m % 8):
+            reason = f"state_tile_m ({state_tile_m}) must divide tile_m ({tile_m})"
         if reason is not None:
             raise ValueError(f"FlashBwdPreprocess cannot implement this config: {reason}")
         self.dtype = dtype
@@ -67,7 +71,7 @@ class FlashBwdPreprocess:
         self.num_threads = num_threads
         self.pdl = pdl
         self.sink_grad = sink_grad
-        self.zero_dq = zero_dq
+        self.state_tile_m = state_tile_m
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v=None) -> str | None:
@@ -90,8 +94,12 @@ class FlashBwdPreprocess:
         # sink_grad only: (batch | 1, nheads, grid_x * warps) fp32, output: warp w of the CTA at grid
         # x index bx writes slot bx * warps + w (varlen CTAs past the last sequence write nothing)
         mdSinkParts: cute.Tensor | None,
+        # state_tile_m > 0: (batch | 1, nheads, seqlen_q_padded / state_tile_m) int32, output (zeros); else None
+        mdQ_state: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
+        if const_expr((mdQ_state is not None) != (self.state_tile_m > 0)):
+            raise TypeError("mdQ_state is given exactly with state_tile_m")
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
             raise TypeError(f"O and dO must be {self.dtype}")
         for t in (mLSE, mLSE_log2, mdPsum, mdQaccum):
@@ -114,7 +122,8 @@ class FlashBwdPreprocess:
             num_batch = mO.shape[3]
             grid = [mLSE_log2.shape[2] // self.tile_m, mO.shape[2], num_batch]
         self.kernel(
-            mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ, mSinkLogits, mdSinkParts
+            mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, num_batch, mCuSeqlensQ, mSeqUsedQ, mSinkLogits, mdSinkParts,
+            mdQ_state,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -131,6 +140,7 @@ class FlashBwdPreprocess:
         mSeqUsedQ: cute.Tensor | None,
         mSinkLogits: cute.Tensor | None,
         mdSinkParts: cute.Tensor | None,
+        mdQ_state: cute.Tensor | None,
     ):
         block_x, head_idx, block_z = cute.arch.block_idx()
         if const_expr(self.pdl):
@@ -142,12 +152,12 @@ class FlashBwdPreprocess:
             if batch_idx >= 0:
                 self.row_block(
                     mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, m_block,
-                    head_idx, batch_idx, mSinkLogits, mdSinkParts, block_x,
+                    head_idx, batch_idx, mSinkLogits, mdSinkParts, block_x, mdQ_state,
                 )
         else:
             self.row_block(
                 mO, mdO, mLSE, mLSE_log2, mdPsum, mdQaccum, mCuSeqlensQ, mSeqUsedQ, block_x,
-                head_idx, block_z, mSinkLogits, mdSinkParts, block_x,
+                head_idx, block_z, mSinkLogits, mdSinkParts, block_x, mdQ_state,
             )
 
     @cute.jit
@@ -167,6 +177,7 @@ class FlashBwdPreprocess:
         mSinkLogits: cute.Tensor | None,
         mdSinkParts: cute.Tensor | None,
         block_x: Int32,
+        mdQ_state: cute.Tensor | None = None,
     ):
         """The ``tile_m`` padded rows ``m_block`` of one (sequence, head); ``block_x``: the CTA's grid
         index (its slots in ``mdSinkParts``)."""
@@ -250,7 +261,12 @@ class FlashBwdPreprocess:
             if cute.arch.lane_idx() == 0:
                 mdSinkParts[scratch_b, head_idx, block_x * warps + cute.arch.warp_idx()] = warp_sum
 
-        if const_expr(self.zero_dq):
+        if const_expr(self.state_tile_m > 0):
+            # (dq_claim) the claim states of the main kernel's tiles in these rows: 0, never claimed
+            per_block = self.tile_m // self.state_tile_m
+            if tidx < per_block:
+                mdQ_state[scratch_b, head_idx, (pad_offset // self.tile_m + m_block) * per_block + tidx] = Int32(0)
+        else:
             copy_f32 = tiled_copy_16b(Float32, self.num_threads, self.head_dim, is_async=False)
             gdQaccum = accum_tile(
                 mdQaccum[scratch_b, head_idx, None], self.tile_m, self.head_dim,
