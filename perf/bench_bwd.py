@@ -42,7 +42,7 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim|:claimwarp]`` -> (hdim, an sm90 backward family whose table
+    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim]`` -> (hdim, an sm90 backward family whose table
     has that tile; ``pingpong``, ``packed`` and ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim``), so
     ``64:128x128:2:rows`` is the lockstep loop without ds_packed, the preprocess zeroing dQaccum, and hdim 64's
     default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
@@ -55,8 +55,7 @@ def parse_tile(spec: str):
     family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
                                       pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      dq_claim="all" if "claim" in parts or "claimwarp" in parts else "",
-                                      claim_warp="claimwarp" in parts)}
+                                      dq_claim="all" if "claim" in parts else "")}
     return hdim, family
 
 

@@ -41,7 +41,6 @@ class BwdSm90Tile:
     # dQaccum zeroed tile by tile by its first claimant, not by the preprocess (kernels/sm90/bwd_store.py
     # ``claim_dq_tile``): "all" problems, "masked" (causal or local) ones only, or "" never
     dq_claim: str = ""
-    claim_warp: bool = False  # (opt-in, with dq_claim) the claims made by warp 2, not the dQ writer (bwd_store.py)
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
@@ -93,7 +92,6 @@ class BwdSm90Key(KernelKey):
     pingpong: bool = False  # BwdSm90Tile's
     ds_packed: bool = False  # BwdSm90Tile's (bf16 only; not with softcap or the gated GQA key)
     dq_claim: bool = False  # BwdSm90Tile's (not deterministic, not trace; then the preprocess does not zero dQaccum)
-    claim_warp: bool = False  # BwdSm90Tile's (with dq_claim)
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
@@ -175,8 +173,7 @@ class BwdSm90(BwdSm80):
             **({"ds_packed": True} if t.ds_packed and dtype == "bf16" and not flags.get("softcap")
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
             # (its tile states take the semaphores' slot: not with deterministic's turns or trace's clocks)
-            **({"dq_claim": True, **({"claim_warp": True} if t.claim_warp else {})}
-               if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
+            **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
                and not t.trace and not flags.get("deterministic") else {}), **flags,
         )
 
@@ -280,7 +277,6 @@ class BwdSm90(BwdSm80):
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
             **({"dq_claim": True} if k.dq_claim else {}),
-            **({"claim_warp": True} if k.claim_warp else {}),
         )
         if k.gqa:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

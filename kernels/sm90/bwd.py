@@ -66,8 +66,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         | warpgroup | warps | registers | role                                                |
         | WG0       | 0     | 24        | producer: TMA of K, V once; Q, LSE, dO, dPsum per m |
         | WG0       | 1     | 24        | dQ writer: bulk reduce-add sdQ -> dQaccum per m     |
-        | WG0       | 2     | 24        | idle; claim_warp: dq_claim's tile claims (opt-in)   |
-        | WG0       | 3     | 24        | idle (exit after setmaxnreg)                        |
+        | WG0       | 2-3   | 24        | idle (exit after setmaxnreg)                        |
         | WG1, WG2  | 4 each| 240       | MMA: 64 keys each; S^T, dP^T, dV, dK, dQ; epilogue  |
 
     Pipelines (mbarriers; producer arrive = one elected ``arrive.expect_tx``, consumer arrive =
@@ -117,7 +116,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
 
     dq_claim (the table's keys but deterministic / trace, hdim 128 under causal or local masks only): the
-    preprocess does not zero dQaccum; the writer claims each tile a block ahead (a CAS on the tile's state in
+    preprocess zeroes the tiles' claim states, not dQaccum; the writer claims each tile a block ahead (a CAS on the tile's state in
     ``mdQ_sem``: 0 free, 1 being zeroed, 2 zeroed), the claimant zeroes it in L2 (``claim_dq_tile``), others wait
     for 2; the postprocess reads a never-claimed tile as zeros.
 
@@ -147,7 +146,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         pingpong: bool = False,
         ds_packed: bool = False,
         dq_claim: bool = False,
-        claim_warp: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -157,8 +155,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is None and dq_claim and (deterministic or trace):
             reason = "dq_claim keeps its tile states where deterministic keeps its turns and trace its clocks"
-        if reason is None and claim_warp and not dq_claim:
-            reason = "claim_warp makes dq_claim's claims"
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -207,10 +203,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # state per tile in mdQ_sem), the claimant zeroes it (``FlashBwdSm90Store.claim_dq_tile``), so the tile's
         # lines are allocated in L2 right before the adds instead of zeroed in DRAM and read back.
         self.dq_claim = dq_claim
-        # (dq_claim, opt-in) warp 2 of the producer warpgroup, idle otherwise, makes the claims (CAS, zeroing,
-        # waits) up to two blocks ahead and hands each tile to the dQ writer through a 2-stage mbarrier pipeline,
-        # so that none of it sits on the writer (``FlashBwdSm90Store.claim_tiles``).
-        self.claim_warp = claim_warp
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -311,8 +303,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
-            if self.claim_warp:  # the claim warp -> dQ writer tile pipeline (2 stages: full, empty)
-                mbar_claim: cute.struct.MemRange[cutlass.Int64, 4]
 
         return SharedStorage
 
@@ -502,13 +492,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
             tx_count=self.tx_bytes_do, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
         )
-        pipe_claim = None
-        if const_expr(self.claim_warp):
-            pipe_claim = pipeline.PipelineAsync.create(
-                num_stages=2, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                barrier_storage=storage.mbar_claim.data_ptr(), defer_sync=True,
-            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         layouts = self._smem_layouts()
 
@@ -567,12 +550,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     self.store_dq(
                         sdQ, mdQaccum[scratch_b, head_idx, None],
                         mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
-                        row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq, pipe_claim=pipe_claim,
+                        row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
                     )
-                if const_expr(self.claim_warp):
-                    if warp_idx == 2:
-                        self.claim_tiles(mdQaccum[scratch_b, head_idx, None], mdQ_sem[scratch_b, head_idx, None],
-                                         row_offset_q // self.tile_m, m_block_min, m_block_max, pipe_claim)
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 mma_out = self.mma(

@@ -11,7 +11,6 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
@@ -75,7 +74,7 @@ class FlashBwdSm90Store:
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None, pipe_claim=None):
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
         """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
@@ -84,8 +83,7 @@ class FlashBwdSm90Store:
 
         ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
         (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
-        per-query dS sums, which take the slot's sums in the same step (and turn). ``pipe_claim`` (claim_warp):
-        dq_claim's tiles come ready from the claim warp (``claim_tiles``), one pipeline stage per block."""
+        per-query dS sums, which take the slot's sums in the same step (and turn)."""
         lane = cute.arch.lane_idx()
         cute.arch.griddepcontrol_wait()  # the preprocess zeroed dQaccum (``load``'s wait)
         tile_elems = self.tile_m * self.head_dim
@@ -95,8 +93,6 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         # (dq_claim) what the claim of the next block's tile found, made a block ahead (``claim_dq_tile``)
         next_claim = Int32(0)
-        claim_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2) if const_expr(
-            pipe_claim is not None) else None
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_block = block_offset + m_block
             if m_block > m_block_min:
@@ -114,13 +110,7 @@ class FlashBwdSm90Store:
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
                 semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
-            if const_expr(pipe_claim is not None):
-                # (the claim warp's acquire of the tile's zeros, passed on by the stage's arrive)
-                pipe_claim.consumer_wait(claim_state)
-                pipe_claim.consumer_release(claim_state)  # (the stage is a token: free at once)
-                claim_state.advance()
-                cute.arch.fence_proxy("async.global")
-            elif const_expr(self.dq_claim):
+            if const_expr(self.dq_claim):
                 # The tile is zero before the adds: claimed now on the first block, a block ahead after it.
                 # The next block's claim is made here, under the wait for this block's dQ (at the block's end it
                 # held the next DQ_EMPTY hand-back for a CAS's round trip).
@@ -156,23 +146,6 @@ class FlashBwdSm90Store:
                 )
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
-
-    @cute.jit
-    def claim_tiles(self, mdQaccum: cute.Tensor, mdQ_state: cute.Tensor, block_offset: Int32, m_block_min: Int32,
-                    m_block_max: Int32, pipe_claim):
-        """(claim_warp) The claim warp: each of the CTA's dQ tiles claimed (``claim_dq_tile``) and, if another
-        CTA is zeroing it, waited for, in block order, then handed to the dQ writer through ``pipe_claim`` (two
-        stages: at most two blocks ahead of the writer)."""
-        lane = cute.arch.lane_idx()
-        cute.arch.griddepcontrol_wait()  # (as the writer: its claims came after this wait too)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            q_block = block_offset + m_block
-            pipe_claim.producer_acquire(state)
-            if self.claim_dq_tile(mdQaccum, mdQ_state, q_block, lane) == 1:
-                self.await_zeroed(mdQ_state, q_block, lane)
-            pipe_claim.producer_commit(state)
-            state.advance()
 
     @cute.jit
     def claim_dq_tile(self, mdQaccum: cute.Tensor, mdQ_state: cute.Tensor, q_block: Int32, lane: Int32) -> Int32:
