@@ -173,7 +173,8 @@ def _fp8_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: di
     if len(dims) > 1:  # (per tensor and per block mixed: the general path says what is wrong)
         return None
     return ("e4m3", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
-            v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend, *scales)
+            v.get_device(), validate.keys_contiguous(v), softmax_scale, causal, window_size, softcap, backend,
+            settings().backend, *scales)
 
 
 def _fp8_call(
@@ -217,7 +218,7 @@ def _fp8_call(
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             block_scales = any(isinstance(d, torch.Tensor) and d.dim() == 3 for d in extras.values())
-            _PLANS[signature] = dispatch.FWD_KERNELS["sm90"].plan_fp8(q, p, block_scales)
+            _PLANS[signature] = dispatch.FWD_KERNELS["sm90"].plan_fp8(q, p, block_scales, validate.keys_contiguous(v))
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 

@@ -95,7 +95,7 @@ def _per_block(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block: bool = True, hadamard_qk: bool = True,
-    seed: int = 0, tile_m: int | None = None, tile_n: int | None = None, impl: str = "auto",
+    seed: int = 0, tile_m: int | None = None, tile_n: int | None = None, impl: str = "auto", v_layout: str = "rows",
 ) -> Fp8Qkv:
     """Quantize dense floating ``(batch, seqlen, nheads, head_dim)`` q, k, v to e4m3.
 
@@ -104,7 +104,9 @@ def quantize_qkv(
     Hadamard matrix first (``seed`` picks the signs; head dim a power of two). v is never rotated.
     ``impl``: ``"triton"`` (one kernel per tensor, ``quantize_triton``: CUDA 16-bit inputs, head dims a
     power of two in [16, 256]), ``"torch"`` (fp32 torch ops, any device and dtype), or ``"auto"``: Triton
-    where it applies and is installed.
+    where it applies and is installed. ``v_layout``: ``"rows"`` (v8 row-major like v) or ``"keys"``: v8 has v's
+    shape with its keys contiguous (``keys_major_empty``), which the FP8 kernel loads as V^T straight into the
+    layout its P.V MMA reads (no transpose in the kernel: faster where shared memory bounds it).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -120,6 +122,8 @@ def quantize_qkv(
         tile_n = default_n if tile_n is None else tile_n
         if tile_m < 1 or tile_n < 1:
             raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
+    if v_layout not in ("rows", "keys"):
+        raise ValueError(f"v_layout must be 'rows' or 'keys', got {v_layout!r}")
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard_qk else None
@@ -127,9 +131,10 @@ def quantize_qkv(
     if impl == "triton" and fits is not None:
         raise ValueError(f"impl='triton' cannot quantize these inputs: {fits}")
     if impl == "triton" or (impl == "auto" and fits is None):
+        v_out = keys_major_empty(v.shape, v.device) if v_layout == "keys" else None
         (q8, qd), (k8, kd), (v8, vd) = (
-            quantize_triton(t, nheads_k, rows if block else None, s) for t, rows, s in
-            ((q, tile_m, signs), (k, tile_n, signs), (v, tile_n, None))
+            quantize_triton(t, nheads_k, rows if block else None, s, out) for t, rows, s, out in
+            ((q, tile_m, signs, None), (k, tile_n, signs, None), (v, tile_n, None, v_out))
         )
         return Fp8Qkv(q8, k8, v8, qd, kd, vd, signs)
     qf, kf, vf = (t.float() for t in (q, k, v))
@@ -139,7 +144,18 @@ def quantize_qkv(
         (q8, qd), (k8, kd), (v8, vd) = _per_block(qf, tile_m), _per_block(kf, tile_n), _per_block(vf, tile_n)
     else:
         (q8, qd), (k8, kd), (v8, vd) = (_per_head_group(t, nheads_k) for t in (qf, kf, vf))
+    if v_layout == "keys":
+        v8 = keys_major_empty(v8.shape, v8.device).copy_(v8)
     return Fp8Qkv(q8, k8, v8, qd, kd, vd, signs)
+
+
+def keys_major_empty(shape: tuple[int, ...] | torch.Size, device: torch.device | str | None = None) -> torch.Tensor:
+    """An uninitialized e4m3 ``(batch, seqlen, nheads, head_dim)`` tensor whose keys are contiguous (a view of a
+    ``(batch, nheads, head_dim, seqlen rounded up to 16)`` buffer): the V layout the FP8 kernel loads as V^T with
+    no in-kernel transpose (its other strides multiples of 16 bytes, as its TMA needs)."""
+    b, s, h, d = shape
+    buffer = torch.empty(b, h, d, -(-s // 16) * 16, dtype=torch.float8_e4m3fn, device=device)
+    return buffer[..., :s].permute(0, 3, 1, 2)
 
 
 def _pm1_hadamard(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -168,23 +184,25 @@ def _triton_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: tuple
 
 
 def quantize_triton(
-    x: torch.Tensor, nheads_k: int, block_rows: int | None, signs: torch.Tensor | None
+    x: torch.Tensor, nheads_k: int, block_rows: int | None, signs: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tensor through the Triton kernel (``kernels/triton/fp8_quantize.py``): ``(x8, descale)``, per
     block of ``block_rows`` rows ``(b, h, blocks)`` or, with None, per (batch, kv head) ``(b, nheads_k)``.
-    16-bit x ``(b, s, h, d)``, d a power of two in [16, 256]; ``signs``: the Hadamard signs or None."""
+    16-bit x ``(b, s, h, d)``, d a power of two in [16, 256]; ``signs``: the Hadamard signs or None; ``out``:
+    x8's e4m3 buffer of x's shape, any strides (None: a new row-major one)."""
     from .kernels.triton.fp8_quantize import quantize_kernel
 
     b, s, h, d = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if out is None else out
     half = min(d, 128)
     had = _pm1_hadamard(half, x.dtype, x.device) if signs is not None else x.new_zeros(1)
     sgn = signs.to(device=x.device, dtype=x.dtype) if signs is not None else x.new_zeros(1)
     chunk = 32 if d > 128 else 64
     common = dict(D=d, CHUNK=chunk, HADAMARD=signs is not None, num_warps=8)
     args = (x, out)
-    tail = (sgn, had, s, h, x.stride(0), x.stride(1), x.stride(2), 1.0 / math.sqrt(d))
+    tail = (sgn, had, s, h, x.stride(0), x.stride(1), x.stride(2), 1.0 / math.sqrt(d), *out.stride())
     if block_rows is not None:
         rows = max(chunk, -(-block_rows // chunk) * chunk)
         if rows != block_rows:

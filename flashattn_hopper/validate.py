@@ -88,11 +88,21 @@ def _check_devices(q: torch.Tensor, others: dict[str, torch.Tensor | None]) -> N
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
-def _check_last_dim_contiguous(tensors: dict[str, torch.Tensor]) -> None:
+def keys_contiguous(v: torch.Tensor) -> bool:
+    """Whether ``v`` (``(batch, seqlen_k, nheads_k, d)`` or varlen ``(total_k, nheads_k, d)``) has its keys
+    contiguous instead of its head dim: a view of V^T, which the FP8 kernel loads as it is (``fp8.py``)."""
+    return v.dim() >= 3 and v.stride(-3) == 1 and v.shape[-1] > 1 and v.stride(-1) != 1
+
+
+def _check_last_dim_contiguous(tensors: dict[str, torch.Tensor], fp8: bool = False) -> None:
     for name, t in tensors.items():
+        if fp8 and name == "v" and keys_contiguous(t):  # (FP8's V^T path: kernels/sm90/fwd_fp8.py)
+            continue
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
-                f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides {tuple(t.stride())}; "
+                f"{name} must have a contiguous last dimension (stride(-1) == 1)"
+                + (" or, FP8's V^T layout, contiguous keys (stride(-3) == 1)" if fp8 and name == "v" else "")
+                + f", got strides {tuple(t.stride())}; "
                 f"other strides may be anything (call {name}.contiguous() if it came from a transpose)"
             )
 
@@ -308,7 +318,7 @@ def validate_dense(
         raise ValueError(f"v must have the same seqlen as k ({seqlen_k}), got {v.shape[1]}")
     nheads_k = _check_heads(nheads, k, v, head_axis=2)
     head_dim, head_dim_v = _check_head_dims(q, k, v)
-    _check_last_dim_contiguous({"q": q, "k": k, "v": v})
+    _check_last_dim_contiguous({"q": q, "k": k, "v": v}, fp8)
     scale = check_softmax_scale(softmax_scale, head_dim)
     left, right = check_window(window_size, causal)
     cap = check_softcap(softcap)
@@ -371,7 +381,7 @@ def validate_varlen(
     nheads = q.shape[1]
     nheads_k = _check_heads(nheads, k, v, head_axis=1)
     head_dim, head_dim_v = _check_head_dims(q, k, v)
-    _check_last_dim_contiguous({"q": q, "k": k, "v": v})
+    _check_last_dim_contiguous({"q": q, "k": k, "v": v}, fp8)
     cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, "batch + 1 offsets")
     if cu_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have length batch + 1 >= 1, got an empty tensor")

@@ -3,7 +3,8 @@
     python perf/bench_fp8.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384] [--repeat 3]
 
 Issue 25: TFLOP/s of ``flash_attn_func`` on e4m3 q, k, v with per-(batch, kv head) descales (bf16 out),
-and with per-block descales (``fp8_block``),
+and with per-block descales (``fp8_block``), each also with v's keys contiguous (``fp8_vt``, ``fp8_vt_block``:
+``quantize_qkv(v_layout="keys")``, the kernel's TMA-loaded V^T, no in-kernel transpose),
 beside the same call on bf16 inputs and ``F.scaled_dot_product_attention`` with the cuDNN backend, causal
 and not; 16k tokens, hidden 2048 (batch = 16384 / seqlen, nheads = 2048 / hdim), 4 * b * h * s^2 * d
 FLOPs per forward (half causal). do_bench medians, rounds interleaved. Then the quantize helper
@@ -36,9 +37,10 @@ def main(argv: list[str]) -> int:
     timer = make_timer()
     print(f"# FP8 forward, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"repeat={args.repeat}\n")
-    systems = ["fp8", "fp8_block", "bf16", "cudnn_bf16"]
-    print("| hdim | causal | seqlen | " + " | ".join(systems) + " | fp8 / our bf16 | fp8 / cuDNN bf16 | block / per-tensor |")
-    print("|---|---|---|" + "---|" * len(systems) + "---|---|---|")
+    systems = ["fp8", "fp8_vt", "fp8_block", "fp8_vt_block", "bf16", "cudnn_bf16"]
+    print("| hdim | causal | seqlen | " + " | ".join(systems) + " | fp8 / our bf16 | fp8_vt / our bf16 | fp8_vt / cuDNN bf16"
+          " | vt / rows | vt_block / block |")
+    print("|---|---|---|" + "---|" * len(systems) + "---|---|---|---|---|")
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for causal in (False, True):
@@ -49,6 +51,8 @@ def main(argv: list[str]) -> int:
                            for _ in range(3))
                 quant = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False)
                 blocks = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False)
+                quant_vt = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, v_layout="keys")
+                blocks_vt = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False, v_layout="keys")
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
                 def cudnn():
@@ -61,6 +65,13 @@ def main(argv: list[str]) -> int:
                     "fp8_block": lambda: flash_attn_func(blocks.q, blocks.k, blocks.v, causal=causal,
                                                          q_descale=blocks.q_descale, k_descale=blocks.k_descale,
                                                          v_descale=blocks.v_descale),
+                    "fp8_vt": lambda: flash_attn_func(quant_vt.q, quant_vt.k, quant_vt.v, causal=causal,
+                                                      q_descale=quant_vt.q_descale, k_descale=quant_vt.k_descale,
+                                                      v_descale=quant_vt.v_descale),
+                    "fp8_vt_block": lambda: flash_attn_func(blocks_vt.q, blocks_vt.k, blocks_vt.v, causal=causal,
+                                                            q_descale=blocks_vt.q_descale,
+                                                            k_descale=blocks_vt.k_descale,
+                                                            v_descale=blocks_vt.v_descale),
                     "bf16": lambda: flash_attn_func(q, k, v, causal=causal),
                     "cudnn_bf16": cudnn,
                 }
@@ -80,7 +91,8 @@ def main(argv: list[str]) -> int:
                     return f"{x / y:.2f}" if isinstance(x, float) and isinstance(y, float) else "-"
 
                 print(f"| {hdim} | {int(causal)} | {seqlen} | " + " | ".join(format_cells(tflops, systems))
-                      + f" | {ratio('fp8', 'bf16')} | {ratio('fp8', 'cudnn_bf16')} | {ratio('fp8_block', 'fp8')} |", flush=True)
+                      + f" | {ratio('fp8', 'bf16')} | {ratio('fp8_vt', 'bf16')} | {ratio('fp8_vt', 'cudnn_bf16')}"
+                      f" | {ratio('fp8_vt', 'fp8')} | {ratio('fp8_vt_block', 'fp8_block')} |", flush=True)
     if not args.no_quantize:
         print("\n| quantize (bf16 -> e4m3, q, k, v of 16k x 2048) | ms | GB/s |\n|---|---|---|")
         q, k, v = (torch.randn(8, 2048, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -93,6 +105,8 @@ def main(argv: list[str]) -> int:
             ("per tensor, torch", lambda: fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, impl="torch"), moved),
             ("per block + Hadamard, triton", lambda: fp8.quantize_qkv(q, k, v, hadamard_qk=True, impl="triton"), moved),
             ("per block, triton", lambda: fp8.quantize_qkv(q, k, v, hadamard_qk=False, impl="triton"), moved),
+            ("per block + Hadamard, triton, v keys-major", lambda: fp8.quantize_qkv(
+                q, k, v, hadamard_qk=True, impl="triton", v_layout="keys"), moved),
             ("per tensor, triton", lambda: fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, impl="triton"),
              moved),
         ):

@@ -173,7 +173,8 @@ def test_triton_quantizer_compiles_for_sm90():
 
     sig = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "signs_ptr": "*bf16",
            "hadamard_ptr": "*bf16", "seqlen": "i32", "nheads": "i32", "stride_b": "i64", "stride_s": "i64",
-           "stride_h": "i64", "inv_sqrt_d": "fp32"}
+           "stride_h": "i64", "inv_sqrt_d": "fp32", "out_stride_b": "i64", "out_stride_s": "i64",
+           "out_stride_h": "i64", "out_stride_d": "i64"}
     sig.update({name: "constexpr" for name in ("D", "ROWS", "CHUNK", "HADAMARD", "PER_BLOCK", "GROUP", "PASS")})
     for per_block, step in ((True, 0), (False, 1), (False, 2)):
         const = dict(D=256, ROWS=128, CHUNK=32, HADAMARD=True, PER_BLOCK=per_block, GROUP=2, PASS=step)

@@ -249,6 +249,12 @@ def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
 
 
+def keys_contiguous_ready(v: torch.Tensor) -> bool:
+    """Whether a keys-contiguous ``v`` (``validate.keys_contiguous``) is one the FP8 V^T kernel takes as it is:
+    16-byte-aligned data, every other stride a multiple of 16 elements (its TMA's rule for 1-byte elements)."""
+    return v.data_ptr() % 16 == 0 and all(s % 16 == 0 for i, s in enumerate(v.stride()) if i != v.dim() - 3)
+
+
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """The kernels assume 16-byte-aligned data and strides that are multiples of 8 elements, and of 16
     bytes (FP8's byte views: 16 elements) (a fresh copy, not ``contiguous()``, which returns a contiguous
@@ -315,14 +321,16 @@ def ffi_compile(kernel: Any, *args: Any, options: str | None = None) -> Any:
 
 def compile_forward(
     kernel: Any, dtype: Any, varlen: bool, seqused_q: bool, seqused_k: bool, options: str | None,
-    extra_args: tuple[Any, ...] = (), out_dtype: Any = None,
+    extra_args: tuple[Any, ...] = (), out_dtype: Any = None, v_keys_contiguous: bool = False,
 ) -> Any:
     """``ffi_compile`` of a forward kernel with the shared signature ``(Q, K, V, O, LSE, softmax_scale,
     window_left, window_right, softcap, *extra_args, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     stream)``; absent varlen inputs are compiled as None (constants). ``extra_args`` are a family's own
     arguments as compile-time stand-ins (the sm90 kernel's CTA count, tile counter, gate, FP8 descales); the family's
     ``extra_args`` gives their call-time values to ``launch_forward``. ``out_dtype``: O's element type
-    where it is not the inputs' (FP8: inputs as bytes, ``Uint8``, and bf16 O)."""
+    where it is not the inputs' (FP8: inputs as bytes, ``Uint8``, and bf16 O). ``v_keys_contiguous``: V with
+    stride 1 along its keys instead of its head dim (FP8's V^T layout, ``validate.keys_contiguous``), the
+    other strides multiples of 16 elements."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -339,12 +347,23 @@ def compile_forward(
         def ints(n: Any) -> Any:
             return make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4)
 
-        tensors = (packed(total_q, h, d), packed(total_k, h_k, d), packed(total_k, h_k, d_v),
+        if v_keys_contiguous:
+            strides = tuple(cute.sym_int64(divisibility=16) for _ in range(2))
+            v_fake = make_fake_tensor(dtype, (total_k, h_k, d_v), stride=(1, *strides), assumed_align=16)
+        else:
+            v_fake = packed(total_k, h_k, d_v)
+        tensors = (packed(total_q, h, d), packed(total_k, h_k, d), v_fake,
                    packed(total_q, h, d_v, out_dtype), fake_f32((h, total_q)))
         varlen_tensors = (ints(b1), ints(b1), ints(b) if seqused_q else None, ints(b) if seqused_k else None)
     else:
         b, s_q, s_k = (cute.sym_int() for _ in range(3))
-        tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), fake_bshd(dtype, b, s_k, h_k, d_v),
+        if v_keys_contiguous:
+            b_stride, h_stride, d_stride = (cute.sym_int64(divisibility=16) for _ in range(3))
+            v_fake = make_fake_tensor(dtype, (b, s_k, h_k, d_v), stride=(b_stride, 1, h_stride, d_stride),
+                                      assumed_align=16)
+        else:
+            v_fake = fake_bshd(dtype, b, s_k, h_k, d_v)
+        tensors = (fake_bshd(dtype, b, s_q, h, d), fake_bshd(dtype, b, s_k, h_k, d), v_fake,
                    fake_bshd(out_dtype, b, s_q, h, d_v), fake_f32((b, h, s_q)))
         varlen_tensors = (None, None, None, None)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
@@ -365,7 +384,8 @@ def launch_forward(
     carries head_dim(_v) and the feature flags. ``out_dtype``: O's dtype where it is not q's (FP8: q, k, v
     come as their bytes, ``uint8`` views, and O is bf16)."""
     q_k, k_k = (kernel_ready(pad_head_dim(t, key.head_dim)) for t in (q, k))
-    v_k = kernel_ready(pad_head_dim(v, key.head_dim_v))
+    # (a key whose V keys are contiguous gets v as it is: forward_fp8 checked that the kernel takes it)
+    v_k = v if getattr(key, "fp8_v_colmajor", False) else kernel_ready(pad_head_dim(v, key.head_dim_v))
     given_out = None
     if out is not None and out.shape[-1] != key.head_dim_v:  # v padded (e.g. 96/64): write through a padded buffer
         given_out, out = out, None

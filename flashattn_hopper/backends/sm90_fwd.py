@@ -18,11 +18,11 @@ import torch
 from .. import configs
 from ..fp8 import block_descales
 from ..jit import KernelKey
-from ..validate import AttnProblem
+from ..validate import AttnProblem, keys_contiguous
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
-    current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, launch_forward, mask_flags,
-    num_sms, run_kept_plan, target_arch, tile_counter, window_args,
+    current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, keys_contiguous_ready,
+    launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, window_args,
 )
 
 
@@ -68,6 +68,9 @@ class FwdSm90Key(KernelKey):
     gate_slice: bool = False
     # FP8 (dtype e4m3) with per-block descales (q per tile of rows, k/v per key block; pack_gqa 1)
     fp8_block_scales: bool = False
+    # FP8 with v's keys contiguous (``validate.keys_contiguous``): V^T loaded by TMA as the P.V WGMMA reads it,
+    # P's keys reordered in registers, no transposing warps (kernels/sm90/fwd_fp8.py)
+    fp8_v_colmajor: bool = False
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -205,6 +208,8 @@ class FwdSm90(FwdLauncher):
         # FP8 (e4m3): per tensor at hdim 128 causal (the transposing warps join the dynamic schedule's
         # handoff), per block at hdim 64 causal (3 MMA warpgroups: the tightest registers).
         keys += [self.fp8_key(_fp8_problem(hdim), arch, block_scales=block) for hdim, block in ((128, False), (64, True))]
+        # ... and with v's keys contiguous (V^T by TMA, P's keys reordered in registers).
+        keys += [self.fp8_key(_fp8_problem(128), arch, v_colmajor=True)]
         # Short-sequence tiles (configs.FWD_SM90_SHORT_TILES), bf16/fp16, dense.
         keys += [
             self._key(arch, dtype, hdim, bounds[causal], causal=causal)
@@ -214,10 +219,12 @@ class FwdSm90(FwdLauncher):
         return keys
 
     def fp8_key(
-        self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, block_scales: bool = False
+        self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, block_scales: bool = False,
+        v_colmajor: bool = False,
     ) -> FwdSm90Key:
         """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``; v at q's padded width);
-        ``block_scales``: descales per tile of rows (no packed GQA tiles)."""
+        ``block_scales``: descales per tile of rows (no packed GQA tiles); ``v_colmajor``: v's keys contiguous
+        (``fp8_v_colmajor``)."""
         hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v)
         assert hdim is not None, "fp8.attention checks the head dims first"
         tile = configs.FWD_SM90_FP8_TILES[hdim]
@@ -230,6 +237,7 @@ class FwdSm90(FwdLauncher):
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
             fp8_block_scales=block_scales,  # (lazy_rescale stays at its default: the FP8 kernel never rescales lazily)
+            fp8_v_colmajor=v_colmajor,
         )
 
     def forward_fp8(
@@ -240,7 +248,11 @@ class FwdSm90(FwdLauncher):
         ``descale`` fp32 contiguous: ``(3, batch, nheads_k)``, q's, k's and v's descales, or per block
         ``(3, batch, nheads, blocks)`` (q's per tile of rows, k's and v's per key block of the kernel's
         tiles in the first nheads_k heads)."""
-        key = self.fp8_key(p, target_arch(), varlen, block_scales=descale.dim() == 4)
+        colmajor = keys_contiguous(v)
+        if colmajor and (configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v) != p.head_dim_v
+                         or not keys_contiguous_ready(v)):
+            colmajor, v = False, v.contiguous()  # (a padded head dim or unaligned strides: a row-major copy)
+        key = self.fp8_key(p, target_arch(), varlen, block_scales=descale.dim() == 4, v_colmajor=colmajor)
         compiled = compile_cache.get(key, self.compile)
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         q8, k8, v8 = (t.view(torch.uint8) for t in (q, k, v))
@@ -248,13 +260,14 @@ class FwdSm90(FwdLauncher):
             compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale), out_dtype=torch.bfloat16
         )
 
-    def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False) -> Fp8Plan | None:
+    def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False,
+                 v_colmajor: bool = False) -> Fp8Plan | None:
         """An ``Fp8Plan`` for a dense e4m3 problem with per-tensor descales (``block_scales``: per block,
         ``fp8.descales``) that the kernel takes without padding, else None (the call's checks,
-        ``fp8.attention``, passed first)."""
+        ``fp8.attention``, passed first); ``v_colmajor``: for v's keys contiguous (``fp8_v_colmajor``)."""
         if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
-        key = self.fp8_key(p, target_arch(), block_scales=block_scales)
+        key = self.fp8_key(p, target_arch(), block_scales=block_scales, v_colmajor=v_colmajor)
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
         if block_scales:  # the kernel's (3, batch, nheads, blocks) (``fp8.descales``)
@@ -275,7 +288,7 @@ class FwdSm90(FwdLauncher):
                 key.head_dim, key.head_dim_v, key.tile_m, key.tile_n, key.causal, is_local=key.local,
                 intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
                 persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
-                section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales,
+                section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales, v_colmajor=key.fp8_v_colmajor,
             )
 
         return FlashFwdSm90(
@@ -301,6 +314,7 @@ class FwdSm90(FwdLauncher):
             return compile_forward(
                 kernel, cutlass.Uint8, key.varlen, key.seqused_q, key.seqused_k, options,
                 extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
+                v_keys_contiguous=key.fp8_v_colmajor,
             )
         gate = None
         from ..kernels.sm90.fwd_budget import GATE_K

@@ -593,7 +593,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(
-                mO, mLSE, sQ, sK, self._vt_view(storage) if const_expr(self.transposes_v) else sV, sO, atoms.o,
+                mO, mLSE, sQ, sK, self._pv_operand(storage, sV), sO, atoms.o,
                 pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
                 gate[1:] if const_expr(gate is not None) else None, mDescale,
             )

@@ -78,11 +78,12 @@ def _buffer(num_bytes: int) -> int:
     return (num_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
 
 
-def fp8_smem_bytes(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int) -> int:
+def fp8_smem_bytes(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,
+                   v_colmajor: bool = False) -> int:
     """The FP8 kernel's storage (kernels/sm90/fwd_fp8.py): e4m3 Q and K/V stages, as many e4m3 V^T
-    stages, a bf16 sO of its own, mbarriers."""
+    stages (not with ``v_colmajor``: the TMA writes V^T into the V stages), a bf16 sO of its own, mbarriers."""
     return (
         smem_bytes(1, head_dim, head_dim_v, tile_m, tile_n, kv_stages, False)
-        + _buffer(tile_n * head_dim_v * kv_stages)
+        + (0 if v_colmajor else _buffer(tile_n * head_dim_v * kv_stages))
         + _buffer(tile_m * head_dim_v * 2)
     )

@@ -26,12 +26,23 @@ What differs from the 16-bit kernel (``../shared/design/fp8.md``):
   (no lazy rescale here). O / row_sum cancels the factor; the LSE subtracts it.
 - O has its own bf16 buffer (it cannot alias the e4m3 sQ, half its size).
 
+V^T from the caller (``v_colmajor``, FA3's ``V_colmajor``): where v's keys are contiguous in global
+memory (a ``(batch, seqlen_k, nheads_k, d)`` view with seqlen stride 1, as ``fp8.quantize_qkv(v_layout=
+"keys")`` writes it), the TMA loads each V^T tile straight into the K-major operand layout (sV is then sVt's
+layout, keys in their natural order): no transposing warps, no second V buffer, one smem write per V byte
+instead of three passes. P's key order is then fixed in registers (``_keys_in_order``): after the cvt, each
+quad trades half-registers (2 shuffles + 4 byte permutes per two registers) so that A column ``16h + 4t + q``
+holds key ``16h + 4t + q``.
+
 Roles (``128 * (1 + tile_m / 64)`` threads):
 
     | warpgroup | warps | registers | role                                                   |
     | WG0       | 0     | 56 (40)   | producer: TMA loads of Q, K[n], V[n] (as in fwd.py)    |
     | WG0       | 1-3   | 56 (40)   | transpose V[n] (sV, keys x d) -> sVt[n] (d x keys, K-major) |
     | WG1..     | 4     | 224 (152) | MMA: as fwd.py, P.V reading sVt                        |
+
+(``v_colmajor``: warps 1-3 idle as in fwd.py, the 16-bit kernel's register split, V's pipeline feeding the
+MMA warps; no vt pipeline.)
 
 Pipelines (besides fwd.py's Q and K):
 
@@ -60,7 +71,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import acc_to_frag_a_fp8, make_smem_layout_sm90
-from .fwd import _MAX_ACC_REGS, FlashFwdSm90
+from .fwd import _MAX_ACC_REGS, _REGISTERS, FlashFwdSm90
 from .fwd_budget import SMEM_CAPACITY, acc_registers, fp8_smem_bytes
 from .fwd_parts import MmaParts, Pipelines, TileWalk
 
@@ -76,6 +87,8 @@ _INTERLEAVE_LO = 0x5140  # a0 b0 a1 b1
 _INTERLEAVE_HI = 0x7362  # a2 b2 a3 b3
 _HALVES_LO = 0x5410  # a0 a1 b0 b1
 _HALVES_HI = 0x7632  # a2 a3 b2 b3
+_SWAPPED_LO = 0x1054  # b0 b1 a0 a1
+_SWAPPED_HI = 0x3276  # b2 b3 a2 a3
 
 
 class FlashFwdSm90Fp8(FlashFwdSm90):
@@ -101,19 +114,23 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         wg_local_epilogue: bool = True,
         section_l2_mb: int = 16,
         block_scales: bool = False,
+        v_colmajor: bool = False,
     ):
         if block_scales and (pack_gqa > 1 or not intra_wg_overlap):
             raise ValueError("FlashFwdSm90Fp8: block scales need pack_gqa 1 (a tile's rows of one head) and intra-WG overlap")
         # Per-block descales (mDescale (3, batch, nheads, blocks)): q's per tile of rows, k's and v's per
         # key block (the kernel's tiles), instead of one per (batch, kv head).
         self.block_scales = block_scales
+        # V^T loaded by TMA from a keys-contiguous v (module docstring): no in-kernel transpose.
+        self.v_colmajor = v_colmajor
+        self.transposes_v = not v_colmajor
         super().__init__(
             cutlass.Float8E4M3FN, head_dim, head_dim_v, tile_m, tile_n, is_causal, is_local=is_local,
             intra_wg_overlap=intra_wg_overlap, pingpong=pingpong, num_stages=num_stages, persistent=persistent,
             pack_gqa=pack_gqa, wg_local_epilogue=wg_local_epilogue, section_l2_mb=section_l2_mb,
             lazy_rescale=False,
         )
-        self.producer_regs, self.mma_regs = _REGISTERS_FP8[self.num_mma_wg]
+        self.producer_regs, self.mma_regs = (_REGISTERS if v_colmajor else _REGISTERS_FP8)[self.num_mma_wg]
         # The launch gives every thread the same registers (a multiple of 8 of 64K / threads); the
         # warpgroups' setmaxnreg split must not ask for more in all (an increase would wait forever).
         warpgroups = 1 + self.num_mma_wg
@@ -129,7 +146,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     def can_implement(
         dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages=2, is_causal=False, is_local=False,
         pack_gqa=1, cluster_m=1, span_heads=False, has_sink=False, has_gate=False, has_softcap=False,
-        gate_slice=False,
+        gate_slice=False, v_colmajor=False,
     ) -> str | None:
         if dtype is not cutlass.Float8E4M3FN:
             return f"dtype must be Float8E4M3FN, got {dtype}"
@@ -148,7 +165,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         acc_regs = acc_registers(tile_m, tile_n, head_dim_v, p_bytes=1)
         if acc_regs > _MAX_ACC_REGS[tile_m // 64]:
             return f"S + O + P take {acc_regs} registers per MMA thread (> {_MAX_ACC_REGS[tile_m // 64]}); use a smaller tile_n"
-        smem = fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
+        smem = fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages, v_colmajor)
         if smem > SMEM_CAPACITY:
             return f"needs {smem} bytes of shared memory, sm90 allows {SMEM_CAPACITY}"
         return None
@@ -166,7 +183,20 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     def _vt_view(self, storage) -> cute.Tensor:
         layout = self._vt_layout()
-        return storage.sVt.get_tensor(layout.outer, swizzle=layout.inner)
+        buffer = storage.sV if const_expr(self.v_colmajor) else storage.sVt
+        return buffer.get_tensor(layout.outer, swizzle=layout.inner)
+
+    def _smem_layouts(self):
+        """fwd.py's, but with ``v_colmajor`` sV is sVt's K-major layout seen as ``(tile_n, head_dim_v, stages)``:
+        the TMA box of a keys-contiguous V lands there as the P.V WGMMA reads it."""
+        sQ_layout, sK_layout, sV_layout, sO_layout = super()._smem_layouts()
+        if const_expr(self.v_colmajor):
+            sV_layout = cute.select(self._vt_layout(), mode=[1, 0, 2])
+        return sQ_layout, sK_layout, sV_layout, sO_layout
+
+    def _pv_operand(self, storage, sV: cute.Tensor) -> cute.Tensor:
+        """The P.V WGMMA's B operand: the V^T stages (K-major), the transposing warps' or the TMA's."""
+        return self._vt_view(storage)
 
     def _vt_pipeline(self, storage) -> pipeline.PipelineAsync:
         return pipeline.PipelineAsync.create(
@@ -197,9 +227,44 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         return cute.make_rmem_tensor(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
 
     def _store_p(self, mma: MmaParts, acc_S: cute.Tensor) -> None:
-        """P (fp32 S registers) -> e4m3 A fragment, keys in sVt's order (satfinite cvt, packed pairs)."""
+        """P (fp32 S registers) -> e4m3 A fragment, keys in sVt's order (satfinite cvt, packed pairs);
+        ``v_colmajor``: then put in the keys' natural order (``_keys_in_order``)."""
         acc_as_a = cute.make_tensor(acc_S.iterator, acc_to_frag_a_fp8(acc_S.layout))
         mma.tOrP.store(acc_as_a.load().to(self.dtype))
+        if const_expr(self.v_colmajor):
+            self._keys_in_order(mma.tOrP)
+
+    def _keys_in_order(self, tOrP: cute.Tensor) -> None:
+        """Reorder the e4m3 A fragment's keys in place, from S's order to the natural one.
+
+        The fragment's 32-bit registers come in pairs, rows ``r`` and ``r + 8`` of one group of 16 keys
+        (PTX's ``a0, a1`` / ``a2, a3``). After the cvt, byte ``q`` of thread ``t``'s register (``t`` = lane
+        % 4) holds key ``8 (q >> 1) + 2t + (q & 1)`` of the group (the accumulator's columns); the
+        WGMMA wants key ``4t + q`` there, which threads ``2t, 2t + 1`` (mod 4) hold: in their low halves
+        for ``t < 2``, high halves for ``t >= 2``. So each thread packs its pair's low halves (X) and high
+        halves (Y), two shuffles deliver to thread ``t`` X (``t < 2``) or Y (``t >= 2``) of both source
+        threads (every source sends one packed word per shuffle: lanes that must send X and Y in the same
+        shuffle are never the same source), and two byte permutes unpack rows ``r`` and ``r + 8``."""
+        words = cute.recast_tensor(tOrP, Int32)
+        lane = cute.arch.lane_idx()
+        t = lane % 4
+        odd, high = t % 2, t // 2
+        quad = lane - t
+        # Shuffle a: thread t reads lane 2 odd + high (t = 0, 1, 2, 3 <- 0, 2, 1, 3); shuffle b: lane
+        # 2 odd + 1 - high (<- 1, 3, 0, 2). Even lanes send X in a and Y in b, odd lanes the reverse.
+        src_a = quad + 2 * odd + high
+        src_b = quad + 2 * odd + 1 - high
+        send_a = _HALVES_LO + odd * (_HALVES_HI - _HALVES_LO)
+        send_b = _HALVES_HI - odd * (_HALVES_HI - _HALVES_LO)
+        # Thread t < 2 got keys 4t, 4t + 1 in a and 4t + 2, 4t + 3 in b; t >= 2 the other way round.
+        row_r = _HALVES_LO + high * (_SWAPPED_LO - _HALVES_LO)
+        row_r8 = _HALVES_HI + high * (_SWAPPED_HI - _HALVES_HI)
+        for i in range(cute.size(words) // 2):  # (traced inline: a plain Python loop unrolls)
+            lo, hi = words[2 * i], words[2 * i + 1]
+            got_a = cute.arch.shuffle_sync(Int32(cute.arch.prmt(lo, hi, send_a)), src_a)
+            got_b = cute.arch.shuffle_sync(Int32(cute.arch.prmt(lo, hi, send_b)), src_b)
+            words[2 * i] = Int32(cute.arch.prmt(got_a, got_b, row_r))
+            words[2 * i + 1] = Int32(cute.arch.prmt(got_a, got_b, row_r8))
 
     # ------------------------------------------------------------------ the transposing warps
 

@@ -149,6 +149,10 @@ class FwdSm90Steps:
             return None
         return step.softmax.scale_log2 * step.kv_scales[0][n_block]
 
+    def _pv_operand(self, storage, sV: cute.Tensor) -> cute.Tensor:
+        """The shared-memory tensor the P.V WGMMA reads (16-bit: the V stages as the TMA wrote them)."""
+        return sV
+
     def _pv_fragment_b(self, wg_mma_pv: cute.ThrMma, sV: cute.Tensor) -> cute.Tensor:
         """The P.V WGMMA's B operand: V^T, an MN-major view of the TMA tile (16-bit: transpose bit)."""
         return wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))

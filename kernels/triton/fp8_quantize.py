@@ -11,7 +11,8 @@ a first launch takes each program's amax into the group's slot with an atomic ma
 quantizes).
 
 Constraints: 16-bit inputs ``(batch, seqlen, nheads, head_dim)`` with unit last stride; head_dim a
-power of two in [16, 256]; outputs contiguous e4m3 of the same shape; fp32 ``scale_ptr``:
+power of two in [16, 256]; outputs e4m3 of the same shape at strides ``out_stride_*`` (row-major, or the
+keys contiguous: the FP8 kernel's V^T layout, ``fp8.quantize_qkv(v_layout="keys")``); fp32 ``scale_ptr``:
 ``(batch, nheads, blocks)`` per block, or ``(batch, nheads_k)`` amax slots zero-filled before the
 first launch per group.
 
@@ -55,19 +56,21 @@ def _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d,
 
 
 @triton.jit
-def _store_half(out_ptr, y, out_base, rows, seqlen, nheads, col0, scale, D: tl.constexpr, HD: tl.constexpr):
+def _store_half(out_ptr, y, out_base, rows, seqlen, out_stride_s, out_stride_d, col0, scale, HD: tl.constexpr):
     cols = col0 + tl.arange(0, HD)
     # (a NaN stays NaN, as in the torch path; the enum is spelled inline: compiled Triton cannot bind it to a name)
     q = tl.minimum(tl.maximum(y / scale, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
     q = q.to(tl.float8e4nv)
-    tl.store(out_ptr + out_base + rows[:, None] * (nheads * D) + cols[None, :], q, mask=(rows < seqlen)[:, None])
+    offsets = out_base + rows[:, None] * out_stride_s + cols[None, :].to(tl.int64) * out_stride_d
+    tl.store(out_ptr + offsets, q, mask=(rows < seqlen)[:, None])
 
 
 @triton.jit
 def quantize_kernel(
     x_ptr, out_ptr, scale_ptr, signs_ptr, hadamard_ptr,
     seqlen, nheads, stride_b, stride_s, stride_h, inv_sqrt_d,
+    out_stride_b, out_stride_s, out_stride_h, out_stride_d,
     D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, HADAMARD: tl.constexpr,
     PER_BLOCK: tl.constexpr, GROUP: tl.constexpr, PASS: tl.constexpr,
 ):
@@ -79,7 +82,7 @@ def quantize_kernel(
     hd = tl.arange(0, HD)
     hadamard = tl.load(hadamard_ptr + hd[:, None] * HD + hd[None, :]) if HADAMARD else hd
     base = b.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-    out_base = (b.to(tl.int64) * seqlen * nheads + head) * D
+    out_base = b.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
     row0 = blk * ROWS
     amax = tl.zeros((), dtype=tl.float32)
     if PER_BLOCK or PASS == 1:
@@ -102,6 +105,6 @@ def quantize_kernel(
         for c in tl.static_range(0, ROWS, CHUNK):
             rows = (row0 + c + tl.arange(0, CHUNK)).to(tl.int64)
             lo, hi = _rows(x_ptr, base, rows, seqlen, stride_s, signs_ptr, hadamard, inv_sqrt_d, D, HADAMARD)
-            _store_half(out_ptr, lo, out_base, rows, seqlen, nheads, 0, scale, D, HD)
+            _store_half(out_ptr, lo, out_base, rows, seqlen, out_stride_s, out_stride_d, 0, scale, HD)
             if D > 128:
-                _store_half(out_ptr, hi, out_base, rows, seqlen, nheads, HD, scale, D, HD)
+                _store_half(out_ptr, hi, out_base, rows, seqlen, out_stride_s, out_stride_d, HD, scale, HD)
