@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import chunk, dispatch, fp8, gate, ops, sinks, validate
-from .backends.common import FwdPlan, VarlenArgs
+from .backends.common import FwdPlan, VarlenArgs, keys_contiguous_ready
 from .env import settings
 from .validate import AttnProblem
 
@@ -171,6 +171,8 @@ def _fp8_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: di
         scales.append(None if value is None else (value.shape, value.dtype, value.get_device()))
         dims |= set() if value is None else {value.dim()}
     if len(dims) > 1:  # (per tensor and per block mixed: the general path says what is wrong)
+        return None
+    if validate.keys_contiguous(v) and not keys_contiguous_ready(v):  # (the general path copies it to rows)
         return None
     return ("e4m3", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
             v.get_device(), validate.keys_contiguous(v), softmax_scale, causal, window_size, softcap, backend,

@@ -249,9 +249,13 @@ class FwdSm90(FwdLauncher):
         ``(3, batch, nheads, blocks)`` (q's per tile of rows, k's and v's per key block of the kernel's
         tiles in the first nheads_k heads)."""
         colmajor = keys_contiguous(v)
-        if colmajor and (configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v) != p.head_dim_v
-                         or not keys_contiguous_ready(v)):
-            colmajor, v = False, v.contiguous()  # (a padded head dim or unaligned strides: a row-major copy)
+        if colmajor and (varlen is not None or not keys_contiguous_ready(v)
+                         or configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v) != p.head_dim_v):
+            # A row-major copy for the transposing kernel: varlen (a sequence's first key is the TMA box's innermost
+            # coordinate, which must fall on 16 bytes: cu_seqlens_k would have to be multiples of 16, unknown on the
+            # host without a sync; an unaligned one raised an illegal instruction on an H100), strides the TMA
+            # cannot take, or a padded head dim.
+            colmajor, v = False, v.contiguous()
         key = self.fp8_key(p, target_arch(), varlen, block_scales=descale.dim() == 4, v_colmajor=colmajor)
         compiled = compile_cache.get(key, self.compile)
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
