@@ -24,6 +24,13 @@ VARIANTS = {
           "tile_n 192": {"tile_n": 192}, "tile_n 192, no pingpong": {"tile_n": 192, "pingpong": False}},
     256: {"shipped": {}, "not persistent": {"persistent": False}},
 }
+# --v-layout keys (the V^T kernel, ``fp8_v_colmajor``): shared memory the transposing kernel spent on sVt is free
+VARIANTS_KEYS = {
+    64: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 192": {"tile_n": 192}},
+    128: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 128": {"tile_n": 128},
+          "tile_m 192, tile_n 128": {"tile_m": 192, "tile_n": 128}, "tile_n 160": {"tile_n": 160}},
+    256: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 96": {"tile_n": 96}},
+}
 
 
 def main(argv: list[str]) -> int:
@@ -31,6 +38,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--hdims", type=int, nargs="+", default=list(VARIANTS))
+    ap.add_argument("--v-layout", choices=["rows", "keys"], default="rows",
+                    help="keys: v with contiguous keys, the V^T kernel (fp8_v_colmajor) and VARIANTS_KEYS")
     args = ap.parse_args(argv)
 
     from flashattn_hopper import dispatch, fp8
@@ -42,15 +51,16 @@ def main(argv: list[str]) -> int:
     print(f"# FP8 forward variants, seqlen {args.seqlen}, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}\n")
     print("| hdim | causal | variant | key | TFLOP/s |\n|---|---|---|---|---|")
     for hdim in args.hdims:
-        variants = VARIANTS[hdim]
+        keys_major = args.v_layout == "keys"
+        variants = (VARIANTS_KEYS if keys_major else VARIANTS)[hdim]
         nheads, seqlen = 2048 // hdim, args.seqlen
         batch = max(16384 // seqlen, 1)
         q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-        quant = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False)
+        quant = fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, v_layout=args.v_layout)
         for causal in (False, True):
             p = validate_dense(quant.q, quant.k, quant.v, None, causal, (-1, -1), 0.0, fp8=True)
             descale = torch.stack([quant.q_descale, quant.k_descale, quant.v_descale]).contiguous()
-            base = family.fp8_key(p, target_arch())
+            base = family.fp8_key(p, target_arch(), v_colmajor=keys_major)
             fns, names = {}, {}
             for name, fields in variants.items():
                 key = dataclasses.replace(base, **fields)
