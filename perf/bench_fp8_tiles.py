@@ -26,10 +26,9 @@ VARIANTS = {
 }
 # --v-layout keys (the V^T kernel, ``fp8_v_colmajor``): shared memory the transposing kernel spent on sVt is free
 VARIANTS_KEYS = {
-    64: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 192": {"tile_n": 192}},
-    128: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 128": {"tile_n": 128},
-          "tile_m 192, tile_n 128": {"tile_m": 192, "tile_n": 128}, "tile_n 160": {"tile_n": 160}},
-    256: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 96": {"tile_n": 96}},
+    64: {"shipped": {}, "3 stages": {"num_stages": 3}},
+    128: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 128": {"tile_n": 128}, "tile_n 224": {"tile_n": 224}},
+    256: {"shipped": {}, "3 stages": {"num_stages": 3}, "tile_n 96": {"tile_n": 96}, "tile_n 128": {"tile_n": 128}},
 }
 
 

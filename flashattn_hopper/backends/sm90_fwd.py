@@ -222,12 +222,14 @@ class FwdSm90(FwdLauncher):
         self, p: AttnProblem, arch: str, varlen: VarlenArgs | None = None, block_scales: bool = False,
         v_colmajor: bool = False,
     ) -> FwdSm90Key:
-        """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``; v at q's padded width);
+        """The key of an e4m3 problem (``configs.FWD_SM90_FP8_TILES``, ``FWD_SM90_FP8_VT_TILES`` for the V^T kernel;
+        v at q's padded width);
         ``block_scales``: descales per tile of rows (no packed GQA tiles); ``v_colmajor``: v's keys contiguous
         (``fp8_v_colmajor``)."""
         hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v)
         assert hdim is not None, "fp8.attention checks the head dims first"
-        tile = configs.FWD_SM90_FP8_TILES[hdim]
+        vt_tiles = v_colmajor and not block_scales  # (block descales: their blocks are the rows' tiles)
+        tile = (configs.FWD_SM90_FP8_VT_TILES if vt_tiles else configs.FWD_SM90_FP8_TILES)[hdim]
         causal, local = mask_flags(p)
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype="e4m3", head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,

@@ -173,7 +173,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
     ):
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
-            cluster_m, span_heads, has_sink, has_gate, has_softcap, gate_slice,
+            cluster_m, span_heads, has_sink, has_gate, has_softcap, gate_slice, **self._implement_options(),
         )
         if reason is not None:
             raise ValueError(f"FlashFwdSm90 cannot implement this config: {reason}")

@@ -171,10 +171,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             return f"needs {smem} bytes of shared memory, sm90 allows {SMEM_CAPACITY}"
         return None
 
-    @staticmethod
-    def _smem_bytes(dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1,
+    def _smem_bytes(self, dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO: bool, q_stages: int = 1,
                     gate: bool = False, gate_slice: bool = False) -> int:
-        return fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages)
+        return fp8_smem_bytes(head_dim, head_dim_v, tile_m, tile_n, num_stages, self.v_colmajor)
+
+    def _implement_options(self) -> dict:
+        return {"v_colmajor": self.v_colmajor}
 
     # ------------------------------------------------------------------ smem, MMAs, pipelines
 

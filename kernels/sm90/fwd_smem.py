@@ -27,6 +27,10 @@ class FwdSm90Smem:
         return smem_bytes(dtype.width // 8, head_dim, head_dim_v, tile_m, tile_n, num_stages, own_sO, q_stages, gate,
                           gate_slice)
 
+    def _implement_options(self) -> dict:
+        """A subclass's own ``can_implement`` keywords for its configuration (FP8: ``v_colmajor``)."""
+        return {}
+
     def _smem_layouts(self):
         """sQ (stages last when q_stages > 1), sK, sV (stages last; ring A's, then ring B's) and
         sO (in sQ's buffer only where head_dim_v <= head_dim)."""
