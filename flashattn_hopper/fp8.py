@@ -106,7 +106,8 @@ def quantize_qkv(
     power of two in [16, 256]), ``"torch"`` (fp32 torch ops, any device and dtype), or ``"auto"``: Triton
     where it applies and is installed. ``v_layout``: ``"rows"`` (v8 row-major like v) or ``"keys"``: v8 has v's
     shape with its keys contiguous (``keys_major_empty``), which the FP8 kernel loads as V^T straight into the
-    layout its P.V MMA reads (no transpose in the kernel: faster where shared memory bounds it).
+    layout its P.V MMA reads (no transpose in the kernel; on an H100 +3 to +8 % at head dim 128 and +30 to +50 % at
+    256, where it also takes a larger tile with per-tensor scales; not at 64, -4 to -13 % with block scales there).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
