@@ -189,3 +189,20 @@ def test_quantizer_writes_keys_major_v():
         assert torch.equal(keys.v_descale, rows.v_descale)
     with pytest.raises(ValueError, match="v_layout"):
         fp8.quantize_qkv(q, k, v, v_layout="cols")
+
+
+def test_plan_signatures_tell_the_v_layouts_apart():
+    """``api._fp8_signature``: a keys-major v gets its own plan (the V^T kernel), an unaligned one none (the general
+    path copies it to rows), a row-major v the plan it had (CPU)."""
+    from flashattn_hopper import api
+
+    q8 = torch.zeros(1, 32, 4, 64).to(E4M3)
+    k8 = torch.zeros(1, 32, 2, 64).to(E4M3)
+    keys = fp8.keys_major_empty((1, 32, 2, 64))
+    unaligned = torch.empty(1, 2, 64, 33, dtype=E4M3)[..., :32].permute(0, 3, 1, 2)  # head-dim stride 33 bytes
+
+    def sig(v):
+        return api._fp8_signature(q8, k8, v, {}, None, True, (-1, -1), 0.0, None)
+
+    assert sig(k8) is not None and sig(keys) is not None and sig(k8) != sig(keys)
+    assert keys_contiguous(unaligned) and sig(unaligned) is None
