@@ -233,15 +233,17 @@ FWD_SM90_FP8_TILES: dict[int, FwdTileSm90] = {
     128: FwdTileSm90(tile_m=128, tile_n=192, intra_wg_overlap=True, pingpong=True, persistent=True),
     256: FwdTileSm90(tile_m=128, tile_n=64, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
-# The V^T kernel (v's keys contiguous: ``fp8_v_colmajor``, no sVt buffer), per-tensor descales only (per-block
-# descales keep the rows above: their block size is the kernel's tile, fixed by ``fp8.kernel_tiles`` whatever v's
-# layout). Measured 2026-11-27 (H100, 8k and 2k, perf/bench_fp8_tiles.py --v-layout keys): 256: 128x128 (S 64 +
+# The V^T kernel (v's keys contiguous: ``fp8_v_colmajor``, no sVt buffer). Measured 2026-11-27 (H100, 8k and 2k, perf/bench_fp8_tiles.py --v-layout keys): 256: 128x128 (S 64 +
 # O 128 + P 16 = 208 regs, 225 KB) +18-20 % non-causal and +13-14 % causal over 128x64 (1,170 TFLOP/s non-causal at
 # 8k), 128x96 between them; 128: 128x192 kept (128x128 -3..-6 %, 128x224 -2..-7 %); 3 K/V stages within +-1 %.
 FWD_SM90_FP8_VT_TILES: dict[int, FwdTileSm90] = {
     **FWD_SM90_FP8_TILES,
     256: FwdTileSm90(tile_m=128, tile_n=128, intra_wg_overlap=True, pingpong=False, persistent=True),
 }
+# Per-block descales: the (q rows, k/v keys) one descale covers (``fp8.kernel_tiles``, ``quantize_qkv``), whatever
+# v's layout: q's rows are both kernels' tile_m, k/v's keys a multiple of both kernels' tile_n (the 128 x 64
+# kernel at hdim 256 reads one k/v descale per two of its key blocks: ``fp8_scale_tile_n``).
+FWD_SM90_FP8_SCALE_TILES: dict[int, tuple[int, int]] = {64: (192, 128), 128: (128, 192), 256: (128, 128)}
 
 
 def sm90_fwd_tile(

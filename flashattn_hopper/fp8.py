@@ -250,15 +250,14 @@ def is_fp8(t: object) -> bool:
 
 
 def kernel_tiles(head_dim: int) -> tuple[int, int]:
-    """``(tile_m, tile_n)`` of the FP8 kernel at this head dim: the rows of q and of k/v that one
-    per-block descale covers (``configs.FWD_SM90_FP8_TILES``)."""
+    """``(tile_m, tile_n)``: the rows of q and of k/v that one per-block descale covers at this head dim
+    (``configs.FWD_SM90_FP8_SCALE_TILES``: the FP8 kernels' tile_m, and a multiple of their tile_n)."""
     from . import configs
 
     hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, head_dim, head_dim)
     if hdim is None:
         raise ValueError(f"FP8 attention supports head dims up to 256, got {head_dim}")
-    tile = configs.FWD_SM90_FP8_TILES[hdim]
-    return tile.tile_m, tile.tile_n
+    return configs.FWD_SM90_FP8_SCALE_TILES[hdim]
 
 
 def descales(

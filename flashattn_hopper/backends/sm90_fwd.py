@@ -71,6 +71,8 @@ class FwdSm90Key(KernelKey):
     # FP8 with v's keys contiguous (``validate.keys_contiguous``): V^T loaded by TMA as the P.V WGMMA reads it,
     # P's keys reordered in registers, no transposing warps (kernels/sm90/fwd_fp8.py)
     fp8_v_colmajor: bool = False
+    # FP8 per-block descales over more keys than tile_n (``configs.FWD_SM90_FP8_SCALE_TILES``; 0: tile_n's)
+    fp8_scale_tile_n: int = 0
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -228,8 +230,9 @@ class FwdSm90(FwdLauncher):
         (``fp8_v_colmajor``)."""
         hdim = configs.kernel_head_dim(configs.FWD_SM90_FP8_TILES, p.head_dim, p.head_dim_v)
         assert hdim is not None, "fp8.attention checks the head dims first"
-        vt_tiles = v_colmajor and not block_scales  # (block descales: their blocks are the rows' tiles)
-        tile = (configs.FWD_SM90_FP8_VT_TILES if vt_tiles else configs.FWD_SM90_FP8_TILES)[hdim]
+        tile = (configs.FWD_SM90_FP8_VT_TILES if v_colmajor else configs.FWD_SM90_FP8_TILES)[hdim]
+        scale_m, scale_n = configs.FWD_SM90_FP8_SCALE_TILES[hdim]
+        assert scale_m == tile.tile_m and scale_n % tile.tile_n == 0, "FWD_SM90_FP8_SCALE_TILES fits both kernels"
         causal, local = mask_flags(p)
         return FwdSm90Key(
             kernel=self.kind, arch=arch, dtype="e4m3", head_dim=hdim, head_dim_v=hdim, tile_m=tile.tile_m,
@@ -239,7 +242,7 @@ class FwdSm90(FwdLauncher):
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
             fp8_block_scales=block_scales,  # (lazy_rescale stays at its default: the FP8 kernel never rescales lazily)
-            fp8_v_colmajor=v_colmajor,
+            fp8_v_colmajor=v_colmajor, fp8_scale_tile_n=scale_n if block_scales and scale_n != tile.tile_n else 0,
         )
 
     def forward_fp8(
@@ -277,7 +280,7 @@ class FwdSm90(FwdLauncher):
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
         if block_scales:  # the kernel's (3, batch, nheads, blocks) (``fp8.descales``)
-            q_blocks, k_blocks = -(-p.seqlen_q // key.tile_m), -(-p.seqlen_k // key.tile_n)
+            q_blocks, k_blocks = -(-p.seqlen_q // key.tile_m), -(-p.seqlen_k // (key.fp8_scale_tile_n or key.tile_n))
             fill_shape: tuple[int, ...] = (3, p.batch, p.nheads, max(q_blocks, k_blocks))
         else:
             fill_shape = (p.batch, p.nheads_k)
@@ -295,6 +298,7 @@ class FwdSm90(FwdLauncher):
                 intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
                 persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
                 section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales, v_colmajor=key.fp8_v_colmajor,
+                scale_tile_n=key.fp8_scale_tile_n,
             )
 
         return FlashFwdSm90(

@@ -694,6 +694,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         # step's scale, v's through O's row scale (the last block visited's at finalize)
                         tile_scale_log2 = scale_log2 * mDescale[0, batch_idx, head_idx, tile.m_block]
                         kv_scales = (mDescale[1, batch_idx, kv_head, None], mDescale[2, batch_idx, kv_head, None])
+                        if const_expr(self.kv_scale_ratio > 1):  # (key block n reads descale n // ratio)
+                            kv_scales = tuple(
+                                cute.make_tensor(t.iterator, cute.make_layout((self.kv_scale_ratio, cute.size(t)),
+                                                                              stride=(0, t.stride[0])))
+                                for t in kv_scales
+                            )
                         last = cutlass.max(cutlass.min(tile.n_block_min, tile.n_block_max - 1), 0)
                         v_descale = kv_scales[1][last]
                     else:

@@ -5,7 +5,8 @@ and the fp32 LSE, at e4m3 WGMMA's rate (twice bf16's). Per (batch, kv head) desc
 (``mDescale[0|1|2, b, h_k]``, FA3's ``q_descale``/``k_descale``/``v_descale``): q's and k's fold into
 the tile's softmax scale (the scores' true scale, so the LSE needs nothing more), v's into the
 final row scale of O. Per-block descales (``block_scales``, ``mDescale[0, b, h, m_block]`` and
-``mDescale[1|2, b, h_k, n_block]``, the FA3 paper's block quantization, blocks = this kernel's tiles):
+``mDescale[1|2, b, h_k, n_block // kv_scale_ratio]``, the FA3 paper's block quantization, blocks = this kernel's
+tiles, or for k/v ``scale_tile_n`` keys, a multiple of tile_n):
 q's in the tile's scale, each key block's k descale in that block's softmax scale (the running max
 kept in scaled units, ``OnlineSoftmax(block_scales=True)``), v's through O's row scale (O held in
 the units of the last block added; each step's row scale times ``vd[n + 1] / vd[n]``), the last
@@ -116,7 +117,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         section_l2_mb: int = 16,
         block_scales: bool = False,
         v_colmajor: bool = False,
+        scale_tile_n: int = 0,
     ):
+        if scale_tile_n and (not block_scales or scale_tile_n % tile_n):
+            raise ValueError(f"FlashFwdSm90Fp8: scale_tile_n ({scale_tile_n}) needs block scales and a multiple of tile_n")
+        # Per-block k/v descales over scale_tile_n keys: key block n reads descale n // kv_scale_ratio.
+        self.kv_scale_ratio = scale_tile_n // tile_n if scale_tile_n else 1
         if block_scales and (pack_gqa > 1 or not intra_wg_overlap):
             raise ValueError("FlashFwdSm90Fp8: block scales need pack_gqa 1 (a tile's rows of one head) and intra-WG overlap")
         # Per-block descales (mDescale (3, batch, nheads, blocks)): q's per tile of rows, k's and v's per

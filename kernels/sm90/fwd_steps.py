@@ -138,6 +138,7 @@ class FwdSm90Steps:
     num_transpose_warps = 0
     p_max_offset = 0.0
     block_scales = False
+    kv_scale_ratio = 1  # (FP8 block scales: key blocks per k/v descale)
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
