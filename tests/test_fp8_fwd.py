@@ -106,6 +106,36 @@ def _check(out, lse, out_ref, lse_ref, out_emul, name, score_magnitude=0.0, head
     assert err <= bound, f"{name}: LSE max error {err:.2e} > {bound:.2e}"
 
 
+def _keys_major(x8: torch.Tensor) -> torch.Tensor:
+    """``x8``'s values (e4m3, dense ``(b, s, h, d)`` or varlen ``(t, h, d)``) with the keys contiguous (the V^T
+    layout, ``fp8.keys_major_empty``)."""
+    from flashattn_hopper import fp8
+
+    if x8.dim() == 3:
+        return _keys_major(x8[None])[0]
+    out = fp8.keys_major_empty(x8.shape, x8.device)
+    out.view(torch.uint8).copy_(x8.view(torch.uint8))
+    return out
+
+
+@pytest.fixture
+def kernel_layouts(monkeypatch):
+    """The ``fp8_v_colmajor`` of every FP8 key the calls ask for, in order (which kernel ran)."""
+    from flashattn_hopper import dispatch
+
+    family = type(dispatch.FWD_KERNELS["sm90"])
+    original = family.fp8_key
+    seen: list[bool] = []
+
+    def spy(self, *args, **kwargs):
+        key = original(self, *args, **kwargs)
+        seen.append(key.fp8_v_colmajor)
+        return key
+
+    monkeypatch.setattr(family, "fp8_key", spy)
+    return seen
+
+
 CASES_DENSE = [(1, 1), (17, 113), (113, 17), (1023, 1023)]
 
 
@@ -114,7 +144,9 @@ CASES_DENSE = [(1, 1), (17, 113), (113, 17), (1023, 1023)]
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", CASES_DENSE, ids=[f"{a}x{b}" for a, b in CASES_DENSE])
-def test_fp8_forward_matches_the_dequantized_reference(head_dim, causal, seqlens):
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_forward_matches_the_dequantized_reference(head_dim, causal, seqlens, v_layout, kernel_layouts):
+    """``v_layout`` "keys": v with its keys contiguous, the V^T kernel (TMA-loaded V^T, P's keys reordered)."""
     s_q, s_k = seqlens
     batch, heads, heads_k = 2, 4, 2
     gen = torch.Generator(device="cuda").manual_seed(head_dim + 7 * s_q + s_k + causal)
@@ -125,9 +157,11 @@ def test_fp8_forward_matches_the_dequantized_reference(head_dim, causal, seqlens
     scale = 1.0 / math.sqrt(head_dim)
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal)
     out_emul = _emulated(qf, kf, vf, causal, (-1, 0 if causal else -1), scale)
+    v_in = _keys_major(v8) if v_layout == "keys" else v8
     _poison_allocator()
-    out, lse = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
-    _check(out, lse, out_ref, lse_ref, out_emul, f"d{head_dim} causal={causal} {s_q}x{s_k}")
+    out, lse = flash_attn_func(q8, k8, v_in, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    assert kernel_layouts[0] == (v_layout == "keys"), kernel_layouts
+    _check(out, lse, out_ref, lse_ref, out_emul, f"d{head_dim} causal={causal} {s_q}x{s_k} v {v_layout}")
 
 
 @pytest.mark.gpu
@@ -165,7 +199,10 @@ def test_fp8_forward_decode_mqa():
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_forward_varlen(causal):
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_forward_varlen(causal, v_layout):
+    """Varlen; v with its keys contiguous too (the launcher copies it to rows: a sequence's first key would be the
+    V^T TMA box's innermost coordinate, which must fall on 16 bytes)."""
     lens = [17, 130, 0, 1, 300]
     heads, heads_k, d = 4, 2, 128
     gen = torch.Generator(device="cuda").manual_seed(3 + causal)
@@ -178,18 +215,22 @@ def test_fp8_forward_varlen(causal):
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     out_emul = _emulated_varlen(qf, kf, vf, lens, cu, causal, 1.0 / math.sqrt(d))
     _poison_allocator()
-    out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, max(lens), max(lens), causal=causal, q_descale=qd,
+    v_in = _keys_major(v8) if v_layout == "keys" else v8
+    out, lse = flash_attn_varlen_func(q8, k8, v_in, cu, cu, max(lens), max(lens), causal=causal, q_descale=qd,
                                       k_descale=kd, v_descale=vd, return_lse=True)
-    _check(out, lse, out_ref, lse_ref, out_emul, f"varlen causal={causal}")
+    _check(out, lse, out_ref, lse_ref, out_emul, f"varlen causal={causal} v {v_layout}")
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_fp8_forward_key_order_one_hot_values():
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_forward_key_order_one_hot_values(d, v_layout, kernel_layouts):
     """V's rows one-hot in the key (V[j, c] = [c == j % d]): any key permutation between P and V^T
-    (the kernel stores V^T in P's register order) moves mass to the wrong columns."""
-    s, d = 256, 64
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    (the transposing kernel stores V^T in P's register order; with keys-major v the V^T kernel reorders P's keys
+    in registers) moves mass to the wrong columns."""
+    s = 512
+    gen = torch.Generator(device="cuda").manual_seed(d)
     q = torch.randn(1, s, 1, d, generator=gen, device="cuda")
     k = torch.randn(1, s, 1, d, generator=gen, device="cuda")
     v = torch.nn.functional.one_hot(torch.arange(s, device="cuda") % d, d).float()[None, :, None, :]
@@ -197,8 +238,10 @@ def test_fp8_forward_key_order_one_hot_values():
     q8, k8, v8 = (t.to(E4M3) for t in (q, k, v))
     out_ref, _ = attention_ref(q8.float(), k8.float(), v8.float())
     out_emul = _emulated(q8.float(), k8.float(), v8.float(), False, (-1, -1), 1.0 / math.sqrt(d))
-    out = flash_attn_func(q8, k8, v8, q_descale=ones, k_descale=ones, v_descale=ones)
-    assert_close_to_ref("one-hot V", out, out_ref, out_emul, atol=rounding_atol(out_ref, torch.bfloat16))
+    out = flash_attn_func(q8, k8, _keys_major(v8) if v_layout == "keys" else v8, q_descale=ones, k_descale=ones,
+                          v_descale=ones)
+    assert kernel_layouts[0] == (v_layout == "keys"), kernel_layouts
+    assert_close_to_ref(f"one-hot V d{d} {v_layout}", out, out_ref, out_emul, atol=rounding_atol(out_ref, torch.bfloat16))
 
 
 @pytest.mark.gpu

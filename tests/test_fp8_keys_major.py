@@ -1,7 +1,8 @@
 """FP8 (e4m3) forward with v's keys contiguous (``validate.keys_contiguous``): the kernel loads V^T by TMA
 straight into the layout its P.V MMA reads and reorders P's keys in registers (kernels/sm90/fwd_fp8.py,
 ``v_colmajor``) instead of transposing V in shared memory. Same yardstick as ``test_fp8_fwd.py`` (its
-helpers); each GPU test also checks that the keys-major kernel is the one that ran."""
+helpers; its dense, varlen and one-hot key-order tests run with keys-major v too); each GPU test also checks
+which kernel ran."""
 
 from __future__ import annotations
 
@@ -10,112 +11,15 @@ import math
 import pytest
 import torch
 
-from flashattn_hopper import flash_attn_func, flash_attn_varlen_func, fp8
+from flashattn_hopper import flash_attn_func, fp8
 from flashattn_hopper.backends.common import keys_contiguous_ready
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref, rounding_atol
+from flashattn_hopper.testing import attention_ref
 from flashattn_hopper.validate import keys_contiguous
 
 from .test_fp8_fwd import (
-    E4M3, _check, _dequantize, _emulated, _emulated_varlen, _poison_allocator, _quantize, _rows_varied,
-    _score_magnitude,
+    E4M3, _check, _dequantize, _emulated, _poison_allocator, _quantize, _rows_varied, _score_magnitude,
 )
-
-
-def _keys_major(x8: torch.Tensor) -> torch.Tensor:
-    """``x8``'s values (e4m3, dense ``(b, s, h, d)`` or varlen ``(t, h, d)``) with the keys contiguous."""
-    if x8.dim() == 3:
-        return _keys_major(x8[None])[0]
-    out = fp8.keys_major_empty(x8.shape, x8.device)
-    out.view(torch.uint8).copy_(x8.view(torch.uint8))
-    return out
-
-
-@pytest.fixture
-def kernel_layouts(monkeypatch):
-    """The ``v_colmajor`` of every FP8 key the calls ask for, in order."""
-    from flashattn_hopper import dispatch
-
-    family = type(dispatch.FWD_KERNELS["sm90"])
-    original = family.fp8_key
-    seen: list[bool] = []
-
-    def spy(self, *args, **kwargs):
-        key = original(self, *args, **kwargs)
-        seen.append(key.fp8_v_colmajor)
-        return key
-
-    monkeypatch.setattr(family, "fp8_key", spy)
-    return seen
-
-
-CASES = [(1, 1), (17, 113), (113, 17), (1023, 1023)]
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", CASES, ids=[f"{a}x{b}" for a, b in CASES])
-def test_fp8_keys_major_v_matches_the_dequantized_reference(head_dim, causal, seqlens, kernel_layouts):
-    s_q, s_k = seqlens
-    batch, heads, heads_k = 2, 4, 2
-    gen = torch.Generator(device="cuda").manual_seed(head_dim + 7 * s_q + s_k + causal)
-    q, k, v = (torch.randn(batch, s, h, head_dim, generator=gen, device="cuda")
-               for s, h in ((s_q, heads), (s_k, heads_k), (s_k, heads_k)))
-    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
-    qf, kf, vf = (_dequantize(t, d, None) for t, d in ((q8, qd), (k8, kd), (v8, vd)))
-    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal)
-    out_emul = _emulated(qf, kf, vf, causal, (-1, 0 if causal else -1), 1.0 / math.sqrt(head_dim))
-    vt8 = _keys_major(v8)
-    assert keys_contiguous(vt8) and keys_contiguous_ready(vt8)
-    _poison_allocator()
-    out, lse = flash_attn_func(q8, k8, vt8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
-    assert kernel_layouts and kernel_layouts[0], "the keys-major kernel did not run"
-    _check(out, lse, out_ref, lse_ref, out_emul, f"keys-major d{head_dim} causal={causal} {s_q}x{s_k}")
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_keys_major_v_key_order_one_hot_values(head_dim, kernel_layouts):
-    """V's rows one-hot in the key (V[j, c] = [c == j % d]): a wrong key permutation of P in registers
-    moves mass to the wrong columns."""
-    s = 512
-    gen = torch.Generator(device="cuda").manual_seed(head_dim)
-    q = torch.randn(1, s, 1, head_dim, generator=gen, device="cuda")
-    k = torch.randn(1, s, 1, head_dim, generator=gen, device="cuda")
-    v = torch.nn.functional.one_hot(torch.arange(s, device="cuda") % head_dim, head_dim).float()[None, :, None, :]
-    ones = torch.ones(1, 1, device="cuda")
-    q8, k8, v8 = (t.to(E4M3) for t in (q, k, v))
-    out_ref, _ = attention_ref(q8.float(), k8.float(), v8.float())
-    out_emul = _emulated(q8.float(), k8.float(), v8.float(), False, (-1, -1), 1.0 / math.sqrt(head_dim))
-    out = flash_attn_func(q8, k8, _keys_major(v8), q_descale=ones, k_descale=ones, v_descale=ones)
-    assert kernel_layouts[0], "the keys-major kernel did not run"
-    assert_close_to_ref("one-hot keys-major V", out, out_ref, out_emul, atol=rounding_atol(out_ref, torch.bfloat16))
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("causal", [False, True])
-def test_fp8_keys_major_v_varlen_is_copied(causal, kernel_layouts):
-    lens = [17, 130, 0, 1, 300]
-    heads, heads_k, d = 4, 2, 128
-    gen = torch.Generator(device="cuda").manual_seed(30 + causal)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    total, batch = sum(lens), len(lens)
-    batch_of_row = torch.repeat_interleave(torch.arange(batch, device="cuda"), torch.tensor(lens, device="cuda"))
-    q, k, v = (torch.randn(total, h, d, generator=gen, device="cuda") for h in (heads, heads_k, heads_k))
-    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_k, batch, gen) for t in (q, k, v))
-    qf, kf, vf = (_dequantize(t, dd, batch_of_row) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
-    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    out_emul = _emulated_varlen(qf, kf, vf, lens, cu, causal, 1.0 / math.sqrt(d))
-    _poison_allocator()
-    out, lse = flash_attn_varlen_func(q8, k8, _keys_major(v8), cu, cu, max(lens), max(lens), causal=causal,
-                                      q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
-    # (varlen: copied to rows; a sequence's first key would be the TMA box's innermost coordinate, which must fall
-    # on 16 bytes: an unaligned cu_seqlens_k raised an illegal instruction on an H100)
-    assert kernel_layouts[0] is False, kernel_layouts
-    _check(out, lse, out_ref, lse_ref, out_emul, f"keys-major varlen causal={causal}")
+from .test_fp8_fwd import kernel_layouts  # noqa: F401 (a fixture)
 
 
 @pytest.mark.gpu
