@@ -241,7 +241,8 @@ def test_fp8_forward_key_order_one_hot_values(d, v_layout, kernel_layouts):
     out = flash_attn_func(q8, k8, _keys_major(v8) if v_layout == "keys" else v8, q_descale=ones, k_descale=ones,
                           v_descale=ones)
     assert kernel_layouts[0] == (v_layout == "keys"), kernel_layouts
-    assert_close_to_ref(f"one-hot V d{d} {v_layout}", out, out_ref, out_emul, atol=rounding_atol(out_ref, torch.bfloat16))
+    atol = rounding_atol(out_ref, torch.bfloat16)
+    assert_close_to_ref(f"one-hot V d{d} {v_layout}", out, out_ref, out_emul, atol=atol)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,8 @@ def test_fp8_keys_major_v_from_the_quantizer_with_block_scales(head_dim, kernel_
     assert keys_contiguous(quant.v) and torch.equal(quant.v.view(torch.uint8), rows.v.view(torch.uint8))
     tile_m, tile_n = fp8.kernel_tiles(head_dim)
     qf, kf, vf = (fp8.dequantize(x8, d, r) for x8, d, r in
-                  ((quant.q, quant.q_descale, tile_m), (quant.k, quant.k_descale, tile_n), (rows.v, quant.v_descale, tile_n)))
+                  ((quant.q, quant.q_descale, tile_m), (quant.k, quant.k_descale, tile_n),
+                   (rows.v, quant.v_descale, tile_n)))
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=True)
     out_emul = _emulated(qf, kf, vf, True, (-1, 0), 1.0 / math.sqrt(head_dim))
     _poison_allocator()
