@@ -31,10 +31,10 @@ V^T from the caller (``v_colmajor``, FA3's ``V_colmajor``): where v's keys are c
 memory (a ``(batch, seqlen_k, nheads_k, d)`` view with seqlen stride 1, as ``fp8.quantize_qkv(v_layout=
 "keys")`` writes it), the TMA loads each V^T tile straight into the K-major operand layout (sV is then sVt's
 layout, keys in their natural order): no transposing warps, no second V buffer, one smem write per V byte
-instead of three passes. Dense only: a varlen sequence's first key would be the box's innermost coordinate,
-which the TMA needs on 16 bytes (the launcher copies varlen V^T to rows). P's key order is then fixed in registers (``_keys_in_order``): after the cvt, each
+instead of three passes. P's key order is then fixed in registers (``_keys_in_order``): after the cvt, each
 quad trades half-registers (2 shuffles + 4 byte permutes per two registers) so that A column ``16h + 4t + q``
-holds key ``16h + 4t + q``.
+holds key ``16h + 4t + q``. Dense only: a varlen sequence's first key would be the box's innermost coordinate,
+which the TMA needs on 16 bytes (the launcher copies varlen V^T to rows).
 
 Roles (``128 * (1 + tile_m / 64)`` threads):
 
@@ -126,7 +126,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         if block_scales and (pack_gqa > 1 or not intra_wg_overlap):
             raise ValueError("FlashFwdSm90Fp8: block scales need pack_gqa 1 (a tile's rows of one head) and intra-WG overlap")
         # Per-block descales (mDescale (3, batch, nheads, blocks)): q's per tile of rows, k's and v's per
-        # key block (the kernel's tiles), instead of one per (batch, kv head).
+        # scale_tile_n keys (0: per key block), instead of one per (batch, kv head).
         self.block_scales = block_scales
         # V^T loaded by TMA from a keys-contiguous v (module docstring): no in-kernel transpose.
         self.v_colmajor = v_colmajor
