@@ -167,7 +167,8 @@ def test_fp8_forward_matches_the_dequantized_reference(head_dim, causal, seqlens
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("window", [(32, 16), (100, -1)])
-def test_fp8_forward_sliding_window(window):
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_forward_sliding_window(window, v_layout):
     batch, heads, heads_k, d, s = 1, 2, 1, 128, 1023
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(batch, s, h, d, generator=gen, device="cuda") for h in (heads, heads_k, heads_k))
@@ -175,14 +176,16 @@ def test_fp8_forward_sliding_window(window):
     qf, kf, vf = (_dequantize(t, dd, None) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
     out_ref, lse_ref = attention_ref(qf, kf, vf, window_size=window)
     out_emul = _emulated(qf, kf, vf, False, window, 1.0 / math.sqrt(d))
-    out, lse = flash_attn_func(q8, k8, v8, window_size=window, q_descale=qd, k_descale=kd, v_descale=vd,
+    v_in = _keys_major(v8) if v_layout == "keys" else v8
+    out, lse = flash_attn_func(q8, k8, v_in, window_size=window, q_descale=qd, k_descale=kd, v_descale=vd,
                                return_lse=True)
     _check(out, lse, out_ref, lse_ref, out_emul, f"window {window}")
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_fp8_forward_decode_mqa():
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_forward_decode_mqa(v_layout):
     """One query per sequence against 1023 keys, 8 query heads on one kv head (packed GQA tiles)."""
     batch, heads, heads_k, d = 3, 8, 1, 128
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -192,8 +195,9 @@ def test_fp8_forward_decode_mqa():
     qf, kf, vf = (_dequantize(t, dd, None) for t, dd in ((q8, qd), (k8, kd), (v8, vd)))
     out_ref, lse_ref = attention_ref(qf, kf, vf, causal=True)
     out_emul = _emulated(qf, kf, vf, True, (-1, 0), 1.0 / math.sqrt(d))
-    out, lse = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
-    _check(out, lse, out_ref, lse_ref, out_emul, "decode MQA")
+    v_in = _keys_major(v8) if v_layout == "keys" else v8
+    out, lse = flash_attn_func(q8, k8, v_in, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"decode MQA v {v_layout}")
 
 
 @pytest.mark.gpu
