@@ -61,7 +61,7 @@ class FlashBwdPreprocess:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, num_threads, head_dim_v)
         if state_tile_m and (tile_m % state_tile_m or state_tile_m % 8):
-            reason = f"state_tile_m ({state_tile_m}) must divide tile_m ({tile_m})"
+            reason = f"state_tile_m ({state_tile_m}) must be a multiple of 8 that divides tile_m ({tile_m})"
         if reason is not None:
             raise ValueError(f"FlashBwdPreprocess cannot implement this config: {reason}")
         self.dtype = dtype

@@ -116,9 +116,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
 
     dq_claim (the table's keys but deterministic / trace, hdim 128 under causal or local masks only): the
-    preprocess zeroes the tiles' claim states, not dQaccum; the writer claims each tile a block ahead (a CAS on the tile's state in
-    ``mdQ_sem``: 0 free, 1 being zeroed, 2 zeroed), the claimant zeroes it in L2 (``claim_dq_tile``), others wait
-    for 2; the postprocess reads a never-claimed tile as zeros.
+    preprocess zeroes the tiles' claim states, not dQaccum; the writer claims each tile a block ahead (a CAS
+    on the tile's state in ``mdQ_sem``: 0 free, 1 being zeroed, 2 zeroed), the claimant zeroes it in L2
+    (``claim_dq_tile``), others wait for 2; the postprocess reads a never-claimed tile as zeros.
 
     Launch: a programmatic dependent of the preprocess (``configs.bwd_pdl``): every CTA lets the
     postprocess launch at its start; the producer issues K and V, then waits for the preprocess
