@@ -1,4 +1,4 @@
-"""The Hopper backward (kernels/sm90/bwd.py; bwd_wide.py for head dims 192/256) through the public API with ``backend="sm90"`` (GPU tier,
+"""The Hopper backward (kernels/sm90/bwd.py; bwd_wide.py for head dims 192/256, bwd_wide96.py for 192 MHA) through the public API with ``backend="sm90"`` (GPU tier,
 Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``test_bwd.py`` (whose
 helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
 
@@ -118,6 +118,26 @@ def test_bwd_sm90_deterministic_fp16(head_dim):
         again = poisoned_bwd(q, k, v, dout, "sm90", "sm90", deterministic=True, causal=True)
         for name, a, b in zip(("dq", "dk", "dv"), again, first):
             assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
+@pytest.mark.parametrize("head_dim_v", [192, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (239, 100), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bwd_sm90_d192_mha_masks(head_dim_v, seqlens):
+    """hdim 192 MHA runs the 96-key kernel (bwd_wide96.py: scores by query rows, dK^T / dV^T): a left and a
+    right window, causal with a left window, and causal softcap (scores over its range: factor 3)."""
+    s_q, s_k = seqlens
+    q, k, v, dout = make_inputs(2, s_q, s_k, 4, 4, 192, dv=head_dim_v, seed=11)
+    check_poisoned_grads(q, k, v, dout, "sm90", window_size=(40, 17))
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=True, window_size=(70, -1))
+    check_poisoned_grads(q * SOFTCAP / 4, k, v, dout, "sm90", factor=3.0, causal=True, softcap=SOFTCAP)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["zero_len", "long", "seqused"])
+def test_bwd_sm90_d192_mha_varlen(causal, case):
+    """The 96-key kernel on varlen batches (zero-length sequences, seqused): a sequence's key blocks of 96
+    rows end at its own length."""
+    _varlen_case(torch.bfloat16, 192, causal, case, (4, 4), backend="sm90")
 
 
 def test_bwd_sm90_d64_varlen_window():

@@ -50,9 +50,13 @@ class BwdSm90Tile:
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all"),
     128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
-    192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all"),
+    192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
+# d=192 MHA: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), one
+# Q/dO stage where v is 192 wide (two do not fit beside sdQ). GQA keeps the 64-key wide kernel (its dK/dV sums'
+# scratch rows are padded for 64- and 128-key blocks).
+BWD_SM90_TILE_192_GQA = BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all")
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
 # at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
@@ -159,6 +163,8 @@ class BwdSm90(BwdSm80):
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.tiles[hdim]
+        if t.tile_n == 96:  # (bwd_wide96.py: MHA only; two Q/dO stages fit at v's 128 only)
+            t = BWD_SM90_TILE_192_GQA if gqa else dataclasses.replace(t, num_stages=2 if hdim_v <= 128 else 1)
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
@@ -256,6 +262,7 @@ class BwdSm90(BwdSm80):
 
         from ..kernels.sm90.bwd import FlashBwdSm90
         from ..kernels.sm90.bwd_wide import FlashBwdSm90Wide
+        from ..kernels.sm90.bwd_wide96 import FlashBwdSm90Wide96
 
         k: BwdSm90Key = key  # type: ignore[assignment]
         dtype = cutlass_dtype(k.dtype)
@@ -267,7 +274,7 @@ class BwdSm90(BwdSm80):
         def qkv(seqlen: Any, heads: Any, width: Any = d) -> Any:
             return _fake_packed(dtype, seqlen, heads, width) if k.varlen else fake_bshd(dtype, b, seqlen, heads, width)
 
-        kernel_class = FlashBwdSm90Wide if k.tile_n == 64 else FlashBwdSm90
+        kernel_class = {64: FlashBwdSm90Wide, 96: FlashBwdSm90Wide96}.get(k.tile_n, FlashBwdSm90)
         kernel = kernel_class(
             dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,

@@ -39,6 +39,7 @@ class NamedBarrierBwd(enum.IntEnum):
     PP_DS = 11  # pingpong: id + 2 * (block parity) + k: warpgroup k's dS^T of the block is in smem and its dQ of the
     # block before has read sdSt (k arrives at its block's end, the other warpgroup waits before its next store)
     PP_START = 15  # pingpong: warpgroup 0 has formed its first dS^T (warpgroup 1 starts its loop half a block late)
+    DS_FREE = 11  # bwd_wide96.py (never in ping-pong): all MMA threads: both warpgroups' dQ has read sdSt's dS^T
 
 
 class FlashBwdSm90Store:

@@ -61,6 +61,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     reduce-adds into the KV head's sums, each at its own width.
     """
 
+    # dK / dV accumulated as (keys, head_dim) here; bwd_wide96.py's as (head_dim, keys), stored by stmatrix.trans.
+    dkv_transposed = False
+
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
                  num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None, dq_claim=False):
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
@@ -233,10 +236,11 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
         for acc16, sX, tiled_mma in ((rdK, sK, tiled_mma_dkv[0]), (rdV, sV, tiled_mma_dkv[1])):
             r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=self.dkv_transposed, num_matrices=4), self.dtype),
                 tiled_mma,
             ).get_slice(tidx)
-            cute.copy(r2s, r2s.retile(acc16), r2s.partition_D(sX))
+            cute.copy(r2s, r2s.retile(acc16), r2s.partition_D(transpose_view(sX) if const_expr(self.dkv_transposed)
+                                                               else sX))
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.EPILOGUE), number_of_threads=self.num_mma_threads)
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         num_valid = seqlen_k - n_block * self.tile_n
