@@ -53,9 +53,9 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
-# d=192 MHA: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), one
-# Q/dO stage where v is 192 wide (two do not fit beside sdQ). GQA keeps the 64-key wide kernel (its dK/dV sums'
-# scratch rows are padded for 64- and 128-key blocks).
+# d=192 MHA: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
+# Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). GQA keeps the
+# 64-key wide kernel (its dK/dV sums' scratch rows are padded for 64- and 128-key blocks).
 BWD_SM90_TILE_192_GQA = BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all")
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
@@ -163,8 +163,8 @@ class BwdSm90(BwdSm80):
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.tiles[hdim]
-        if t.tile_n == 96:  # (bwd_wide96.py: MHA only; two Q/dO stages fit at v's 128 only)
-            t = BWD_SM90_TILE_192_GQA if gqa else dataclasses.replace(t, num_stages=2 if hdim_v <= 128 else 1)
+        if t.tile_n == 96 and gqa:  # (bwd_wide96.py: MHA only)
+            t = BWD_SM90_TILE_192_GQA
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(

@@ -169,6 +169,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # Gated log-decay (bwd_gate.py): a bias per (query head, key) in P^T, dG's sums from dS^T.
         self.has_gate = has_gate
         self.num_stages = num_stages
+        self.num_stages_do = num_stages  # dO / dPsum ring stages (bwd_wide96.py: fewer than Q's where dO is wide)
         # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
         # (the turn bookkeeping costs registers the main loop does not have to spare).
         self.deterministic = deterministic
@@ -273,7 +274,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         d, s = self.head_dim, self.num_stages
         return {
             "sQ": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
-            "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v, s),
+            "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v, self.num_stages_do),
             "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d),
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
@@ -285,15 +286,16 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], _SMEM_ALIGN]
 
         stats = _stats_stride(self.tile_m) * self.num_stages
+        stats_do = _stats_stride(self.tile_m) * self.num_stages_do
         query_sums = 2 * bwd_gate.NUM_MMA_WARPS * self.tile_m if self.has_gate else 4
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages_do]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
-            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, stats_do], 128]
             sK: buffer(layouts["sK"])
             sV: buffer(layouts["sV"])
             sQ: buffer(layouts["sQ"])
@@ -489,7 +491,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             tx_count=self.tx_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True,
         )
         pipe_do = pipeline.PipelineTmaAsync.create(
-            num_stages=self.num_stages, producer_group=producer, consumer_group=consumers,
+            num_stages=self.num_stages_do, producer_group=producer, consumer_group=consumers,
             tx_count=self.tx_bytes_do, barrier_storage=storage.mbar_do.data_ptr(), defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
@@ -504,7 +506,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
         stats_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, _stats_stride(self.tile_m)))
         sLSE = storage.sLSE.get_tensor(stats_layout)
-        sdPsum = storage.sdPsum.get_tensor(stats_layout)
+        sdPsum = storage.sdPsum.get_tensor(
+            cute.make_layout((self.tile_m, self.num_stages_do), stride=(1, _stats_stride(self.tile_m)))
+        )
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
 
         # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
@@ -650,14 +654,29 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             # dQaccum the writer adds into) are complete only past this wait. K, V, Q and dO were
             # written before the preprocess started.
             cute.arch.griddepcontrol_wait()
+            q_ring = (pipe_q, atom_Q, tQgQ, tQsQ, atom_LSE, tLgL, tLsL)
+            do_ring = (pipe_do, atom_dO, tdOgdO, tdOsdO, atom_dPsum, tPgP, tPsP)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pipe_q.producer_acquire(state)
-                bar_q = pipe_q.producer_get_barrier(state)
-                cute.copy(atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
-                cute.copy(atom_LSE, tLgL[None, block_offset + m_block], tLsL[None, state.index], tma_bar_ptr=bar_q)
-                pipe_do.producer_acquire(state)
-                bar_do = pipe_do.producer_get_barrier(state)
-                cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-                cute.copy(atom_dPsum, tPgP[None, block_offset + m_block], tPsP[None, state.index], tma_bar_ptr=bar_do)
-                state.advance()
+            if const_expr(self.num_stages_do == self.num_stages):
+                for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                    self.load_stage(q_ring, state, m_block, block_offset + m_block)
+                    self.load_stage(do_ring, state, m_block, block_offset + m_block)
+                    state.advance()
+            else:  # (bwd_wide96.py: fewer dO stages than Q stages)
+                state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages_do)
+                for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                    self.load_stage(q_ring, state, m_block, block_offset + m_block)
+                    self.load_stage(do_ring, state_do, m_block, block_offset + m_block)
+                    state.advance()
+                    state_do.advance()
+
+    @cute.jit
+    def load_stage(self, ring: tuple, state, m_block: Int32, stats_block: Int32):
+        """Producer: query block ``m_block`` of Q (+ LSE) or dO (+ dPsum) into ``ring``'s stage ``state``
+        (``ring``: its pipeline, the tile's TMA atom and partitions, the row statistics' atom and
+        partitions, whose 1-D blocks are indexed by ``stats_block``)."""
+        pipe, atom_X, tXgX, tXsX, atom_stat, tSgS, tSsS = ring
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(atom_X, tXgX[None, m_block], tXsX[None, state.index], tma_bar_ptr=bar)
+        cute.copy(atom_stat, tSgS[None, stats_block], tSsS[None, state.index], tma_bar_ptr=bar)

@@ -40,6 +40,11 @@ from .bwd_wide import FlashBwdSm90Wide
 _TILE_N = 96
 
 
+def _do_stages(num_stages: int, head_dim_v: int) -> int:
+    """dO / dPsum stages beside ``num_stages`` Q stages: one where v is 192 wide (two do not fit beside sdQ)."""
+    return num_stages if head_dim_v <= 128 else 1
+
+
 class FlashBwdSm90Wide96(FlashBwdSm90Wide):
     """FA3 backward on sm90 for head dim 192: one CTA per 96-key block, 384 threads.
 
@@ -48,7 +53,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
         | WG0       | 1     | 24        | dQ writer: bulk reduce-add sdQ -> dQaccum per m        |
         | WG1, WG2  | 4 each| 240       | MMA: S, dP, dK^T, dV^T of 48 keys each; dQ for d/2     |
 
-    Pipelines as ``FlashBwdSm90`` (Q / dO stages: 2 at dv = 128, 1 at dv = 192, where two do not fit).
+    Pipelines as ``FlashBwdSm90``: 2 Q stages; 2 dO stages at dv = 128, 1 at dv = 192 (two do not fit beside sdQ).
 
     Per m_block, each MMA warpgroup::
 
@@ -56,7 +61,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
         P = exp2(S * scale_log2 - LSE); wait dP; dS = P (dP - dPsum) [* tanh'];
         P -> sdSt[1] (its rows); [after the first block: bar DS_FREE]; dS -> sdSt[0] (its rows); fence;
         bar DS_READY; issue dV^T += dO^T P, dK^T += Q^T dS (its rows), dQ = dS K (all 96 keys);
-        wait dV^T, dK^T: release Q, dO; wait dQ; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL
+        wait dV^T: release dO; wait dK^T: release Q; wait dQ; [bar DQ_EMPTY]; dQ -> sdQ; fence; arrive DQ_FULL
 
     sdSt holds one P^T and one dS^T: a warpgroup's dV^T / dK^T read only its own rows, done before its
     next block's stores; the other warpgroup's dQ reads all of dS^T, hence DS_FREE (both passed the wait
@@ -74,6 +79,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
                          deterministic=deterministic, head_dim_v=head_dim_v, dq_claim=dq_claim)
         self.pds_stages = 2  # dS^T in 0, P^T in 1
+        self.num_stages_do = _do_stages(num_stages, self.head_dim_v)
 
     @staticmethod
     def can_implement(dtype, head_dim, tile_m, tile_n, is_causal=False, is_local=False, num_stages=1,
@@ -101,9 +107,11 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
     @staticmethod
     def smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, head_dim_v=None) -> int:
         elem = dtype.width // 8
-        widths = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # K + V, Q + dO
-        operands = (tile_n * widths + num_stages * tile_m * widths + 2 * tile_m * tile_n) * elem
-        return operands + tile_m * head_dim * 4 + 2 * num_stages * _stats_stride(tile_m) * 4 + 1024 + 256
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        stages_do = _do_stages(num_stages, head_dim_v)
+        operands = (tile_n * (head_dim + head_dim_v) + tile_m * (num_stages * head_dim + stages_do * head_dim_v)
+                    + 2 * tile_m * tile_n) * elem
+        return operands + tile_m * head_dim * 4 + (num_stages + stages_do) * _stats_stride(tile_m) * 4 + 1024 + 256
 
     def _smem_layouts(self):
         """``FlashBwdSm90``'s, with K swizzled in head_dim halves: each warpgroup's dQ GEMM reads its
@@ -186,16 +194,17 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages_do)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            stage = state.index
+            stage, stage_do = state.index, state_do.index
             pipe_q.consumer_wait(state, pipe_q.consumer_try_wait(state))
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             wgmma(tiled_mma_sdp, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True, wg_wait=-1)
-            pipe_do.consumer_wait(state, pipe_do.consumer_try_wait(state))
+            pipe_do.consumer_wait(state_do, pipe_do.consumer_try_wait(state_do))
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True, wg_wait=-1)
-            self.probs_and_ds_rows(acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block,
-                                   scale_log2, softcap_scale)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrdO[None, None, None, stage_do], tdPrV, zero_init=True, wg_wait=-1)
+            self.probs_and_ds_rows(acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, stage_do, mask, thr_sdp, m_block,
+                                   n_block, scale_log2, softcap_scale)
             rP = convert_to_16bit(acc_S, self.dtype)
             cute.copy(r2s_PdS, r2s_PdS.retile(rP), tXsX[None, None, None, 1])
             rdS = convert_to_16bit(acc_dP, self.dtype)
@@ -206,27 +215,30 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
             # Both warpgroups' P^T and dS^T are in smem and visible to the async proxy (WGMMA).
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DS_READY), number_of_threads=self.num_mma_threads)
-            wgmma(tiled_mma_dkt, acc_dVt, tdVrdOt[None, None, None, stage], tdKVrPdS[None, None, None, 1],
+            wgmma(tiled_mma_dkt, acc_dVt, tdVrdOt[None, None, None, stage_do], tdKVrPdS[None, None, None, 1],
                   zero_init=False, wg_wait=-1)
             wgmma(tiled_mma_dkt, acc_dKt, tdKrQt[None, None, None, stage], tdKVrPdS[None, None, None, 0],
                   zero_init=False, wg_wait=-1)
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrKt, zero_init=True, wg_wait=1)
-            # dK^T and dV^T have read Q and dO: the producer may refill the stage while dQ runs.
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrKt, zero_init=True, wg_wait=2)
+            # dV^T has read dO (the producer may refill its stage while dK^T and dQ run), then dK^T Q.
+            pipe_do.consumer_release(state_do)
+            state_do.advance()
+            warpgroup.wait_group(1)
             pipe_q.consumer_release(state)
-            pipe_do.consumer_release(state)
             state.advance()
             warpgroup.wait_group(0)
             self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min)
         return acc_dKt, acc_dVt, tiled_mma_dkv
 
     @cute.jit
-    def probs_and_ds_rows(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, mask: AttentionMask,
-                          thr_sdp, m_block: Int32, n_block: Int32, scale_log2: Float32,
+    def probs_and_ds_rows(self, acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage: Int32, stage_do: Int32,
+                          mask: AttentionMask, thr_sdp, m_block: Int32, n_block: Int32, scale_log2: Float32,
                           softcap_scale: Float32 | None):
         """``FlashBwdSm90Loop.probs_and_ds`` with queries along rows: S and dP issued (in that order), not yet
         waited for; in place S -> P = exp2(S * scale_log2 - LSE) (softcap, masks) and dP -> dS = P (dP - dPsum)
-        [* tanh']. LSE and dPsum of a row (query) are read from smem where they are used."""
+        [* tanh']. LSE (Q ring stage ``stage``) and dPsum (dO ring stage ``stage_do``) of a row (query) are read
+        from smem where they are used."""
         acc_S_mn, acc_dP_mn = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
         num_rows = cute.size(acc_S_mn.shape[0])
         num_cols = cute.size(acc_S_mn.shape[1])
@@ -237,7 +249,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
             apply_softcap(acc_S, softcap_scale)
             warpgroup.wait_group(0)  # dP has landed
             for r in cutlass.range_constexpr(num_rows):
-                dpsum = sdPsum[tScS_mn[r, 0][0], stage]
+                dpsum = sdPsum[tScS_mn[r, 0][0], stage_do]
                 for c in cutlass.range_constexpr(num_cols):
                     t = acc_S_mn[r, c]
                     acc_dP_mn[r, c] = (acc_dP_mn[r, c] - dpsum) * (Float32(1.0) - t * t)
@@ -251,7 +263,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
         if const_expr(softcap_scale is None):
             warpgroup.wait_group(0)  # dP has landed
             for r in cutlass.range_constexpr(num_rows):
-                dpsum = sdPsum[tScS_mn[r, 0][0], stage]
+                dpsum = sdPsum[tScS_mn[r, 0][0], stage_do]
                 for c in cutlass.range_constexpr(num_cols):
                     acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum)
         else:
