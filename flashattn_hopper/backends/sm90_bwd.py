@@ -6,7 +6,7 @@ are the Ampere family's (``BwdSm80.backward``); the main kernel, its key and the
 differ: dQaccum is in the fragment order of the dQ WGMMA, one block per warpgroup, and the GQA dK/dV
 sums of the tile_n 128 kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
 Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
-(192 and 256 on ``kernels/sm90/bwd_wide.py``); other problems run on the Ampere backward (dispatch
+(192 and 256 on ``kernels/sm90/bwd_wide.py``, 192 MHA on ``bwd_wide96.py``); other problems run on the Ampere backward (dispatch
 falls back when this family cannot implement them).
 """
 
@@ -215,7 +215,8 @@ class BwdSm90(BwdSm80):
         a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
         GQA causal), the opt-in 80 x 128
         tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed),
-        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA;
+        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA; the 96-key
+        kernel (``bwd_wide96.py``: d192 MHA, here non-causal at v's 192: its dO ring one stage behind Q's two);
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
         unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan
@@ -245,6 +246,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, False, softcap=True),
             main(arch, "bf16", 256, 256, True, False),
             main(arch, "bf16", 192, 128, True, True),
+            main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
             *scan_keys(arch),
