@@ -42,8 +42,9 @@ def fa4_func():
 
 
 def parse_tile(spec: str):
-    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim]`` -> (hdim, an sm90 backward family whose table
-    has that tile; ``pingpong``, ``packed`` and ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim``), so
+    """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim|:masked][:asD]`` -> (hdim, an sm90 backward
+    family whose table has that tile, as row D with ``asD``: HDIM then runs padded to D); ``pingpong``, ``packed`` and
+    ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim`` "all"; ``masked``: "masked"), so
     ``64:128x128:2:rows`` is the lockstep loop without ds_packed, the preprocess zeroing dQaccum, and hdim 64's
     default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
     from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
@@ -52,10 +53,12 @@ def parse_tile(spec: str):
     hdim, (tile_m, tile_n) = int(parts[0]), (int(x) for x in parts[1].split("x"))
     stages = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
     family = BwdSm90()
-    family.tiles = {hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
+    # ``asD``: the tile as the table's row D, so that HDIM's problems run padded to D (a native row against padding)
+    table_hdim = next((int(x[2:]) for x in parts if x.startswith("as") and x[2:].isdigit()), hdim)
+    family.tiles = {table_hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
                                       pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      dq_claim="all" if "claim" in parts else "")}
+                                      dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "")}
     return hdim, family
 
 

@@ -2,7 +2,7 @@
 Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``test_bwd.py`` (whose
 helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
 
-Matrix: both dtypes, head dims 64, 128, 192 and 256 (the sm90 rows), causal or not, odd and unequal seqlens,
+Matrix: both dtypes, head dims 64, 96, 128, 192 and 256 (the sm90 rows), causal or not, odd and unequal seqlens,
 MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and
 seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
 sequence alone gives the same bits as inside a varlen batch). hdim 64 runs its 128 x 128 tile (dQ
@@ -30,7 +30,7 @@ pytestmark = [
     ),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS = [64, 128, 192, 256]
+HEAD_DIMS = [64, 96, 128, 192, 256]
 
 
 def test_sm90_backward_takes_the_common_problems():
@@ -138,6 +138,19 @@ def test_bwd_sm90_d192_mha_varlen(causal, case):
     """The 96-key kernel on varlen batches (zero-length sequences, seqused): a sequence's key blocks of 96
     rows end at its own length."""
     _varlen_case(torch.bfloat16, 192, causal, case, (4, 4), backend="sm90")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_sm90_d96_masks_varlen(causal, heads):
+    """hdim 96 runs natively (the 64 x 128 tile; K swizzled in 48-column halves for the dQ GEMM), not padded to
+    128: a window, softcap (factor 3), varlen with seqused; and 96 beside 128 (v padded to 128, as before)."""
+    q, k, v, dout = make_inputs(2, 239, 300, *heads, 96, seed=13)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal, window_size=(40, 17))
+    check_poisoned_grads(q * SOFTCAP / 4, k, v, dout, "sm90", factor=3.0, causal=causal, softcap=SOFTCAP)
+    _varlen_case(torch.bfloat16, 96, causal, VARLEN_CASES[2], heads, backend="sm90")
+    q, k, v, dout = make_inputs(2, 113, 203, *heads, 128, dv=96, seed=14)
+    check_grads_api(q, k, v, dout, backend="sm90", causal=causal)
 
 
 def test_bwd_sm90_d64_varlen_window():

@@ -207,8 +207,12 @@ class BwdSm80:
     kind = "bwd_sm80"
     tiles = configs.BWD_SM80_TILES
 
+    def kernel_dims(self, p: AttnProblem) -> tuple[int, int] | None:
+        """The (q/k, v) head dims the kernels run ``p`` at (``configs.kernel_head_dims`` of this family's table)."""
+        return configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
-        if configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v) is None:
+        if self.kernel_dims(p) is None:
             return (
                 f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm80 backward; "
                 f"supported: head dims up to {max(self.tiles)}"
@@ -233,7 +237,7 @@ class BwdSm80:
         kernel sums dK in fp32 scratch as for GQA, whatever the head counts (``BwdPlan``). ``gate``: the
         main key's gate variant (families with ``gate_slots``). ``sink``: the preprocess takes a learnable
         sink's gradient too."""
-        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        dims = self.kernel_dims(p)
         assert dims is not None, "can_implement() must accept the problem first"
         hdim, hdim_v = dims
         dtype = DTYPE_NAMES[p.dtype]

@@ -43,12 +43,14 @@ class BwdSm90Tile:
     dq_claim: str = ""
 
 
-# Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile. d=64:
+# Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
+# (was padded to 128: the dQ GEMM's 48-column halves of K take 32-byte swizzle atoms, ``FlashBwdSm90._smem_layouts``). d=64:
 # 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18);
 # softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
 # (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all"),
+    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
     128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
@@ -113,8 +115,14 @@ class BwdSm90(BwdSm80):
     kind = "bwd_sm90"
     tiles = BWD_SM90_TILES
 
+    def kernel_dims(self, p: AttnProblem) -> tuple[int, int] | None:
+        """The table's rows for q/k and v, except that a 96 / 128 pair runs both at 128 (v or q/k padded), as before
+        the table had a 96 row (the narrow kernel takes q and v at one width)."""
+        dims = super().kernel_dims(p)
+        return (128, 128) if dims is not None and sorted(dims) == [96, 128] else dims
+
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
-        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        dims = self.kernel_dims(p)
         if dims is None or not (dims[0] == dims[1] or dims[0] >= 192 and 128 <= dims[1] <= dims[0]):
             return (
                 f"head dims ({p.head_dim}, {p.head_dim_v}) are not implemented by the sm90 backward yet; "
@@ -129,7 +137,7 @@ class BwdSm90(BwdSm80):
     def can_gate(self, p: AttnProblem) -> bool:
         """Whether ``backward_with_gate`` serves ``p`` (the gate is in ``kernels/sm90/bwd.py``, the
         tiles of 64 keys per warpgroup: head dims up to 128, q's and v's equal; no softcap)."""
-        dims = configs.kernel_head_dims(self.tiles, p.head_dim, p.head_dim_v)
+        dims = self.kernel_dims(p)
         return (dims is not None and dims[0] == dims[1] and self.tiles[dims[0]].tile_n == 128 and p.softcap == 0.0
                 and self.can_implement(p, False) is None)
 
@@ -214,7 +222,7 @@ class BwdSm90(BwdSm80):
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of
         a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
         GQA causal), the opt-in 80 x 128
-        tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed),
+        tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms),
         d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA; the 96-key
         kernel (``bwd_wide96.py``: d192 MHA, here non-causal at v's 192: its dO ring one stage behind Q's two);
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
@@ -241,6 +249,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
             main(arch, "bf16", 64, 64, False, True, deterministic=True),
+            main(arch, "bf16", 96, 96, True, False),
             main(arch, "bf16", 128, 128, True, False, varlen=True),
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),

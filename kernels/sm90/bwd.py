@@ -275,7 +275,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         return {
             "sQ": make_smem_layout_sm90(self.dtype, self.tile_m, d, s),
             "sdO": make_smem_layout_sm90(self.dtype, self.tile_m, self.head_dim_v, self.num_stages_do),
-            "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d),
+            # (dQ by head_dim halves reads each half of K as an MN-major B operand: at d = 96 a 48-column half
+            # is not a whole 64-byte swizzle atom, 32-byte atoms are; at d = 128 the atom is 128 bytes either way)
+            "sK": make_smem_layout_sm90(self.dtype, self.tile_n, d,
+                                        atom_cols=d if self.dq_split_rows or self.dq_transposed else d // 2),
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
