@@ -56,8 +56,8 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
 # d=192 MHA: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
-# Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). GQA keeps the
-# 64-key wide kernel (its dK/dV sums' scratch rows are padded for 64- and 128-key blocks).
+# Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). Deterministic GQA
+# keeps the 64-key wide kernel (its turns are per 64- or 128-key block of the dK/dV sums).
 BWD_SM90_TILE_192_GQA = BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all")
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
@@ -171,7 +171,7 @@ class BwdSm90(BwdSm80):
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.tiles[hdim]
-        if t.tile_n == 96 and gqa:  # (bwd_wide96.py: MHA only)
+        if t.tile_n == 96 and gqa and flags.get("deterministic"):  # (bwd_wide96.py: no deterministic GQA)
             t = BWD_SM90_TILE_192_GQA
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
@@ -223,8 +223,9 @@ class BwdSm90(BwdSm80):
         a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
         GQA causal), the opt-in 80 x 128
         tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms),
-        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d192/128 causal GQA; the 96-key
-        kernel (``bwd_wide96.py``: d192 MHA, here non-causal at v's 192: its dO ring one stage behind Q's two);
+        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d256/128 causal GQA; the 96-key
+        kernel (``bwd_wide96.py``): d192/128 causal GQA (its predicated sums), d192 MHA non-causal (the transposing
+        epilogue, and at v's 192 its dO ring one stage behind Q's two);
         the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
         the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
         unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan
@@ -254,6 +255,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
             main(arch, "bf16", 256, 256, True, False),
+            main(arch, "bf16", 256, 128, True, True),
             main(arch, "bf16", 192, 128, True, True),
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),

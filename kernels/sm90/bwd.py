@@ -572,6 +572,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 row_offset_k = scratch_offset(seqlen.offset_k, batch_idx) if const_expr(varlen) else Int32(0)
                 if const_expr(self.is_gqa):
                     k_block = (row_offset_k // self.tile_n if const_expr(varlen) else Int32(0)) + n_block
+                    num_keys = None
+                    if const_expr(self.tile_n % 64 != 0):
+                        # (bwd_wide96.py: its sums are addressed by first key row, the adds predicated at the
+                        # sequence's end: a 96-key block may reach past its region of the 128-row-padded scratch)
+                        k_block = row_offset_k + n_block * self.tile_n
+                        num_keys = seqlen.seqlen_k - n_block * self.tile_n
                     # fp32 staging of dV over sK | sV and of dK over sQ | sdO (each pair adjacent:
                     # ``gqa_staging``), free once every WGMMA is done.
                     staging = tuple(
@@ -581,7 +587,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     self.epilogue_gqa(
                         acc_dK, acc_dV, mdK[scratch_b, head_idx_kv, None], mdV[scratch_b, head_idx_kv, None],
                         mdKV_sem[scratch_b, head_idx_kv, None], tiled_mma_dkv, tidx, k_block,
-                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging,
+                        head_idx - head_idx_kv * qhead_per_kvhead, deterministic, staging, num_keys,
                     )
                 else:
                     self.epilogue_mha(

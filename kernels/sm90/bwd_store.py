@@ -224,7 +224,8 @@ class FlashBwdSm90Store:
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: cute.TiledMma,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple):
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple,
+                     num_keys: None = None):
         """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums.
 
         The sums are in MMA-fragment order per warpgroup (``fragment_accum`` over its 128 threads,
@@ -233,7 +234,7 @@ class FlashBwdSm90Store:
         (``staging``: dV's and dK's flat fp32 regions, one 64-row tile per warpgroup each; 128-bit
         stores) and one thread adds each with one bulk reduce, where 64 ``red.v2`` per thread into
         row-major sums took 8 sectors each and held the CTA's exit. Deterministic: ``red.v4`` from
-        registers in the KV head's turns (``mdKV_sem``)."""
+        registers in the KV head's turns (``mdKV_sem``). (``num_keys``: bwd_wide96.py's.)"""
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         wg_tidx = tidx % _WG_THREADS
         wg_elems = 64 * self.head_dim

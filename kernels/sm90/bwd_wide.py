@@ -253,7 +253,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue_gqa(self, acc_dK, acc_dV, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: tuple,
-                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple):
+                     tidx: Int32, k_block: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple,
+                     num_keys: None = None):
         """Reduce-add this query head's fp32 dK (unscaled) and dV into its KV head's sums (each at
         its own width; row-major, ``staging`` unused)."""
         gdK = tiled_mma_dkv[0].get_slice(tidx).partition_C(accum_tile(mdKaccum, self.tile_n, self.head_dim, k_block))

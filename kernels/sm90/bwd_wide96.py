@@ -16,8 +16,11 @@ Registers per MMA thread (d = dv = 192): dK^T 72 + dV^T 72 + S 24 + dP 24, then 
 Everything else (producer, dQ writer and its fragment order, semaphores, pipelines, launch) is ``FlashBwdSm90``'s;
 the MHA epilogue is ``bwd_wide.py``'s through stmatrix.trans.
 
-Constraints: ``head_dim`` 192, ``head_dim_v`` 128 or 192, ``tile_m`` 64, ``tile_n`` 96; MHA only (the GQA sums'
-scratch rows are padded for 64- and 128-key blocks); no gate; softcap included.
+GQA: each query head reduce-adds its dK^T / dV^T into the KV head's row-major fp32 sums element by element, keys
+below the sequence's end only (the sums' rows are padded to 128 per sequence, which a 96-key block can overrun).
+
+Constraints: ``head_dim`` 192, ``head_dim_v`` 128 or 192, ``tile_m`` 64, ``tile_n`` 96; no deterministic GQA (its
+turns are per 64- or 128-key block of the sums); no gate; softcap included.
 """
 
 import cutlass
@@ -27,7 +30,7 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
-from ..common.bwd_utils import tiled_mma_dq_sm90
+from ..common.bwd_utils import elem_pointer, tiled_mma_dq_sm90
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import make_smem_layout_sm90, wgmma
@@ -73,8 +76,9 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
 
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
                  num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None, dq_claim=False):
-        if is_gqa:
-            raise ValueError("FlashBwdSm90Wide96 cannot implement this config: MHA only (GQA: bwd_wide.py)")
+        if is_gqa and deterministic:
+            raise ValueError("FlashBwdSm90Wide96 cannot implement this config: deterministic GQA (its turns are per "
+                             "64- or 128-key block of the sums: bwd_wide.py)")
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
                          deterministic=deterministic, head_dim_v=head_dim_v, dq_claim=dq_claim)
@@ -269,3 +273,22 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
         else:
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[i] = acc_dP[i] * acc_S[i]
+
+    # ------------------------------------------------------------------ epilogue (GQA)
+
+    @cute.jit
+    def epilogue_gqa(self, acc_dKt, acc_dVt, mdKaccum, mdVaccum, mdKV_sem, tiled_mma_dkv: tuple,
+                     tidx: Int32, k_row: Int32, head_in_group: Int32, deterministic: Int32, staging: tuple,
+                     num_keys: Int32):
+        """Reduce-add this query head's fp32 dK^T (unscaled) and dV^T into its KV head's row-major sums from
+        row ``k_row`` (this block's first key in the scratch), the keys below ``num_keys`` only: one
+        ``red.add.f32`` per value (a fragment's neighbours are keys, a head_dim row apart in the sums)."""
+        for acc, mX, width in ((acc_dVt, mdVaccum, self.head_dim_v), (acc_dKt, mdKaccum, self.head_dim)):
+            thr = tiled_mma_dkv[0].get_slice(tidx)
+            gXt = cute.make_tensor(mX.iterator + k_row * width,
+                                   cute.make_layout((width, self.tile_n), stride=(1, width)))
+            tXgX = thr.partition_C(gXt)
+            tXcX = thr.partition_C(cute.make_identity_tensor((width, self.tile_n)))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if tXcX[i][1] < num_keys:
+                    cute.arch.red(elem_pointer(tXgX, i), acc[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
