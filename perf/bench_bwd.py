@@ -47,7 +47,7 @@ def parse_tile(spec: str):
     ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim`` "all"; ``masked``: "masked"), so
     ``64:128x128:2:rows`` is the lockstep loop without ds_packed, the preprocess zeroing dQaccum, and hdim 64's
     default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
-    from flashattn_hopper.backends.sm90_bwd import BwdSm90, BwdSm90Tile
+    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")
     hdim, (tile_m, tile_n) = int(parts[0]), (int(x) for x in parts[1].split("x"))
@@ -55,7 +55,8 @@ def parse_tile(spec: str):
     family = BwdSm90()
     # ``asD``: the tile as the table's row D, so that HDIM's problems run padded to D (a native row against padding)
     table_hdim = next((int(x[2:]) for x in parts if x.startswith("as") and x[2:].isdigit()), hdim)
-    family.tiles = {table_hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
+    # (the table's other rows stay: v narrower than q/k takes its own row, e.g. --hdim-v 128)
+    family.tiles = {**{d: t for d, t in BWD_SM90_TILES.items() if d != hdim}, table_hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                                       dq_transposed="transposed" in parts,
                                       pingpong="pingpong" in parts, ds_packed="packed" in parts,
                                       dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "")}
@@ -136,8 +137,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--energy", action="store_true",
                     help="also each column's joules per backward, mean watts and clock (about 2 s of calls each)")
     args = ap.parse_args(argv)
-    if args.tiles and args.hdim_v:
-        ap.error("--tiles times q/k's row only: with --hdim-v v would run padded to it (not supported)")
     tile_cols = {spec: parse_tile(spec) for spec in args.tiles}
 
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,5 +1,8 @@
 """FlashAttention-3 backward for head dim 192 on Hopper (sm90): ``FlashBwdSm90Wide96``, 96 keys per CTA.
 
+Measured on an H100 (perf/NOTES.md session 35): +14 to +41 % over ``bwd_wide.py``'s 64-key blocks at d = 192,
+0.96-1.14x FA4's backward.
+
 Purpose: ``bwd_wide.py``'s 64-key blocks read every Q / dO tile and add every dQ tile once per 64 keys;
 at head dim 192 that traffic is what separates it from FA3 / FA4's 96-key tile (0.79-0.94x FA4, perf/NOTES.md
 session 34). 96 keys do not split into two WGMMA M halves of 64, so this kernel turns the GEMMs around
@@ -19,7 +22,8 @@ the MHA epilogue is ``bwd_wide.py``'s through stmatrix.trans.
 GQA: each query head reduce-adds its dK^T / dV^T into the KV head's row-major fp32 sums element by element, keys
 below the sequence's end only (the sums' rows are padded to 128 per sequence, which a 96-key block can overrun).
 
-Constraints: ``head_dim`` 192, ``head_dim_v`` 128 or 192, ``tile_m`` 64, ``tile_n`` 96; no deterministic GQA (its
+Constraints: head dims 192 / 128, 192 / 192, or 256 / 128 (opt-in, not in the launcher's table, one Q/dO stage:
+built and compiled without spills, not yet run on a GPU), ``tile_m`` 64, ``tile_n`` 96; no deterministic GQA (its
 turns are per 64- or 128-key block of the sums); no gate; softcap included.
 """
 
@@ -96,8 +100,8 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
             return "the gate's backward is in FlashBwdSm90 (head dims up to 128) only"
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype must be BFloat16 or Float16, got {dtype}"
-        if head_dim != 192 or head_dim_v not in (128, 192):
-            return f"head dims must be 192 and 128 or 192, got {head_dim} and {head_dim_v}"
+        if (head_dim, head_dim_v) not in ((192, 128), (192, 192), (256, 128)):
+            return f"head dims must be 192 / 128, 192 / 192 or 256 / 128, got {head_dim} / {head_dim_v}"
         if tile_m != 64 or tile_n != _TILE_N:
             return f"tile must be 64 x {_TILE_N}, got {tile_m} x {tile_n}"
         if is_causal and is_local:
