@@ -56,10 +56,10 @@ def parse_tile(spec: str):
     # ``asD``: the tile as the table's row D, so that HDIM's problems run padded to D (a native row against padding)
     table_hdim = next((int(x[2:]) for x in parts if x.startswith("as") and x[2:].isdigit()), hdim)
     # (the table's other rows stay: v narrower than q/k takes its own row, e.g. --hdim-v 128)
-    family.tiles = {**{d: t for d, t in BWD_SM90_TILES.items() if d != hdim}, table_hdim: BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
-                                      dq_transposed="transposed" in parts,
-                                      pingpong="pingpong" in parts, ds_packed="packed" in parts,
-                                      dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "")}
+    tile = BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
+                       dq_transposed="transposed" in parts, pingpong="pingpong" in parts, ds_packed="packed" in parts,
+                       dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "")
+    family.tiles = {**{d: t for d, t in BWD_SM90_TILES.items() if d != hdim}, table_hdim: tile}
     return hdim, family
 
 

@@ -1,6 +1,7 @@
-"""The Hopper backward (kernels/sm90/bwd.py; bwd_wide.py for head dims 192/256, bwd_wide96.py for 192 MHA) through the public API with ``backend="sm90"`` (GPU tier,
-Hopper only): dq, dk, dv against the fp32 reference with the parity rule of ``test_bwd.py`` (whose
-helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher takes them.
+"""The Hopper backward (kernels/sm90/bwd.py; bwd_wide.py for head dim 256, bwd_wide96.py for 192) through the public
+API with ``backend="sm90"`` (GPU tier, Hopper only): dq, dk, dv against the fp32 reference with the parity rule of
+``test_bwd.py`` (whose helpers and oracles these tests use), on NaN-poisoned gradient buffers where the launcher
+takes them.
 
 Matrix: both dtypes, head dims 64, 96, 128, 192 and 256 (the sm90 rows), causal or not, odd and unequal seqlens,
 MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and

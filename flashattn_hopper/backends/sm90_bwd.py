@@ -6,8 +6,8 @@ are the Ampere family's (``BwdSm80.backward``); the main kernel, its key and the
 differ: dQaccum is in the fragment order of the dQ WGMMA, one block per warpgroup, and the GQA dK/dV
 sums of the tile_n 128 kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
 Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
-(192 and 256 on ``kernels/sm90/bwd_wide.py``, 192 MHA on ``bwd_wide96.py``); other problems run on the Ampere backward (dispatch
-falls back when this family cannot implement them).
+(256 and deterministic GQA at 192 on ``kernels/sm90/bwd_wide.py``, the rest of 192 on ``bwd_wide96.py``); other
+problems run on the Ampere backward (dispatch falls back when this family cannot implement them).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ class BwdSm90Tile:
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
-# (was padded to 128: the dQ GEMM's 48-column halves of K take 32-byte swizzle atoms, ``FlashBwdSm90._smem_layouts``). d=64:
-# 128x128 with dQ split by rows, measured +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18);
-# softcap keeps 64x128 there (``_main_key``). d=192/256: 64x64, the warpgroups splitting head_dim
-# (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage at 256 (two do not fit beside sdQ).
+# (it ran padded to 128 before session 35: +25 % at 16k, 2.3x at 1k on an H100; the dQ GEMM's 48-column halves of
+# K take 32-byte swizzle atoms, ``FlashBwdSm90._smem_layouts``). d=64: 128x128 with dQ split by rows, measured
+# +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18); softcap keeps 64x128 there (``_main_key``). d=256:
+# 64x64, the warpgroups splitting head_dim (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage (two do
+# not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all"),
     96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
@@ -55,7 +56,7 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
-# d=192 MHA: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
+# d=192: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
 # Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). Deterministic GQA
 # keeps the 64-key wide kernel (its turns are per 64- or 128-key block of the dK/dV sums).
 BWD_SM90_TILE_192_GQA = BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all")
@@ -221,15 +222,15 @@ class BwdSm90(BwdSm80):
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of
         a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
-        GQA causal), the opt-in 80 x 128
-        tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms),
-        d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d256/128 causal GQA; the 96-key
-        kernel (``bwd_wide96.py``): d192/128 causal GQA (its predicated sums), d192 MHA non-causal (the transposing
-        epilogue, and at v's 192 its dO ring one stage behind Q's two);
-        the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``);
-        the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan
-        (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        GQA causal), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic
+        (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and
+        causal softcap; the wide kernel: d256 causal, d256/128 causal GQA; the 96-key kernel (``bwd_wide96.py``):
+        d192/128 causal GQA (its predicated sums), d192 MHA non-causal (the transposing epilogue, and at v's 192 its
+        dO ring one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums
+        there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of
+        d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``);
+        the gated forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the
+        row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
