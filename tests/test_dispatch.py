@@ -136,6 +136,25 @@ def test_sm90_key_runs_v_head_dim_at_its_own_width(head_dim, head_dim_v, expecte
     assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v,nheads_k,deterministic,expected", [
+    (96, 96, 4, False, (96, 96, 64, 128)), (80, 80, 4, False, (96, 96, 64, 128)), (72, 72, 2, True, (96, 96, 64, 128)),
+    (128, 96, 4, False, (128, 128, 64, 128)), (96, 128, 4, False, (128, 128, 64, 128)), (96, 64, 4, False, None),
+    (192, 192, 4, False, (192, 192, 64, 96)), (192, 128, 2, False, (192, 128, 64, 96)),
+    (192, 128, 2, True, (192, 128, 64, 64)), (160, 104, 4, False, (192, 128, 64, 96)), (256, 256, 2, False, (256, 256, 64, 64)),
+])
+def test_sm90_backward_rows(head_dim, head_dim_v, nheads_k, deterministic, expected):
+    """The sm90 backward's (q/k, v) widths and tile per problem: 65-96 natively at 96, a 96 / 128 pair at 128 (q and
+    v at one width; never the sm80 backward), 192 on 96-key blocks but deterministic GQA (64 keys)."""
+    family = dispatch.BWD_KERNELS["sm90"]
+    p = problem(head_dim=head_dim, head_dim_v=head_dim_v, nheads_k=nheads_k)
+    if expected is None:
+        assert family.can_implement(p, deterministic) is not None
+        return
+    assert family.can_implement(p, deterministic) is None
+    key = family.keys(p, "sm_90a", deterministic=deterministic)[1]
+    assert (key.head_dim, key.head_dim_v, key.tile_m, key.tile_n) == expected
+
+
 @pytest.mark.parametrize("head_dim,causal,seqlen,expected", [
     (64, False, 512, (192, 128)), (64, True, 512, (128, 128)), (64, True, 1536, (128, 128)), (64, True, 2048, (192, 128)),
     (256, False, 768, (128, 64)), (256, False, 1024, (128, 80)), (256, True, 1024, (128, 64)), (256, True, 2048, (128, 80)),
