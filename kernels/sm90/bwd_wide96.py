@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from ..common.bwd_utils import elem_pointer, tiled_mma_dq_sm90
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
-from ..common.sm90_utils import make_smem_layout_sm90, wgmma
+from ..common.sm90_utils import wgmma
 from ..common.softmax import apply_softcap
 from ..common.utils import acc_rows_cols, convert_to_16bit, transpose_view
 from .bwd import _SMEM_CAPACITY, FlashBwdSm90, _stats_stride
@@ -122,12 +122,10 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
         return operands + tile_m * head_dim * 4 + (num_stages + stages_do) * _stats_stride(tile_m) * 4 + 1024 + 256
 
     def _smem_layouts(self):
-        """``FlashBwdSm90``'s, with K swizzled in head_dim halves: each warpgroup's dQ GEMM reads its
-        96-column half of K as an MN-major B operand (a 128-byte swizzle atom would straddle it)."""
-        layouts = FlashBwdSm90._smem_layouts(self)
-        layouts["sK"] = make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim,
-                                              atom_cols=self.head_dim // self.num_mma_wg)
-        return layouts
+        """``FlashBwdSm90``'s, not ``bwd_wide.py``'s: Q, dO and V keep 128-byte swizzle atoms (no GEMM here reads a
+        head_dim half of them); K is in head_dim halves there too (each warpgroup's dQ GEMM reads its 96-column half
+        as an MN-major B operand)."""
+        return FlashBwdSm90._smem_layouts(self)
 
     def _tiled_mmas(self):
         """S / dP: SS, both K-major, warpgroups along keys (48 each). dK^T / dV^T: A = Q^T / dO^T (MN-major
