@@ -59,7 +59,8 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # d=192: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
 # Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). Deterministic GQA
 # keeps the 64-key wide kernel (its turns are per 64- or 128-key block of the dK/dV sums).
-BWD_SM90_TILE_192_GQA = BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all")
+# (256: the opt-in 96-key tile's fallback, the table's 64-key row)
+BWD_SM90_WIDE_DET_GQA = {192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all"), 256: BWD_SM90_TILES[256]}
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
 # at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
@@ -120,7 +121,7 @@ class BwdSm90(BwdSm80):
         """The table's rows for q/k and v, except that a 96 / 128 pair runs both at 128 (v or q/k padded), as before
         the table had a 96 row (the narrow kernel takes q and v at one width)."""
         dims = super().kernel_dims(p)
-        return (128, 128) if dims is not None and sorted(dims) == [96, 128] else dims
+        return (128, 128) if dims in ((96, 128), (128, 96)) else dims
 
     def can_implement(self, p: AttnProblem, deterministic: bool) -> str | None:
         dims = self.kernel_dims(p)
@@ -173,7 +174,7 @@ class BwdSm90(BwdSm80):
                   **flags: bool) -> BwdSm90Key:
         t = self.tiles[hdim]
         if t.tile_n == 96 and gqa and flags.get("deterministic"):  # (bwd_wide96.py: no deterministic GQA)
-            t = BWD_SM90_TILE_192_GQA
+            t = BWD_SM90_WIDE_DET_GQA[hdim]
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
