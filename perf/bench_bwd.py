@@ -47,7 +47,7 @@ def parse_tile(spec: str):
     ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim`` "all"; ``masked``: "masked"), so
     ``64:128x128:2:rows`` is the lockstep loop without ds_packed, the preprocess zeroing dQaccum, and hdim 64's
     default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90, BwdSm90Tile
+    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_PAIR_TILES, BWD_SM90_TILES, BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")
     hdim, (tile_m, tile_n) = int(parts[0]), (int(x) for x in parts[1].split("x"))
@@ -60,6 +60,8 @@ def parse_tile(spec: str):
                        dq_transposed="transposed" in parts, pingpong="pingpong" in parts, ds_packed="packed" in parts,
                        dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "")
     family.tiles = {**{d: t for d, t in BWD_SM90_TILES.items() if d != hdim}, table_hdim: tile}
+    # (and the tile for every v of that row: 256's 96-key 256/128 pair tile too)
+    family.pair_tiles = {pair: t for pair, t in BWD_SM90_PAIR_TILES.items() if pair[0] != table_hdim}
     return hdim, family
 
 

@@ -228,18 +228,17 @@ def test_bwd_sm90_opt_in_tile_80(seqlens, heads):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_bwd_sm90_opt_in_256_128_on_96_keys(causal, seqlens, heads):
-    """256 / 128 on the 96-key kernel (``bwd_wide96.py``, one Q/dO stage; opt-in, not in the launcher's table): dq,
-    dk, dv against the fp32 reference with the parity rule, odd lengths, GQA."""
+def test_bwd_sm90_256_128_on_96_keys(causal, seqlens, heads):
+    """256 / 128 on the 96-key kernel (``bwd_wide96.py``, one Q/dO stage; the launcher's ``BWD_SM90_PAIR_TILES``):
+    dq, dk, dv against the fp32 reference with the parity rule, odd lengths, GQA."""
     from flashattn_hopper import flash_attn_func, validate
-    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES, BwdSm90, BwdSm90Tile
+    from flashattn_hopper.backends.sm90_bwd import BwdSm90
 
     from .test_bwd import reference_grads
 
     (s_q, s_k), (h, h_k) = seqlens, heads
     q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, 256, dv=128, seed=15)
     family = BwdSm90()
-    family.tiles = {**BWD_SM90_TILES, 256: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=1, dq_claim="all")}
     p = validate.validate_dense(q, k, v, None, causal, (-1, -1), 0.0)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="sm90")
     assert family.plan(p, None, False, q.device).main_key.tile_n == 96

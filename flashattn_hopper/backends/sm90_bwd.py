@@ -59,7 +59,13 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
 # d=192: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
 # Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). Deterministic GQA
 # keeps the 64-key wide kernel (its turns are per 64- or 128-key block of the dK/dV sums).
-# (256: the opt-in 96-key tile's fallback, the table's 64-key row)
+# Pairs whose v is narrower than q/k's row and that take another tile than the row's. 256/128: 64 x 96 (the d192
+# kernel; one Q/dO stage for smem: K 48 + V 24 + Q 32 + dO 16 + sdSt 24 + sdQ 64 KB), +13 to +34 % over the 64-key
+# row at 1k-16k on an H100 (perf/NOTES.md, session 36). 256/256 does not fit 96 keys (dK^T + dV^T: 192 registers).
+BWD_SM90_PAIR_TILES: dict[tuple[int, int], BwdSm90Tile] = {
+    (256, 128): BwdSm90Tile(tile_m=64, tile_n=96, num_stages=1, dq_claim="all"),
+}
+# (256: the 96-key 256/128 tile's fallback, the table's 64-key row)
 BWD_SM90_WIDE_DET_GQA = {192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all"), 256: BWD_SM90_TILES[256]}
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
@@ -116,6 +122,7 @@ class BwdSm90(BwdSm80):
     backend = "sm90"
     kind = "bwd_sm90"
     tiles = BWD_SM90_TILES
+    pair_tiles = BWD_SM90_PAIR_TILES
 
     def kernel_dims(self, p: AttnProblem) -> tuple[int, int] | None:
         """The table's rows for q/k and v, except that a 96 / 128 pair runs both at 128 (v or q/k padded), as before
@@ -172,7 +179,7 @@ class BwdSm90(BwdSm80):
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
-        t = self.tiles[hdim]
+        t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
         if t.tile_n == 96 and gqa and flags.get("deterministic"):  # (bwd_wide96.py: no deterministic GQA)
             t = BWD_SM90_WIDE_DET_GQA[hdim]
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
@@ -221,17 +228,17 @@ class BwdSm90(BwdSm80):
         return dq, kv
 
     def all_keys(self, arch: str) -> list[KernelKey]:
-        """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of
-        a ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal,
-        GQA causal), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic
-        (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and
-        causal softcap; the wide kernel: d256 causal, d256/128 causal GQA; the 96-key kernel (``bwd_wide96.py``):
-        d192/128 causal GQA (its predicated sums), d192 MHA non-causal (the transposing epilogue, and at v's 192 its
-        dO ring one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums
-        there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of
-        d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``);
-        the gated forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the
-        row-major postprocess are the sm80 family's keys.)"""
+        """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of a
+        ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal, GQA
+        causal), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the
+        lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and causal
+        softcap; the wide kernel: d256 causal, d256 causal GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal
+        GQA (its predicated sums, one Q/dO stage), d192 MHA non-causal (the transposing epilogue, and at v's 192 its dO
+        ring one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there,
+        ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
+        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated
+        forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major
+        postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -257,8 +264,8 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, False, False, local=True),
             main(arch, "bf16", 128, 128, True, False, softcap=True),
             main(arch, "bf16", 256, 256, True, False),
+            main(arch, "bf16", 256, 256, True, True),
             main(arch, "bf16", 256, 128, True, True),
-            main(arch, "bf16", 192, 128, True, True),
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
