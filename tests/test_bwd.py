@@ -397,8 +397,10 @@ def test_bwd_softcap_with_window():
     _softcap_case(torch.bfloat16, 64, False, (300, 333), (4, 2), window=(40, 10))
 
 
-def make_varlen(lens_q, lens_k, h, h_k, d, dtype, used_q=None, used_k=None, seed=0):
-    """Packed inputs and the varlen dict: slot lengths ``lens_*``, optional used prefixes ``used_*``."""
+def make_varlen(lens_q, lens_k, h, h_k, d, dtype, used_q=None, used_k=None, seed=0, dv=None):
+    """Packed inputs and the varlen dict: slot lengths ``lens_*``, optional used prefixes ``used_*``; v and dout
+    ``dv`` wide (default ``d``)."""
+    dv = d if dv is None else dv
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape):
@@ -413,7 +415,7 @@ def make_varlen(lens_q, lens_k, h, h_k, d, dtype, used_q=None, used_k=None, seed
         varlen["seqused_q"] = torch.tensor(used_q, dtype=torch.int32, device="cuda")
     if used_k is not None:
         varlen["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device="cuda")
-    return randn(total_q, h, d), randn(total_k, h_k, d), randn(total_k, h_k, d), randn(total_q, h, d), varlen
+    return randn(total_q, h, d), randn(total_k, h_k, d), randn(total_k, h_k, dv), randn(total_q, h, dv), varlen
 
 
 # (lens_q, lens_k, used_q, used_k): zero-length query and key sequences, partial tiles, s_q > s_k,

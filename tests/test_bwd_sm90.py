@@ -181,11 +181,13 @@ def test_bwd_sm90_deterministic_bitwise(head_dim, causal, heads):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_sm90_deterministic_batch_invariant(causal):
+@pytest.mark.parametrize("dims", [(128, 128), (192, 192), (256, 128)], ids=lambda d: f"d{d[0]}_{d[1]}")
+def test_bwd_sm90_deterministic_batch_invariant(causal, dims):
     """A sequence's gradients are bitwise the same computed alone and inside a varlen batch of other
-    sequences (deterministic=True)."""
+    sequences (deterministic=True, GQA): 64 x 128 blocks, and the 96-key kernel's (its dK/dV turns per 96-key
+    block, the sequences' sums at 128-row offsets)."""
     lens = [300, 777, 64]
-    q, k, v, dout, varlen = make_varlen(lens, lens, 8, 2, 128, torch.bfloat16, None, None, 3)
+    q, k, v, dout, varlen = make_varlen(lens, lens, 8, 2, dims[0], torch.bfloat16, None, None, 3, dv=dims[1])
     batch = poisoned_bwd(q, k, v, dout, "sm90", "sm90", varlen, deterministic=True, causal=causal)
     start = lens[0]
     one = slice(start, start + lens[1])

@@ -140,14 +140,14 @@ def test_sm90_key_runs_v_head_dim_at_its_own_width(head_dim, head_dim_v, expecte
     (96, 96, 4, False, (96, 96, 64, 128)), (80, 80, 4, False, (96, 96, 64, 128)), (72, 72, 2, True, (96, 96, 64, 128)),
     (128, 96, 4, False, (128, 128, 64, 128)), (96, 128, 4, False, (128, 128, 64, 128)), (96, 64, 4, False, None),
     (192, 192, 4, False, (192, 192, 64, 96)), (192, 128, 2, False, (192, 128, 64, 96)),
-    (192, 128, 2, True, (192, 128, 64, 64)), (160, 104, 4, False, (192, 128, 64, 96)),
+    (192, 128, 2, True, (192, 128, 64, 96)), (160, 104, 4, False, (192, 128, 64, 96)),
     (256, 256, 2, False, (256, 256, 64, 64)), (256, 128, 2, False, (256, 128, 64, 96)),
-    (240, 100, 4, False, (256, 128, 64, 96)), (256, 128, 2, True, (256, 128, 64, 64)),
+    (240, 100, 4, False, (256, 128, 64, 96)), (256, 128, 2, True, (256, 128, 64, 96)),
     (256, 192, 4, False, (256, 192, 64, 64)),
 ])
 def test_sm90_backward_rows(head_dim, head_dim_v, nheads_k, deterministic, expected):
     """The sm90 backward's (q/k, v) widths and tile per problem: 65-96 natively at 96, a 96 / 128 pair at 128 (q and
-    v at one width; never the sm80 backward), 192 and 256/128 on 96-key blocks but deterministic GQA (64 keys)."""
+    v at one width; never the sm80 backward), 192 and 256/128 on 96-key blocks (deterministic GQA too)."""
     family = dispatch.BWD_KERNELS["sm90"]
     p = problem(head_dim=head_dim, head_dim_v=head_dim_v, nheads_k=nheads_k)
     if expected is None:

@@ -581,8 +581,10 @@ class BwdPlan:
         dq_state = None
         if self.deterministic:
             sem_q = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32, device=dev)
-            sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // key.tile_n, dtype=torch.int32, device=dev)
-                      if key.gqa else sem_q)
+            # (GQA: one per key block, or per gcd(tile_n, SEQ_PAD) rows where blocks do not tile the 128-row
+            # padded sequences: kernels/sm90/bwd_wide96.py KV_SEM_ROWS)
+            sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // math.gcd(key.tile_n, SEQ_PAD),
+                                  dtype=torch.int32, device=dev) if key.gqa else sem_q)
         elif getattr(key, "trace", False):  # (sm90 debug timeline: the kernel stores its clocks there)
             # (then every CTA's span: 6 int32 each, kernels/sm90/bwd_loop.py ``store_cta_span``; an upper bound of
             # the grid, varlen's included)

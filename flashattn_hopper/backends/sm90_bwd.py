@@ -6,7 +6,7 @@ are the Ampere family's (``BwdSm80.backward``); the main kernel, its key and the
 differ: dQaccum is in the fragment order of the dQ WGMMA, one block per warpgroup, and the GQA dK/dV
 sums of the tile_n 128 kernel in that of the dK/dV WGMMA per warpgroup (the wide kernel's are row-major).
 Head dims up to 256 with q and v the same after padding, and q/k 192-256 with v from 128 up to q/k's
-(256 and deterministic GQA at 192 on ``kernels/sm90/bwd_wide.py``, the rest of 192 on ``bwd_wide96.py``); other
+(256 and 256/192 on ``kernels/sm90/bwd_wide.py``, 192, 192/128 and 256/128 on ``bwd_wide96.py``); other
 problems run on the Ampere backward (dispatch falls back when this family cannot implement them).
 """
 
@@ -57,16 +57,13 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
 # d=192: 64 x 96 (kernels/sm90/bwd_wide96.py: scores by query rows, 48 keys per warpgroup, dK^T / dV^T), two
-# Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ). Deterministic GQA
-# keeps the 64-key wide kernel (its turns are per 64- or 128-key block of the dK/dV sums).
+# Q stages, and one dO stage where v is 192 wide (the kernel's rule: two do not fit beside sdQ).
 # Pairs whose v is narrower than q/k's row and that take another tile than the row's. 256/128: 64 x 96 (the d192
 # kernel; one Q/dO stage for smem: K 48 + V 24 + Q 32 + dO 16 + sdSt 24 + sdQ 64 KB), +13 to +34 % over the 64-key
 # row at 1k-16k on an H100 (perf/NOTES.md, session 36). 256/256 does not fit 96 keys (dK^T + dV^T: 192 registers).
 BWD_SM90_PAIR_TILES: dict[tuple[int, int], BwdSm90Tile] = {
     (256, 128): BwdSm90Tile(tile_m=64, tile_n=96, num_stages=1, dq_claim="all"),
 }
-# (256: the 96-key 256/128 tile's fallback, the table's 64-key row)
-BWD_SM90_WIDE_DET_GQA = {192: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=2, dq_claim="all"), 256: BWD_SM90_TILES[256]}
 # d=64 runs its MMA warpgroups in ping-pong (kernels/sm90/bwd_loop.py ``pingpong_tail``: dQ one block behind, no
 # per-block meeting; deterministic, softcap and gated calls keep the lockstep loop): +2-5.6 % from 4k, within +-2 %
 # at 1k-2k on an H100 (perf/NOTES.md, session 29); the default since the backward GPU tier passed with it (session
@@ -180,8 +177,6 @@ class BwdSm90(BwdSm80):
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
-        if t.tile_n == 96 and gqa and flags.get("deterministic"):  # (bwd_wide96.py: no deterministic GQA)
-            t = BWD_SM90_WIDE_DET_GQA[hdim]
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(

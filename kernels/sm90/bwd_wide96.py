@@ -21,10 +21,12 @@ the MHA epilogue is ``bwd_wide.py``'s through stmatrix.trans.
 
 GQA: each query head reduce-adds its dK^T / dV^T into the KV head's row-major fp32 sums element by element, keys
 below the sequence's end only (the sums' rows are padded to 128 per sequence, which a 96-key block can overrun).
+Deterministic GQA takes those adds in query-head turns per 96-key block; the block's semaphore is the one of its
+first key row over 32 (``KV_SEM_ROWS``: sequences start at multiples of 128 rows, blocks at multiples of 96 after
+it, so no two blocks share one).
 
-Constraints: head dims 192 / 128, 192 / 192, or 256 / 128 (opt-in, not in the launcher's table, one Q/dO stage:
-built and compiled without spills, not yet run on a GPU), ``tile_m`` 64, ``tile_n`` 96; no deterministic GQA (its
-turns are per 64- or 128-key block of the sums); no gate; softcap included.
+Constraints: head dims 192 / 128, 192 / 192, or 256 / 128 (one Q/dO stage), ``tile_m`` 64, ``tile_n`` 96; no gate;
+softcap included.
 """
 
 import cutlass
@@ -34,7 +36,7 @@ import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
-from ..common.bwd_utils import elem_pointer, tiled_mma_dq_sm90
+from ..common.bwd_utils import elem_pointer, semaphore_signal, semaphore_wait, tiled_mma_dq_sm90
 from ..common.mask import AttentionMask
 from ..common.seqlen import SeqlenInfo
 from ..common.sm90_utils import wgmma
@@ -45,6 +47,8 @@ from .bwd_store import _WG_THREADS, NamedBarrierBwd
 from .bwd_wide import FlashBwdSm90Wide
 
 _TILE_N = 96
+# Rows of the dK/dV sums per deterministic-GQA semaphore: gcd(96, the scratch's 128-row sequence padding)
+KV_SEM_ROWS = 32
 
 
 def _do_stages(num_stages: int, head_dim_v: int) -> int:
@@ -80,9 +84,6 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
 
     def __init__(self, dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=False, has_softcap=False,
                  num_stages=1, dq_split_rows=False, deterministic=False, head_dim_v=None, dq_claim=False):
-        if is_gqa and deterministic:
-            raise ValueError("FlashBwdSm90Wide96 cannot implement this config: deterministic GQA (its turns are per "
-                             "64- or 128-key block of the sums: bwd_wide.py)")
         super().__init__(dtype, head_dim, tile_m, tile_n, is_causal, is_gqa, is_local=is_local,
                          has_softcap=has_softcap, num_stages=num_stages, dq_split_rows=dq_split_rows,
                          deterministic=deterministic, head_dim_v=head_dim_v, dq_claim=dq_claim)
@@ -284,7 +285,11 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
                      num_keys: Int32):
         """Reduce-add this query head's fp32 dK^T (unscaled) and dV^T into its KV head's row-major sums from
         row ``k_row`` (this block's first key in the scratch), the keys below ``num_keys`` only: one
-        ``red.add.f32`` per value (a fragment's neighbours are keys, a head_dim row apart in the sums)."""
+        ``red.add.f32`` per value (a fragment's neighbours are keys, a head_dim row apart in the sums).
+        Deterministic: in query-head turns on the semaphore of row ``k_row`` (``KV_SEM_ROWS`` rows each)."""
+        if const_expr(self.deterministic):
+            semaphore_wait(mdKV_sem, k_row // KV_SEM_ROWS, head_in_group, tidx, int(NamedBarrierBwd.SEMAPHORE),
+                           self.num_mma_threads)
         for acc, mX, width in ((acc_dVt, mdVaccum, self.head_dim_v), (acc_dKt, mdKaccum, self.head_dim)):
             thr = tiled_mma_dkv[0].get_slice(tidx)
             gXt = cute.make_tensor(mX.iterator + k_row * width,
@@ -294,3 +299,6 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if tXcX[i][1] < num_keys:
                     cute.arch.red(elem_pointer(tXgX, i), acc[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        if const_expr(self.deterministic):
+            semaphore_signal(mdKV_sem, k_row // KV_SEM_ROWS, tidx, int(NamedBarrierBwd.SEMAPHORE),
+                             self.num_mma_threads)
