@@ -250,6 +250,54 @@ def test_bwd_sm90_256_128_on_96_keys(causal, seqlens, heads):
     check_against_refs(grads, (q, k, v), ref, pt)
 
 
+@pytest.fixture
+def gqa_loop(monkeypatch):
+    """The table's tile_n 128 rows with ``gqa_loop`` (one CTA per KV head walking its query heads), the plan memos
+    emptied before and after."""
+    import dataclasses
+
+    from flashattn_hopper import api
+    from flashattn_hopper.backends import sm80_bwd
+    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
+
+    for hdim in (64, 96, 128):
+        monkeypatch.setitem(BWD_SM90_TILES, hdim, dataclasses.replace(BWD_SM90_TILES[hdim], gqa_loop=True))
+    monkeypatch.setattr(sm80_bwd, "_PLAN_MEMO", {})
+    api.clear_plans()
+    yield
+    api.clear_plans()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(17, 17), (113, 203), (239, 1), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=["gqa", "mqa"])
+def test_bwd_sm90_gqa_loop(gqa_loop, head_dim, causal, seqlens, heads):
+    """``gqa_loop``: dq, dk, dv (stored once per KV head in 16 bits) against the fp32 reference with the parity
+    rule; rows no key sees give zeros."""
+    from ._parity import problem
+
+    (s_q, s_k), (h, h_k) = seqlens, heads
+    q, k, v, dout = make_inputs(2, s_q, s_k, h, h_k, head_dim)
+    assert dispatch.BWD_KERNELS["sm90"].keys(problem(q, k, v, causal=causal)[0], "sm_90a")[1].gqa_loop
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
+
+
+@pytest.mark.parametrize("case", [0, 2])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_sm90_gqa_loop_varlen_window(gqa_loop, case, causal):
+    """``gqa_loop`` with varlen (zero-length sequences, seqused), a window, fp16 and deterministic bits."""
+    _varlen_case(torch.bfloat16, 128, causal, VARLEN_CASES[case], (8, 2), backend="sm90")
+    _window_case(torch.float16, 64, (causal, (40, 10) if not causal else (30, -1)), (300, 333), (6, 2),
+                 backend="sm90")
+    q, k, v, dout = make_inputs(2, 500, 700, 8, 2, 128, seed=4)
+    first = check_poisoned_grads(q, k, v, dout, "sm90", deterministic=True, causal=causal)
+    for _ in range(4):
+        again = poisoned_bwd(q, k, v, dout, "sm90", "sm90", deterministic=True, causal=causal)
+        for name, a, b in zip(("dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (64, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("hdim", [64, 128])

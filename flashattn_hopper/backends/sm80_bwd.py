@@ -248,7 +248,7 @@ class BwdSm80:
         main = self._main_key(
             arch, dtype, hdim, hdim_v, causal, dk_fp32 or p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
-            **({"gate": True} if gate else {}),
+            **self._gqa_flags(p, dk_fp32), **({"gate": True} if gate else {}),
         )
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
@@ -269,6 +269,10 @@ class BwdSm80:
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """Main-key fields of the call's mode; here none (``deterministic`` is a runtime argument)."""
+        return {}
+
+    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool) -> dict[str, bool]:
+        """Main-key options of a GQA problem (``_main_key`` pops them); here none."""
         return {}
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
@@ -460,9 +464,10 @@ class BwdSm80:
             segments = main
             main = compile_cache.get(dataclasses.replace(main_key, tail_split=False), self.compile)
         post_dq = compile_cache.get(post_dq_key, self.compile)
-        post_kv = compile_cache.get(post_kv_key, self.compile) if main_key.gqa else None
+        kv_sums = kv_scratch(main_key)
+        post_kv = compile_cache.get(post_kv_key, self.compile) if kv_sums else None
         post_v = post_kv  # the GQA dV sums' postprocess: at v's width
-        if main_key.gqa and main_key.head_dim_v != main_key.head_dim:
+        if kv_sums and main_key.head_dim_v != main_key.head_dim:
             post_v = compile_cache.get(dataclasses.replace(post_kv_key, head_dim=main_key.head_dim_v), self.compile)
         tail_blocks, tail_segments = 0, 1
         if main_key.tail_split:
@@ -471,6 +476,12 @@ class BwdSm80:
         return BwdPlan(p, main_key, (pre, main, segments, post_dq, post_kv, post_v), deterministic, tail_blocks,
                        tail_segments, dk_fp32, self.gate_slots, kv_fragment=post_kv_key.wg_blocks,
                        sink_warps=_pre_threads(pre_key.head_dim_v) // 32 if sink else 0)
+
+
+def kv_scratch(main_key: KernelKey) -> bool:
+    """Whether the main kernel sums dK/dV over query heads in fp32 scratch (GQA, or dk_fp32), a postprocess
+    converting them: not the sm90 kernel's ``gqa_loop``, which stores them once per KV head."""
+    return main_key.gqa and not getattr(main_key, "gqa_loop", False)
 
 
 def wgmma_rows_order(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -503,6 +514,7 @@ class BwdPlan:
         self.p, self.main_key, self.deterministic, self.dk_fp32 = p, main_key, deterministic, dk_fp32
         self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
         self.dq_claim = getattr(main_key, "dq_claim", False)  # (sm90 keys: dQaccum tiles claimed, BwdSm90Tile)
+        self.kv_sums = kv_scratch(main_key)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
@@ -573,7 +585,7 @@ class BwdPlan:
                 dq.zero_()
             if key.seqused_k:
                 dk.zero_(), dv.zero_()
-        if key.gqa:
+        if self.kv_sums:
             dk_main = torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad * d, dtype=f32, device=dev)
             dv_main = torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad * d_v, dtype=f32, device=dev)
         else:
@@ -584,7 +596,7 @@ class BwdPlan:
             # (GQA: one per key block, or per gcd(tile_n, SEQ_PAD) rows where blocks do not tile the 128-row
             # padded sequences: kernels/sm90/bwd_wide96.py KV_SEM_ROWS)
             sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // math.gcd(key.tile_n, SEQ_PAD),
-                                  dtype=torch.int32, device=dev) if key.gqa else sem_q)
+                                  dtype=torch.int32, device=dev) if self.kv_sums else sem_q)
         elif getattr(key, "trace", False):  # (sm90 debug timeline: the kernel stores its clocks there)
             # (then every CTA's span: 6 int32 each, kernels/sm90/bwd_loop.py ``store_cta_span``; an upper bound of
             # the grid, varlen's included)

@@ -41,6 +41,9 @@ class BwdSm90Tile:
     # dQaccum zeroed tile by tile by its first claimant, not by the preprocess (kernels/sm90/bwd_store.py
     # ``claim_dq_tile``): "all" problems, "masked" (causal or local) ones only, or "" never
     dq_claim: str = ""
+    # GQA by one CTA per (key block, KV head) walking its query heads, dK/dV stored once in 16 bits (kernels/sm90/bwd.py
+    # ``gqa_loop``) instead of fp32 sums reduce-added per query head and a postprocess; tile_n 128, not gated
+    gqa_loop: bool = False
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
@@ -108,6 +111,7 @@ class BwdSm90Key(KernelKey):
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
+    gqa_loop: bool = False  # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -174,9 +178,16 @@ class BwdSm90(BwdSm80):
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
         return {"deterministic": deterministic}
 
+    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool) -> dict[str, bool]:
+        """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``."""
+        return {"gqa_loop": True} if p.nheads != p.nheads_k and not dk_fp32 else {}
+
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
+        # (``keys``: real GQA, not dk_fp32's scratch route)
+        gqa_loop = flags.pop("gqa_loop", False) and t.gqa_loop and t.tile_n == 128 and not t.trace
+        gqa_loop = gqa_loop and not flags.get("gate")
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
@@ -192,7 +203,8 @@ class BwdSm90(BwdSm80):
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
             # (its tile states take the semaphores' slot: not with deterministic's turns or trace's clocks)
             **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
-               and not t.trace and not flags.get("deterministic") else {}), **flags,
+               and not t.trace and not flags.get("deterministic") else {}),
+            **({"gqa_loop": True} if gqa_loop else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -293,7 +305,7 @@ class BwdSm90(BwdSm80):
 
         kernel_class = {64: FlashBwdSm90Wide, 96: FlashBwdSm90Wide96}.get(k.tile_n, FlashBwdSm90)
         kernel = kernel_class(
-            dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa, is_local=k.local, has_softcap=k.softcap,
+            dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa and not k.gqa_loop, is_local=k.local, has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),
@@ -301,8 +313,9 @@ class BwdSm90(BwdSm80):
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
             **({"dq_claim": True} if k.dq_claim else {}),
+            **({"gqa_loop": True} if k.gqa_loop else {}),
         )
-        if k.gqa:
+        if k.gqa and not k.gqa_loop:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
         else:
             dkv = (qkv(s_k, h_k), qkv(s_k, h_k, dv))

@@ -146,6 +146,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         pingpong: bool = False,
         ds_packed: bool = False,
         dq_claim: bool = False,
+        gqa_loop: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -155,6 +156,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             reason = "trace stores its clocks where deterministic keeps its semaphores"
         if reason is None and dq_claim and (deterministic or trace):
             reason = "dq_claim keeps its tile states where deterministic keeps its turns and trace its clocks"
+        if reason is None and gqa_loop and (is_gqa or has_gate or trace or tile_n != 128):
+            reason = ("gqa_loop keeps dK/dV in registers over a KV head's query heads (the MHA epilogue): not with "
+                      "the GQA sums (is_gqa), the gate (a bias per query head), trace, or the wide kernels")
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -204,6 +208,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # state per tile in mdQ_sem), the claimant zeroes it (``FlashBwdSm90Store.claim_dq_tile``), so the tile's
         # lines are allocated in L2 right before the adds instead of zeroed in DRAM and read back.
         self.dq_claim = dq_claim
+        # GQA with one CTA per (key block, KV head): it walks every query head of its KV head, m_blocks in turn per
+        # head (a virtual m_block runs over heads x m_blocks, ``block_head``), dK / dV summed in registers and
+        # stored once in 16 bits by the MHA epilogue: no fp32 sums, their zeroing, reduce-adds or postprocess.
+        self.gqa_loop = gqa_loop
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -415,6 +423,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         else:
             num_batch = mQ.shape[3]
             grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
+        if const_expr(self.gqa_loop):  # (one CTA per KV head)
+            grid[1] = mK.shape[2]
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
@@ -539,6 +549,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             scratch_b = Int32(0) if const_expr(varlen) else batch_idx
             row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)
             head_idx_kv = head_idx // qhead_per_kvhead
+            # The m_block loops run to m_iter_end: past m_block_max over the KV head's query heads with gqa_loop.
+            m_iter_end = m_block_max
+            if const_expr(self.gqa_loop):
+                head_idx_kv = head_idx
+                head_idx = head_idx_kv * qhead_per_kvhead  # (the first of them)
+                m_iter_end = m_block_min + (m_block_max - m_block_min) * qhead_per_kvhead
             # has_gate: this (sequence, query head)'s bias and sums, 1-D over its keys / queries.
             gate = dgq = dgk = None
             if const_expr(self.has_gate):
@@ -551,14 +567,21 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     self.load(
                         mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, atoms,
                         pipe_kv, pipe_q, pipe_do, seqlen, batch_idx, head_idx, head_idx_kv, scratch_b,
-                        row_offset_q, n_block, m_block_min, m_block_max,
+                        row_offset_q, n_block, m_block_min, m_block_max, m_iter_end,
                     )
                 if warp_idx == 1:
-                    self.store_dq(
-                        sdQ, mdQaccum[scratch_b, head_idx, None],
-                        mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
-                        row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
-                    )
+                    if const_expr(self.gqa_loop):  # (every head's accumulator and turns: ``store_dq`` picks)
+                        self.store_dq(
+                            sdQ, mdQaccum[scratch_b, None, None], mdQ_sem[scratch_b, None, None], seqlen, n_block,
+                            m_block_min, m_block_max, row_offset_q // self.tile_m, window_left, window_right,
+                            sQuerySums, dgq, m_iter_end=m_iter_end, head_first=head_idx,
+                        )
+                    else:
+                        self.store_dq(
+                            sdQ, mdQaccum[scratch_b, head_idx, None],
+                            mdQ_sem[scratch_b, head_idx, None], seqlen, n_block, m_block_min, m_block_max,
+                            row_offset_q // self.tile_m, window_left, window_right, sQuerySums, dgq,
+                        )
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 mma_out = self.mma(
@@ -566,6 +589,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     seqlen, n_block, m_block_min, m_block_max, scale_log2,
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
                     sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
+                    **({"m_iter_end": m_iter_end} if const_expr(self.gqa_loop) else {}),
                 )
                 acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS
@@ -619,10 +643,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
+        m_iter_end: Int32,
     ):
         """Producer warp: K and V of this key block once, then Q + LSE and dO + dPsum of each
-        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM)."""
-        atom_Q, atom_K, atom_V, atom_dO, atom_LSE, atom_dPsum = atoms
+        query block into the ``num_stages`` rings (the consumers release a stage after its last GEMM);
+        with ``gqa_loop``, those of each query head of the KV head in turn (``head_idx`` the first)."""
+        atom_K, atom_V = atoms[1:3]
         d = self.head_dim
         if m_block_min < m_block_max:
             gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
@@ -639,34 +665,23 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             cute.copy(atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             cute.copy(atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
-            gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head_idx, 2), batch_idx), (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head_idx, 2), batch_idx), (self.tile_m, self.head_dim_v),
-                                  (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-            )
-            # Scratch rows of this (sequence, head): m_block's tile_m values start at
-            # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
-            gLSE = cute.local_tile(mLSE[None, head_idx, scratch_b], (self.tile_m,), (None,))
-            gdPsum = cute.local_tile(mdPsum[None, head_idx, scratch_b], (self.tile_m,), (None,))
-            tLsL, tLgL = cpasync.tma_partition(
-                atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
-            )
-            tPsP, tPgP = cpasync.tma_partition(
-                atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
-            )
+            q_ring, do_ring = self.query_rings(mQ, mdO, mLSE, mdPsum, sQ, sdO, sLSE, sdPsum, atoms, pipe_q, pipe_do,
+                                               seqlen, batch_idx, head_idx, scratch_b)
             block_offset = row_offset_q // self.tile_m
             # Launched as the preprocess's programmatic dependent: LSE_log2 and dPsum (and the zeroed
             # dQaccum the writer adds into) are complete only past this wait. K, V, Q and dO were
             # written before the preprocess started.
             cute.arch.griddepcontrol_wait()
-            q_ring = (pipe_q, atom_Q, tQgQ, tQsQ, atom_LSE, tLgL, tLsL)
-            do_ring = (pipe_do, atom_dO, tdOgdO, tdOsdO, atom_dPsum, tPgP, tPsP)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            if const_expr(self.num_stages_do == self.num_stages):
+            if const_expr(self.gqa_loop):  # (num_stages_do == num_stages: the base kernel's tiles only)
+                for m_virtual in cutlass.range(m_block_min, m_iter_end, unroll=1):
+                    m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, head_idx)
+                    head_rings = self.query_rings(mQ, mdO, mLSE, mdPsum, sQ, sdO, sLSE, sdPsum, atoms, pipe_q,
+                                                  pipe_do, seqlen, batch_idx, head, scratch_b)
+                    self.load_stage(head_rings[0], state, m_block, block_offset + m_block)
+                    self.load_stage(head_rings[1], state, m_block, block_offset + m_block)
+                    state.advance()
+            elif const_expr(self.num_stages_do == self.num_stages):
                 for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                     self.load_stage(q_ring, state, m_block, block_offset + m_block)
                     self.load_stage(do_ring, state, m_block, block_offset + m_block)
@@ -678,6 +693,41 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     self.load_stage(do_ring, state_do, m_block, block_offset + m_block)
                     state.advance()
                     state_do.advance()
+
+    @cute.jit
+    def query_rings(self, mQ, mdO, mLSE, mdPsum, sQ, sdO, sLSE, sdPsum, atoms, pipe_q, pipe_do, seqlen: SeqlenInfo,
+                    batch_idx: Int32, head: Int32, scratch_b: Int32):
+        """The producer's Q + LSE and dO + dPsum rings of query head ``head`` (``load_stage``'s ``ring``)."""
+        atom_Q, _, _, atom_dO, atom_LSE, atom_dPsum = atoms
+        gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head, 2), batch_idx), (self.tile_m, self.head_dim), (None, 0))
+        gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head, 2), batch_idx), (self.tile_m, self.head_dim_v),
+                              (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tdOsdO, tdOgdO = cpasync.tma_partition(
+            atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+        )
+        # Scratch rows of this (sequence, head): m_block's tile_m values start at
+        # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
+        gLSE = cute.local_tile(mLSE[None, head, scratch_b], (self.tile_m,), (None,))
+        gdPsum = cute.local_tile(mdPsum[None, head, scratch_b], (self.tile_m,), (None,))
+        tLsL, tLgL = cpasync.tma_partition(
+            atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
+        )
+        tPsP, tPgP = cpasync.tma_partition(
+            atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
+        )
+        return ((pipe_q, atom_Q, tQgQ, tQsQ, atom_LSE, tLgL, tLsL),
+                (pipe_do, atom_dO, tdOgdO, tdOsdO, atom_dPsum, tPgP, tPsP))
+
+    @cute.jit
+    def block_head(self, m_virtual: Int32, m_block_min: Int32, m_block_max: Int32, head_first: Int32):
+        """(gqa_loop) The query block and head of virtual m_block ``m_virtual``: the heads' blocks in turn, each
+        from ``m_block_min`` to ``m_block_max``."""
+        num_m_blocks = m_block_max - m_block_min
+        head_in_loop = (m_virtual - m_block_min) // num_m_blocks
+        return m_virtual - head_in_loop * num_m_blocks, head_first + head_in_loop
 
     @cute.jit
     def load_stage(self, ring: tuple, state, m_block: Int32, stats_block: Int32):

@@ -49,11 +49,13 @@ class FlashBwdSm90Loop:
         gate: cute.Tensor | None,
         dgk: cute.Tensor | None,
         trace_out: cute.Tensor | None = None,
+        m_iter_end: Int32 | None = None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv[, (K/V landed, loop done)
         %globaltimer stamps: trace only]). ``gate``
         and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
-        (trace): where ``store_stamps`` puts the clocks."""
+        (trace): where ``store_stamps`` puts the clocks. ``m_iter_end`` (gqa_loop): the virtual end of the loop over
+        the KV head's query heads' blocks in turn (``block_head``; only the masks read the real m_block)."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -101,7 +103,11 @@ class FlashBwdSm90Loop:
         if const_expr(self.pingpong):
             if wg_idx == 1 and m_block_min < m_block_max:  # (start half a block behind warpgroup 0)
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_START), number_of_threads=self.num_mma_threads)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        m_loop_end = m_iter_end if const_expr(self.gqa_loop) else m_block_max
+        for m_block in cutlass.range(m_block_min, m_loop_end, unroll=1):
+            m_mask = m_block  # (the real query block: the masks')
+            if const_expr(self.gqa_loop):
+                m_mask = self.block_head(m_block, m_block_min, m_block_max, Int32(0))[0]
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)
@@ -109,7 +115,7 @@ class FlashBwdSm90Loop:
                                             stamps, m_block - m_block_min)
             if const_expr(self.has_softcap):
                 self.probs_and_ds(
-                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2,
+                    acc_S, acc_dP, sLSE, sdPsum, tScS_mn, stage, mask, thr_sdp, m_mask, n_block, scale_log2,
                     softcap_scale,
                 )
                 # dV += P^T dO with P^T straight from registers.
@@ -118,7 +124,7 @@ class FlashBwdSm90Loop:
             else:
                 warpgroup.wait_group(1)  # S^T has landed
                 self.stamp(stamps, m_block - m_block_min, 1)
-                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_block, n_block, scale_log2, key_bias)
+                self.probs(acc_S, sLSE, tScS_mn, stage, mask, thr_sdp, m_mask, n_block, scale_log2, key_bias)
                 rP = convert_to_16bit(acc_S, self.dtype)
                 tdVrP.store(acc_to_frag_a_sm90(rP).load())
                 self.stamp(stamps, m_block - m_block_min, 2)
@@ -174,7 +180,7 @@ class FlashBwdSm90Loop:
             state.advance()
         if const_expr(self.pingpong):
             if m_block_min < m_block_max:  # the last block's dQ, once the other warpgroup's dS^T of it is in smem
-                last = m_block_max - 1 - m_block_min
+                last = m_loop_end - 1 - m_block_min
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.PP_DS) + 2 * (last % 2) + 1 - wg_idx,
                                   number_of_threads=self.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)

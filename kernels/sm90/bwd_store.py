@@ -75,7 +75,8 @@ class FlashBwdSm90Store:
     @cute.jit
     def store_dq(self, sdQ, mdQaccum: cute.Tensor, mdQ_sem: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32,
                  m_block_min: Int32, m_block_max: Int32, block_offset: Int32, window_left: Int32,
-                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None):
+                 window_right: Int32, sQuerySums: cute.Tensor, dgq: cute.Tensor | None,
+                 m_iter_end: Int32 | None = None, head_first: Int32 | None = None):
         """dQ writer warp: per m_block, wait for the MMA warpgroups' dQ tile in sdQ, reduce-add it into
         the fp32 accumulator's tile with one bulk add (lane 0), and hand sdQ back once the TMA unit
         has read it. Deterministic: the adds of a query block go in key-block turns (ascending
@@ -84,7 +85,9 @@ class FlashBwdSm90Store:
 
         ``mdQaccum``: (seqlen_q_padded * head_dim,) of this (batch, head); ``mdQ_sem``:
         (num_m_blocks_padded,) of this (batch, head). ``dgq`` (has_gate): this sequence and head's
-        per-query dS sums, which take the slot's sums in the same step (and turn)."""
+        per-query dS sums, which take the slot's sums in the same step (and turn). ``gqa_loop``: ``mdQaccum`` and
+        ``mdQ_sem`` of every query head of this (batch), the blocks of heads ``head_first``... in turn up to the
+        virtual ``m_iter_end`` (``block_head``)."""
         lane = cute.arch.lane_idx()
         cute.arch.griddepcontrol_wait()  # the preprocess zeroed dQaccum (``load``'s wait)
         tile_elems = self.tile_m * self.head_dim
@@ -94,9 +97,14 @@ class FlashBwdSm90Store:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_l, window_r)
         # (dq_claim) what the claim of the next block's tile found, made a block ahead (``claim_dq_tile``)
         next_claim = Int32(0)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        m_loop_end = m_iter_end if const_expr(self.gqa_loop) else m_block_max
+        for m_virtual in cutlass.range(m_block_min, m_loop_end, unroll=1):
+            m_block, mdQacc, mdQsem = m_virtual, mdQaccum, mdQ_sem
+            if const_expr(self.gqa_loop):
+                m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, head_first)
+                mdQacc, mdQsem = mdQaccum[head, None], mdQ_sem[head, None]
             q_block = block_offset + m_block
-            if m_block > m_block_min:
+            if m_virtual > m_block_min:
                 # Hand each warpgroup its part back once the previous block's add of it has read it
                 # (bulk groups complete in order: part k's before part k + 1's).
                 for wg in cutlass.range_constexpr(self.num_mma_wg):
@@ -110,25 +118,25 @@ class FlashBwdSm90Store:
                 if const_expr(self.is_causal or self.is_local):
                     _, n_block_max = block_info.n_block_min_max(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     turn = n_block_max - 1 - n_block
-                semaphore_wait(mdQ_sem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
+                semaphore_wait(mdQsem, q_block, turn, lane, int(NamedBarrierBwd.DQ_WRITER), 32)
             if const_expr(self.dq_claim):
                 # The tile is zero before the adds: claimed now on the first block, a block ahead after it.
                 # The next block's claim is made here, under the wait for this block's dQ (at the block's end it
                 # held the next DQ_EMPTY hand-back for a CAS's round trip).
                 claim = next_claim
                 if m_block == m_block_min:
-                    claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block, lane)
+                    claim = self.claim_dq_tile(mdQacc, mdQsem, q_block, lane)
                 if m_block + 1 < m_block_max:
                     # (non-causal CTAs of a head reach each tile together: claimed and zeroed a block ahead, the
                     # tile is ready when they arrive, where a claim on arrival kept all but one waiting)
-                    next_claim = self.claim_dq_tile(mdQaccum, mdQ_sem, q_block + 1, lane)
-                self.wait_dq_tile(mdQ_sem, q_block, claim, lane)
+                    next_claim = self.claim_dq_tile(mdQacc, mdQsem, q_block + 1, lane)
+                self.wait_dq_tile(mdQsem, q_block, claim, lane)
             # Each warpgroup's part as soon as it lands; one lane issues the adds and owns their bulk
             # groups (commit and waits are per thread).
             for wg in cutlass.range_constexpr(self.num_mma_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DQ_FULL) + wg, number_of_threads=self.dq_sync_threads)
                 if lane == 0:
-                    bulk_reduce_add_f32(mdQaccum.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
+                    bulk_reduce_add_f32(mdQacc.iterator + q_block * tile_elems + wg * half, sdQ.iterator + wg * half,
                                         half * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.has_gate):
@@ -143,7 +151,7 @@ class FlashBwdSm90Store:
                     cute.arch.fence_proxy("async.global")
                 cute.arch.sync_warp()
                 semaphore_signal(
-                    mdQ_sem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
+                    mdQsem, q_block, lane, int(NamedBarrierBwd.DQ_WRITER), 32, fence_after_barrier=True
                 )
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last adds have read sdQ before the CTA exits
