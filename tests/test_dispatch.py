@@ -486,13 +486,14 @@ def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
 
 def test_sm90_gqa_loop_keys(monkeypatch):
     """A tile's ``gqa_loop`` keys real GQA problems of the tile_n 128 kernel only: not MHA, not dk_fp32's fp32-sum
-    route, not the gate; its plan then has no fp32 sums (``kv_scratch``)."""
+    route, not the gate, not deterministic; its plan then has no fp32 sums (``kv_scratch``). The table's rows take it
+    for unmasked problems only."""
     from flashattn_hopper.backends.sm80_bwd import kv_scratch
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
 
     family = dispatch.BWD_KERNELS["sm90"]
     for hdim in (64, 128, 192):
-        monkeypatch.setitem(BWD_SM90_TILES, hdim, dataclasses.replace(BWD_SM90_TILES[hdim], gqa_loop=True))
+        monkeypatch.setitem(BWD_SM90_TILES, hdim, dataclasses.replace(BWD_SM90_TILES[hdim], gqa_loop="all"))
     gqa = problem(nheads=8, nheads_k=2, causal=True)
     key = family.keys(gqa, "sm_90a")[1]
     assert key.gqa and key.gqa_loop and not kv_scratch(key)
@@ -501,5 +502,11 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert not family.keys(gqa, "sm_90a", gate=True)[1].gqa_loop
     wide = family.keys(problem(nheads=8, nheads_k=2, head_dim=192, head_dim_v=192), "sm_90a")[1]
     assert wide.tile_n == 96 and not wide.gqa_loop
-    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop=False))
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop=""))
     assert kv_scratch(family.keys(gqa, "sm_90a")[1])
+    # The table's rule ("unmasked"): GQA without causal / local masks, not deterministic
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop="unmasked"))
+    assert family.keys(problem(nheads=8, nheads_k=2), "sm_90a")[1].gqa_loop
+    assert not family.keys(gqa, "sm_90a")[1].gqa_loop
+    assert not family.keys(problem(nheads=8, nheads_k=2, window_left=64, window_right=64), "sm_90a")[1].gqa_loop
+    assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a", deterministic=True)[1].gqa_loop

@@ -42,8 +42,9 @@ class BwdSm90Tile:
     # ``claim_dq_tile``): "all" problems, "masked" (causal or local) ones only, or "" never
     dq_claim: str = ""
     # GQA by one CTA per (key block, KV head) walking its query heads, dK/dV stored once in 16 bits (kernels/sm90/bwd.py
-    # ``gqa_loop``) instead of fp32 sums reduce-added per query head and a postprocess; tile_n 128, not gated
-    gqa_loop: bool = False
+    # ``gqa_loop``) instead of fp32 sums reduce-added per query head and a postprocess (tile_n 128, not gated, not
+    # deterministic): "all" problems, "unmasked" (neither causal nor local) ones only, or "" never
+    gqa_loop: str = ""
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
@@ -51,11 +52,16 @@ class BwdSm90Tile:
 # K take 32-byte swizzle atoms, ``FlashBwdSm90._smem_layouts``). d=64: 128x128 with dQ split by rows, measured
 # +2-7 % over 64x128 on an H100 (perf/NOTES.md, session 18); softcap keeps 64x128 there (``_main_key``). d=256:
 # 64x64, the warpgroups splitting head_dim (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage (two do
-# not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below).
+# not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below). GQA without causal or local masks:
+# one CTA per (key block, KV head) (``gqa_loop``): +1 to +36 % over the fp32-sum route at 1k-16k, GQA 4:1 and MQA
+# (H100, perf/NOTES.md session 36; -2 % at 16k with 2:1 and 16:1, within the runs' spread). Masked calls keep the
+# fp32 sums: a CTA's length is then the group times its key block's query blocks, and the long ones of later heads
+# started in the last waves (-5 % at hdim 128 from 4k, -32 to -44 % with MQA).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
-    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all"),
-    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
-    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked"),
+    64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all",
+                    gqa_loop="unmasked"),
+    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="unmasked"),
+    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="unmasked"),
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
@@ -186,8 +192,9 @@ class BwdSm90(BwdSm80):
                   **flags: bool) -> BwdSm90Key:
         t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
         # (``keys``: real GQA, not dk_fp32's scratch route)
-        gqa_loop = flags.pop("gqa_loop", False) and t.gqa_loop and t.tile_n == 128 and not t.trace
-        gqa_loop = gqa_loop and not flags.get("gate")
+        gqa_loop = flags.pop("gqa_loop", False) and t.tile_n == 128 and not t.trace and (
+            t.gqa_loop == "all" or t.gqa_loop == "unmasked" and not causal and not flags.get("local"))
+        gqa_loop = gqa_loop and not flags.get("gate") and not flags.get("deterministic")
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
@@ -237,15 +244,15 @@ class BwdSm90(BwdSm80):
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of a
         ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal, GQA
-        causal), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the
-        lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and causal
-        softcap; the wide kernel: d256 causal, d256 causal GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal
-        GQA (its predicated sums, one Q/dO stage), d192 MHA non-causal (the transposing epilogue, and at v's 192 its dO
-        ring one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there,
-        ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated
-        forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major
-        postprocess are the sm80 family's keys.)"""
+        causal, GQA non-causal: ``gqa_loop``), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal
+        (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128
+        varlen causal, window and causal softcap; the wide kernel: d256 causal, d256 causal GQA; the 96-key kernel
+        (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192 MHA non-causal (the
+        transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA; d64
+        causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
+        (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
+        tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
+        bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -263,6 +270,7 @@ class BwdSm90(BwdSm80):
             tile_80,
             self._post_keys(arch, "bf16", 128, 128, main=tile_80)[0],
             main(arch, "bf16", 128, 128, True, True),
+            main(arch, "bf16", 128, 128, False, True, gqa_loop=True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
             main(arch, "bf16", 64, 64, False, True, deterministic=True),
@@ -305,7 +313,8 @@ class BwdSm90(BwdSm80):
 
         kernel_class = {64: FlashBwdSm90Wide, 96: FlashBwdSm90Wide96}.get(k.tile_n, FlashBwdSm90)
         kernel = kernel_class(
-            dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa and not k.gqa_loop, is_local=k.local, has_softcap=k.softcap,
+            dtype, k.head_dim, k.tile_m, k.tile_n, k.causal, k.gqa and not k.gqa_loop, is_local=k.local,
+            has_softcap=k.softcap,
             num_stages=k.num_stages, dq_split_rows=k.dq_split_rows, deterministic=k.deterministic,
             head_dim_v=k.head_dim_v, **({"has_gate": True} if k.gate else {}),
             **({"dq_transposed": True} if k.dq_transposed else {}),

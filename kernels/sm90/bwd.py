@@ -212,10 +212,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # head (a virtual m_block runs over heads x m_blocks, ``block_head``), dK / dV summed in registers and
         # stored once in 16 bits by the MHA epilogue: no fp32 sums, their zeroing, reduce-adds or postprocess.
         self.gqa_loop = gqa_loop
-        # Dense masked gqa_loop grids are (KV head, batch, key block), the key block slowest: CTAs start longest
-        # first (causal: key block 0 sees every query block), so no long CTA of a later head starts in the last
-        # wave (deterministic keeps its turn order: the key block fastest).
-        self.heads_first = gqa_loop and (is_causal or is_local) and not deterministic
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -429,8 +425,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             grid = [(mK.shape[0] + (self.tile_n - 1)) // self.tile_n, mQ.shape[2], num_batch]
         if const_expr(self.gqa_loop):  # (one CTA per KV head)
             grid[1] = mK.shape[2]
-            if const_expr(self.heads_first and not varlen):
-                grid = [grid[1], grid[2], grid[0]]
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
@@ -534,8 +528,6 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         block_x, head_idx, block_z = cute.arch.block_idx()
         varlen = const_expr(mCuSeqlensK is not None)
         batch_idx, n_block = block_z, block_x
-        if const_expr(self.heads_first and not varlen):
-            head_idx, batch_idx, n_block = block_x, head_idx, block_z
         if const_expr(varlen):
             batch_idx, n_block = varlen_tile_coord(block_x, num_batch, self.tile_n, mCuSeqlensK, mSeqUsedK)
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
@@ -707,7 +699,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     batch_idx: Int32, head: Int32, scratch_b: Int32):
         """The producer's Q + LSE and dO + dPsum rings of query head ``head`` (``load_stage``'s ``ring``)."""
         atom_Q, _, _, atom_dO, atom_LSE, atom_dPsum = atoms
-        gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head, 2), batch_idx), (self.tile_m, self.head_dim), (None, 0))
+        gQ = cute.local_tile(seqlen.q_view(select_head(mQ, head, 2), batch_idx), (self.tile_m, self.head_dim),
+                             (None, 0))
         gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head, 2), batch_idx), (self.tile_m, self.head_dim_v),
                               (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
