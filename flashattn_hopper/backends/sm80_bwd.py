@@ -248,7 +248,7 @@ class BwdSm80:
         main = self._main_key(
             arch, dtype, hdim, hdim_v, causal, dk_fp32 or p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
-            **self._gqa_flags(p, dk_fp32), **({"gate": True} if gate else {}),
+            **self._gqa_flags(p, dk_fp32, is_varlen, sms), **({"gate": True} if gate else {}),
         )
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
@@ -271,7 +271,7 @@ class BwdSm80:
         """Main-key fields of the call's mode; here none (``deterministic`` is a runtime argument)."""
         return {}
 
-    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool) -> dict[str, bool]:
+    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """Main-key options of a GQA problem (``_main_key`` pops them); here none."""
         return {}
 

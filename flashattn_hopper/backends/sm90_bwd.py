@@ -21,11 +21,19 @@ import torch
 from .. import configs
 from ..jit import KernelKey
 from ..validate import AttnProblem
-from .common import VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
+from .common import MAX_GRID_YZ, VarlenArgs, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 from .gate_scan import scan_keys
 from .sm80_bwd import (
     _POST_THREADS, _POST_TILE_M, BwdPostKey, BwdPreKey, BwdSm80, _fake, _fake_ints, _fake_packed,
 )
+
+
+# gqa_loop under causal / local masks (kernels/sm90/bwd.py ``loop_chunks``): the dense grid in chunks of this many key
+# blocks, and (tiles' "balanced") only where it has at least this many CTAs per SM: a CTA is then group x its key
+# block's query blocks long, and with fewer the longest ones set the kernel's time (MQA 16:1 at 1k-16k: 128 CTAs
+# for 132 SMs, -32 to -44 %, perf/NOTES.md session 36).
+LOOP_CHUNK_N = 8
+LOOP_MIN_CTAS_PER_SM = 3
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,8 @@ class BwdSm90Tile:
     dq_claim: str = ""
     # GQA by one CTA per (key block, KV head) walking its query heads, dK/dV stored once in 16 bits (kernels/sm90/bwd.py
     # ``gqa_loop``) instead of fp32 sums reduce-added per query head and a postprocess (tile_n 128, not gated, not
-    # deterministic): "all" problems, "unmasked" (neither causal nor local) ones only, or "" never
+    # deterministic): "all" problems, "unmasked" (neither causal nor local) ones only, "balanced" (unmasked, and dense
+    # masked ones whose grid has LOOP_MIN_CTAS_PER_SM CTAs per SM: ``_gqa_flags``), or "" never
     gqa_loop: str = ""
 
 
@@ -184,16 +193,27 @@ class BwdSm90(BwdSm80):
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
         return {"deterministic": deterministic}
 
-    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool) -> dict[str, bool]:
-        """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``."""
-        return {"gqa_loop": True} if p.nheads != p.nheads_k and not dk_fp32 else {}
+    def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
+        """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
+        mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, where the
+        grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms`` None: not checked)."""
+        if p.nheads == p.nheads_k or dk_fp32:
+            return {}
+        n_blocks = -(-p.seqlen_k // 128)  # (tile_n 128: the only gqa_loop kernel's)
+        chunks_fit = varlen or p.batch * -(-n_blocks // LOOP_CHUNK_N) <= MAX_GRID_YZ
+        ctas = None if varlen else p.batch * p.nheads_k * n_blocks
+        balanced = not varlen and (sms is None or ctas >= LOOP_MIN_CTAS_PER_SM * sms)
+        return {"gqa_loop": True, "gqa_loop_masked": chunks_fit, "gqa_loop_balanced": chunks_fit and balanced}
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
         t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
         # (``keys``: real GQA, not dk_fp32's scratch route)
+        masked = causal or flags.get("local")
+        loop_masked, loop_balanced = flags.pop("gqa_loop_masked", False), flags.pop("gqa_loop_balanced", False)
         gqa_loop = flags.pop("gqa_loop", False) and t.tile_n == 128 and not t.trace and (
-            t.gqa_loop == "all" or t.gqa_loop == "unmasked" and not causal and not flags.get("local"))
+            not masked and t.gqa_loop in ("unmasked", "balanced", "all")
+            or masked and (t.gqa_loop == "all" and loop_masked or t.gqa_loop == "balanced" and loop_balanced))
         gqa_loop = gqa_loop and not flags.get("gate") and not flags.get("deterministic")
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
@@ -322,7 +342,7 @@ class BwdSm90(BwdSm80):
             **({"pingpong": True} if k.pingpong else {}),
             **({"ds_packed": True} if k.ds_packed else {}),
             **({"dq_claim": True} if k.dq_claim else {}),
-            **({"gqa_loop": True} if k.gqa_loop else {}),
+            **({"gqa_loop": True, "loop_chunk_n": LOOP_CHUNK_N} if k.gqa_loop else {}),
         )
         if k.gqa and not k.gqa_loop:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
