@@ -504,9 +504,19 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert wide.tile_n == 96 and not wide.gqa_loop
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop=""))
     assert kv_scratch(family.keys(gqa, "sm_90a")[1])
-    # The table's rule ("unmasked"): GQA without causal / local masks, not deterministic
+    # "unmasked": GQA without causal / local masks, not deterministic
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop="unmasked"))
     assert family.keys(problem(nheads=8, nheads_k=2), "sm_90a")[1].gqa_loop
     assert not family.keys(gqa, "sm_90a")[1].gqa_loop
     assert not family.keys(problem(nheads=8, nheads_k=2, window_left=64, window_right=64), "sm_90a")[1].gqa_loop
     assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a", deterministic=True)[1].gqa_loop
+    # The table's "balanced": masked too, up to 1k keys, dense, with >= 3 CTAs per SM
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop="balanced"))
+    short = dict(batch=16, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=4, causal=True)  # 512 CTAs
+    assert family.keys(problem(**short), "sm_90a", sms=132)[1].gqa_loop
+    assert not family.keys(problem(**{**short, "nheads_k": 1}), "sm_90a", sms=132)[1].gqa_loop  # MQA: 128 CTAs
+    assert not family.keys(problem(**{**short, "batch": 4, "seqlen_q": 4096, "seqlen_k": 4096}), "sm_90a",
+                           sms=132)[1].gqa_loop
+    assert family.keys(problem(**{**short, "nheads_k": 1, "causal": False}), "sm_90a", sms=132)[1].gqa_loop
+    varlen = VarlenArgs(None, None, None, None, None, None)
+    assert not family.keys(problem(**short, is_varlen=True), "sm_90a", varlen=varlen, sms=132)[1].gqa_loop

@@ -34,6 +34,10 @@ from .sm80_bwd import (
 # for 132 SMs, -32 to -44 %, perf/NOTES.md session 36).
 LOOP_CHUNK_N = 8
 LOOP_MIN_CTAS_PER_SM = 3
+# ... and up to this many keys: from 4k a KV head's CTAs drift apart over its query heads (each walks its own query
+# range per head), so 4 heads' Q / dO and dQ sums share L2 at once (GQA 4:1 causal, hdim 128: +6.7 % at 1k, -1.9 % at
+# 4k, -6.6 % at 16k in chunked order; hdim 64 +23 / +4.5 / -1.7 %)
+LOOP_MASKED_MAX_SEQLEN_K = 1024
 
 
 @dataclass(frozen=True)
@@ -63,14 +67,14 @@ class BwdSm90Tile:
 # 64x64, the warpgroups splitting head_dim (kernels/sm90/bwd_wide.py, picked by tile_n 64); one Q/dO stage (two do
 # not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below). GQA without causal or local masks:
 # one CTA per (key block, KV head) (``gqa_loop``): +1 to +36 % over the fp32-sum route at 1k-16k, GQA 4:1 and MQA
-# (H100, perf/NOTES.md session 36; -2 % at 16k with 2:1 and 16:1, within the runs' spread). Masked calls keep the
-# fp32 sums: a CTA's length is then the group times its key block's query blocks, and the long ones of later heads
-# started in the last waves (-5 % at hdim 128 from 4k, -32 to -44 % with MQA).
+# (H100, perf/NOTES.md session 36; -2 % at 16k with 2:1 and 16:1, within the runs' spread). Causal / local calls take
+# it only up to 1k keys with >= 3 CTAs per SM (``LOOP_*`` above: +7 % at hdim 128, +23 % at 64 with GQA 4:1); longer
+# ones keep the fp32 sums.
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all",
-                    gqa_loop="unmasked"),
-    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="unmasked"),
-    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="unmasked"),
+                    gqa_loop="balanced"),
+    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced"),
+    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced"),
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
@@ -195,14 +199,16 @@ class BwdSm90(BwdSm80):
 
     def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
-        mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, where the
-        grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms`` None: not checked)."""
+        mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, up to
+        ``LOOP_MASKED_MAX_SEQLEN_K`` keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms``
+        None: not checked)."""
         if p.nheads == p.nheads_k or dk_fp32:
             return {}
         n_blocks = -(-p.seqlen_k // 128)  # (tile_n 128: the only gqa_loop kernel's)
         chunks_fit = varlen or p.batch * -(-n_blocks // LOOP_CHUNK_N) <= MAX_GRID_YZ
         ctas = None if varlen else p.batch * p.nheads_k * n_blocks
-        balanced = not varlen and (sms is None or ctas >= LOOP_MIN_CTAS_PER_SM * sms)
+        balanced = not varlen and p.seqlen_k <= LOOP_MASKED_MAX_SEQLEN_K and (
+            sms is None or ctas >= LOOP_MIN_CTAS_PER_SM * sms)
         return {"gqa_loop": True, "gqa_loop_masked": chunks_fit, "gqa_loop_balanced": chunks_fit and balanced}
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
@@ -264,15 +270,15 @@ class BwdSm90(BwdSm80):
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of a
         ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal, GQA
-        causal, GQA non-causal: ``gqa_loop``), the opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal
-        (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128
-        varlen causal, window and causal softcap; the wide kernel: d256 causal, d256 causal GQA; the 96-key kernel
-        (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192 MHA non-causal (the
-        transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA; d64
-        causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
-        (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
-        tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
-        bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        causal, GQA non-causal: ``gqa_loop``; d64 causal GQA: its chunked grid), the opt-in 80 x 128 tile (dQ^T) and its
+        postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in
+        32-byte swizzle atoms), d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d256 causal
+        GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192 MHA
+        non-causal (the transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128
+        causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ
+        WGMMA splits (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV
+        postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows
+        only, and with K's bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -291,6 +297,7 @@ class BwdSm90(BwdSm80):
             self._post_keys(arch, "bf16", 128, 128, main=tile_80)[0],
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, False, True, gqa_loop=True),
+            main(arch, "bf16", 64, 64, True, True, gqa_loop=True, gqa_loop_balanced=True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
             main(arch, "bf16", 64, 64, False, True, deterministic=True),
