@@ -54,6 +54,12 @@ _SMEM_CAPACITY = 227 * 1024
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 
 
+def _tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, rank: int) -> tuple:
+    """(smem, gmem) partitions of a non-multicast TMA copy whose tile is the first ``rank`` modes of both."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, rank),
+                                 cute.group_modes(gmem, 0, rank))
+
+
 def _stats_stride(tile_m: int) -> int:
     """fp32 slots per Q/dO stage of sLSE / sdPsum: tile_m rounded up to 32, so that every stage's TMA
     destination is 128-byte aligned (tile_m 80's 320-byte stages raised a misaligned address)."""
@@ -674,12 +680,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             gK = cute.local_tile(seqlen.k_view(select_head(mK, head_idx_kv, 2), batch_idx), (self.tile_n, d), (n_block, 0))
             gV = cute.local_tile(seqlen.k_view(select_head(mV, head_idx_kv, 2), batch_idx), (self.tile_n, self.head_dim_v),
                                  (n_block, 0))
-            tKsK, tKgK = cpasync.tma_partition(
-                atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-            )
+            tKsK, tKgK = _tma_tiles(atom_K, sK, gK, 2)
+            tVsV, tVgV = _tma_tiles(atom_V, sV, gV, 2)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
             cute.copy(atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -723,22 +725,14 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                              (None, 0))
         gdO = cute.local_tile(seqlen.q_view(select_head(mdO, head, 2), batch_idx), (self.tile_m, self.head_dim_v),
                               (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tdOsdO, tdOgdO = cpasync.tma_partition(
-            atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-        )
+        tQsQ, tQgQ = _tma_tiles(atom_Q, sQ, gQ, 2)
+        tdOsdO, tdOgdO = _tma_tiles(atom_dO, sdO, gdO, 2)
         # Scratch rows of this (sequence, head): m_block's tile_m values start at
         # row_offset_q + m_block * tile_m (row_offset_q is a multiple of tile_m).
         gLSE = cute.local_tile(mLSE[None, head, scratch_b], (self.tile_m,), (None,))
         gdPsum = cute.local_tile(mdPsum[None, head, scratch_b], (self.tile_m,), (None,))
-        tLsL, tLgL = cpasync.tma_partition(
-            atom_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
-        )
-        tPsP, tPgP = cpasync.tma_partition(
-            atom_dPsum, 0, cute.make_layout(1), cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1)
-        )
+        tLsL, tLgL = _tma_tiles(atom_LSE, sLSE, gLSE, 1)
+        tPsP, tPgP = _tma_tiles(atom_dPsum, sdPsum, gdPsum, 1)
         return ((pipe_q, atom_Q, tQgQ, tQsQ, atom_LSE, tLgL, tLsL),
                 (pipe_do, atom_dO, tdOgdO, tdOsdO, atom_dPsum, tPgP, tPsP))
 
