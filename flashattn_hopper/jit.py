@@ -92,7 +92,7 @@ class KernelKey:
         kind, arch, dtype, head dims, the tile, the bool fields that are set and the fields that differ
         from their defaults (a bool field without a default counts as default False; an int field
         without one is tile configuration, left to ``name``; a field whose metadata says ``display=False``, one
-        another field implies, is left out too)."""
+        another field implies, is left out too; ``display="..."`` shows it by that name)."""
         return _display_name(self)
 
     @property
@@ -126,10 +126,11 @@ def _display_name(key: KernelKey) -> str:
             default = False
         if value == default:
             continue
+        name = f.metadata.get("display") or f.name  # (a string: a shorter display name)
         if isinstance(value, bool):
-            parts.append(f.name if value else f"no_{f.name}")
+            parts.append(name if value else f"no_{name}")
         else:
-            parts.append(f"{f.name}{value}")
+            parts.append(f"{name}{value}")
     return "-".join(parts)
 
 

@@ -130,7 +130,8 @@ class BwdSm90Key(KernelKey):
     deterministic: bool = False  # semaphore-ordered adds compiled in (the sm80 kernel's is a runtime flag)
     tail_split: bool = False  # never (the launcher shared with sm80 reads it)
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
-    gqa_loop: bool = False  # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head)
+    # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head); "loop" in display names (120 columns)
+    gqa_loop: bool = field(default=False, metadata={"display": "loop"})
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
