@@ -283,6 +283,16 @@ def test_bwd_sm90_gqa_loop(gqa_loop, head_dim, causal, seqlens, heads):
     check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
 
 
+@pytest.mark.parametrize("shape", [(3, 1500, 2100, 8, 2, 64, True, (-1, -1)),
+                                   (2, 1000, 2200, 8, 2, 128, False, (100, 0))], ids=["chunks", "empty_blocks"])
+def test_bwd_sm90_gqa_loop_chunks(gqa_loop, shape):
+    """``gqa_loop``'s chunked grid past one chunk of 8 key blocks (a partial last one: its extra CTAs exit), and key
+    blocks that no query sees (a window (100, 0) with seqlen_k > seqlen_q: zero dK/dV)."""
+    b, s_q, s_k, h, h_k, d, causal, window = shape
+    q, k, v, dout = make_inputs(b, s_q, s_k, h, h_k, d, seed=6)
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal, window_size=window)
+
+
 @pytest.mark.parametrize("case", [0, 2])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_sm90_gqa_loop_varlen_window(gqa_loop, case, causal):

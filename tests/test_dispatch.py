@@ -486,8 +486,9 @@ def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
 
 def test_sm90_gqa_loop_keys(monkeypatch):
     """A tile's ``gqa_loop`` keys real GQA problems of the tile_n 128 kernel only: not MHA, not dk_fp32's fp32-sum
-    route, not the gate, not deterministic; its plan then has no fp32 sums (``kv_scratch``). The table's rows take it
-    for unmasked problems only."""
+    route, not the gate, not deterministic; its plan then has no fp32 sums (``kv_scratch``). "all": masked ones too
+    where the chunked grid's z fits (varlen: its own grid); the table's "balanced": unmasked ones, and dense masked ones
+    up to 1k queries and keys with >= 3 CTAs per SM."""
     from flashattn_hopper.backends.sm80_bwd import kv_scratch
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
 
@@ -500,6 +501,12 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert not family.keys(problem(causal=True), "sm_90a")[1].gqa_loop
     assert kv_scratch(family.keys(gqa, "sm_90a", dk_fp32=True)[1])
     assert not family.keys(gqa, "sm_90a", gate=True)[1].gqa_loop
+    many = problem(batch=8200, seqlen_q=8192, seqlen_k=8192, nheads=8, nheads_k=2, causal=True)  # z: 8200 x 8 chunks
+    assert not family.keys(many, "sm_90a")[1].gqa_loop
+    assert family.keys(dataclasses.replace(many, causal=False), "sm_90a")[1].gqa_loop
+    varlen_args = VarlenArgs(None, None, None, None, None, None)
+    assert family.keys(problem(nheads=8, nheads_k=2, causal=True, is_varlen=True), "sm_90a",
+                       varlen=varlen_args)[1].gqa_loop
     wide = family.keys(problem(nheads=8, nheads_k=2, head_dim=192, head_dim_v=192), "sm_90a")[1]
     assert wide.tile_n == 96 and not wide.gqa_loop
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop=""))
@@ -517,6 +524,7 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert not family.keys(problem(**{**short, "nheads_k": 1}), "sm_90a", sms=132)[1].gqa_loop  # MQA: 128 CTAs
     assert not family.keys(problem(**{**short, "batch": 4, "seqlen_q": 4096, "seqlen_k": 4096}), "sm_90a",
                            sms=132)[1].gqa_loop
+    assert not family.keys(problem(**{**short, "seqlen_q": 4096}), "sm_90a", sms=132)[1].gqa_loop
     assert family.keys(problem(**{**short, "nheads_k": 1, "causal": False}), "sm_90a", sms=132)[1].gqa_loop
     varlen = VarlenArgs(None, None, None, None, None, None)
     assert not family.keys(problem(**short, is_varlen=True), "sm_90a", varlen=varlen, sms=132)[1].gqa_loop

@@ -201,14 +201,14 @@ class BwdSm90(BwdSm80):
     def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
         mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, up to
-        ``LOOP_MASKED_MAX_SEQLEN_K`` keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms``
+        ``LOOP_MASKED_MAX_SEQLEN_K`` queries and keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms``
         None: not checked)."""
         if p.nheads == p.nheads_k or dk_fp32:
             return {}
         n_blocks = -(-p.seqlen_k // 128)  # (tile_n 128: the only gqa_loop kernel's)
         chunks_fit = varlen or p.batch * -(-n_blocks // LOOP_CHUNK_N) <= MAX_GRID_YZ
         ctas = None if varlen else p.batch * p.nheads_k * n_blocks
-        balanced = not varlen and p.seqlen_k <= LOOP_MASKED_MAX_SEQLEN_K and (
+        balanced = not varlen and max(p.seqlen_q, p.seqlen_k) <= LOOP_MASKED_MAX_SEQLEN_K and (
             sms is None or ctas >= LOOP_MIN_CTAS_PER_SM * sms)
         return {"gqa_loop": True, "gqa_loop_masked": chunks_fit, "gqa_loop_balanced": chunks_fit and balanced}
 
@@ -274,12 +274,13 @@ class BwdSm90(BwdSm80):
         causal, GQA non-causal: ``gqa_loop``; d64 causal GQA: its chunked grid), the opt-in 80 x 128 tile (dQ^T) and its
         postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in
         32-byte swizzle atoms), d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d256 causal
-        GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192 MHA
-        non-causal (the transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128
-        causal GQA; d64 causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ
-        WGMMA splits (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV
-        postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows
-        only, and with K's bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192/128
+        deterministic causal GQA (its turns), d192 MHA non-causal (the transposing epilogue, and at v's 192 its dO ring
+        one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there,
+        ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
+        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated
+        forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major
+        postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -309,6 +310,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 256, 256, True, False),
             main(arch, "bf16", 256, 256, True, True),
             main(arch, "bf16", 256, 128, True, True),
+            main(arch, "bf16", 192, 128, True, True, deterministic=True),
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
