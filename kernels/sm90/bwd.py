@@ -121,10 +121,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
     Epilogue: MHA: dK * scale and dV to 16 bits, through sK/sV (stmatrix) to predicated 128-bit
     row stores; GQA: fp32 reduce-adds into the KV head's sums. A block no query sees stores zeros.
 
-    gqa_loop (GQA without causal / local masks, not deterministic): one CTA per ``(n_block, KV head, batch)``; every
-    role walks the group's query heads in turn, a virtual m_block running over heads x m_blocks (``block_head``): the
-    producer takes each head's Q / dO / LSE / dPsum, the dQ writer its accumulator, the MMA loop the real m_block for
-    its masks; dK / dV stay in registers over the heads and leave by the MHA epilogue (no fp32 sums, postprocess).
+    gqa_loop (GQA, not gated; the launcher takes it for unmasked calls and short masked ones, not deterministic):
+    one CTA per ``(n_block, KV head, batch)``; every role walks the group's query heads in turn, a virtual m_block
+    running over heads x m_blocks (``block_head``): the producer takes each head's Q / dO / LSE / dPsum, the dQ writer
+    its accumulator, the MMA loop the real m_block for its masks; dK / dV stay in registers over the heads and leave
+    by the MHA epilogue (no fp32 sums, no postprocess). Dense masked grids run in chunks of key blocks
+    (``loop_chunks``).
 
     dq_claim (the table's keys but deterministic / trace, hdim 128 under causal or local masks only): the
     preprocess zeroes the tiles' claim states, not dQaccum; the writer claims each tile a block ahead (a CAS
