@@ -201,8 +201,8 @@ class BwdSm90(BwdSm80):
     def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
         mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, up to
-        ``LOOP_MASKED_MAX_SEQLEN_K`` queries and keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM (``sms``
-        None: not checked)."""
+        ``LOOP_MASKED_MAX_SEQLEN_K`` queries and keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per
+        SM (``sms`` None: not checked)."""
         if p.nheads == p.nheads_k or dk_fp32:
             return {}
         n_blocks = -(-p.seqlen_k // 128)  # (tile_n 128: the only gqa_loop kernel's)
