@@ -293,6 +293,27 @@ def test_bwd_sm90_gqa_loop_chunks(gqa_loop, shape):
     check_poisoned_grads(q, k, v, dout, "sm90", causal=causal, window_size=window)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", [(2, 1023, 1024, 8, 2, (-1, 0)), (3, 1500, 2100, 8, 2, (-1, 0)),
+                                   (2, 700, 1300, 6, 1, (-1, 0)), (2, 1000, 2200, 8, 2, (100, 0)),
+                                   (2, 300, 333, 6, 2, (40, 10))], ids=["causal", "chunks", "mqa", "empty", "window"])
+def test_bwd_sm90_gqa_loop_desc(gqa_loop, monkeypatch, head_dim, shape):
+    """``loop_desc`` (opt-in): masked ``gqa_loop`` with the heads innermost and the query blocks descending (no
+    dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local window."""
+    import dataclasses
+
+    from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
+
+    from ._parity import problem
+
+    monkeypatch.setitem(BWD_SM90_TILES, head_dim, dataclasses.replace(BWD_SM90_TILES[head_dim], loop_desc=True))
+    b, s_q, s_k, h, h_k, window = shape
+    q, k, v, dout = make_inputs(b, s_q, s_k, h, h_k, head_dim, seed=7)
+    key = dispatch.BWD_KERNELS["sm90"].keys(problem(q, k, v, window_size=window)[0], "sm_90a")[1]
+    assert key.gqa_loop and key.loop_desc and not key.dq_claim
+    check_poisoned_grads(q, k, v, dout, "sm90", window_size=window)
+
+
 @pytest.mark.parametrize("case", [0, 2])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_sm90_gqa_loop_varlen_window(gqa_loop, case, causal):

@@ -507,6 +507,10 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     varlen_args = VarlenArgs(None, None, None, None, None, None)
     assert family.keys(problem(nheads=8, nheads_k=2, causal=True, is_varlen=True), "sm_90a",
                        varlen=varlen_args)[1].gqa_loop
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], loop_desc=True))
+    desc = family.keys(gqa, "sm_90a")[1]
+    assert desc.gqa_loop and desc.loop_desc and not desc.dq_claim  # (opt-in order: masked loops only, no claims)
+    assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a")[1].loop_desc
     wide = family.keys(problem(nheads=8, nheads_k=2, head_dim=192, head_dim_v=192), "sm_90a")[1]
     assert wide.tile_n == 96 and not wide.gqa_loop
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop=""))

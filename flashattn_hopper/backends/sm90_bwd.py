@@ -58,6 +58,9 @@ class BwdSm90Tile:
     # deterministic): "all" problems, "unmasked" (neither causal nor local) ones only, "balanced" (unmasked, and dense
     # masked ones whose grid has LOOP_MIN_CTAS_PER_SM CTAs per SM: ``_gqa_flags``), or "" never
     gqa_loop: str = ""
+    # (opt-in, not yet run on a GPU) gqa_loop under causal / local masks with the heads innermost and the query blocks
+    # descending (kernels/sm90/bwd.py ``loop_desc``); without dq_claim (its claims a block ahead assume ascending)
+    loop_desc: bool = False
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
@@ -132,6 +135,7 @@ class BwdSm90Key(KernelKey):
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
     # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head); "loop" in display names (120 columns)
     gqa_loop: bool = field(default=False, metadata={"display": "loop"})
+    loop_desc: bool = field(default=False, metadata={"display": "desc"})  # BwdSm90Tile's (masked gqa_loop keys)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -222,6 +226,7 @@ class BwdSm90(BwdSm80):
             not masked and t.gqa_loop in ("unmasked", "balanced", "all")
             or masked and (t.gqa_loop == "all" and loop_masked or t.gqa_loop == "balanced" and loop_balanced))
         gqa_loop = gqa_loop and not flags.get("gate") and not flags.get("deterministic")
+        loop_desc = gqa_loop and masked and t.loop_desc
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
@@ -237,8 +242,8 @@ class BwdSm90(BwdSm80):
                and not (flags.get("gate") and gqa) and t.tile_m != 80 else {}),
             # (its tile states take the semaphores' slot: not with deterministic's turns or trace's clocks)
             **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
-               and not t.trace and not flags.get("deterministic") else {}),
-            **({"gqa_loop": True} if gqa_loop else {}), **flags,
+               and not t.trace and not flags.get("deterministic") and not loop_desc else {}),
+            **({"gqa_loop": True} if gqa_loop else {}), **({"loop_desc": True} if loop_desc else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -353,6 +358,7 @@ class BwdSm90(BwdSm80):
             **({"ds_packed": True} if k.ds_packed else {}),
             **({"dq_claim": True} if k.dq_claim else {}),
             **({"gqa_loop": True, "loop_chunk_n": LOOP_CHUNK_N} if k.gqa_loop else {}),
+            **({"loop_desc": True} if k.loop_desc else {}),
         )
         if k.gqa and not k.gqa_loop:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

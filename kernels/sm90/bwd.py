@@ -161,6 +161,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         dq_claim: bool = False,
         gqa_loop: bool = False,
         loop_chunk_n: int = 8,
+        loop_desc: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -173,6 +174,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if reason is None and gqa_loop and (is_gqa or has_gate or trace or tile_n != 128):
             reason = ("gqa_loop keeps dK/dV in registers over a KV head's query heads (the MHA epilogue): not with "
                       "the GQA sums (is_gqa), the gate (a bias per query head), trace, or the wide kernels")
+        if reason is None and loop_desc and (not gqa_loop or dq_claim):
+            reason = "loop_desc orders gqa_loop's blocks; dq_claim's claims a block ahead assume ascending blocks"
         if reason is not None:
             raise ValueError(f"FlashBwdSm90 cannot implement this config: {reason}")
         self.dtype = dtype
@@ -232,6 +235,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # running together, sharing its Q / dO and dQ tiles in L2 (one key block per chunk lost 8-24 % at 1k).
         self.loop_chunks = gqa_loop and (is_causal or is_local) and not deterministic
         self.loop_chunk_n = loop_chunk_n
+        # gqa_loop's blocks in the other order (opt-in, not yet run on a GPU): the heads innermost, the query blocks
+        # descending. Under a causal mask every key block sees the last query block, so all CTAs of a KV head then
+        # walk the same query block at the same time (each stops at its own first), and one block of each of the
+        # group's heads is live in L2 instead of whole heads (heads outermost, ascending: the CTAs drift apart over
+        # the heads, -2 to -7 % from 4k at hdim 128, perf/NOTES.md session 36).
+        self.loop_desc = loop_desc
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
         self.dq_sync_threads = _WG_THREADS + 32  # DQ_FULL / DQ_EMPTY per warpgroup: its threads + the writer
@@ -699,7 +708,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             if const_expr(self.gqa_loop):  # (num_stages_do == num_stages: the base kernel's tiles only)
                 for m_virtual in cutlass.range(m_block_min, m_iter_end, unroll=1):
-                    m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, head_idx)
+                    m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, m_iter_end, head_idx)
                     head_rings = self.query_rings(mQ, mdO, mLSE, mdPsum, sQ, sdO, sLSE, sdPsum, atoms, pipe_q,
                                                   pipe_do, seqlen, batch_idx, head, scratch_b)
                     self.load_stage(head_rings[0], state, m_block, block_offset + m_block)
@@ -739,11 +748,18 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 (pipe_do, atom_dO, tdOgdO, tdOsdO, atom_dPsum, tPgP, tPsP))
 
     @cute.jit
-    def block_head(self, m_virtual: Int32, m_block_min: Int32, m_block_max: Int32, head_first: Int32):
-        """(gqa_loop) The query block and head of virtual m_block ``m_virtual``: the heads' blocks in turn, each
-        from ``m_block_min`` to ``m_block_max``."""
+    def block_head(self, m_virtual: Int32, m_block_min: Int32, m_block_max: Int32, m_iter_end: Int32,
+                   head_first: Int32):
+        """(gqa_loop) The query block and head of virtual m_block ``m_virtual`` (from ``m_block_min`` to
+        ``m_iter_end``): the heads' blocks in turn, each from ``m_block_min`` to ``m_block_max``; ``loop_desc``: the
+        query blocks from ``m_block_max - 1`` down, every head's in turn at each."""
         num_m_blocks = m_block_max - m_block_min
-        head_in_loop = (m_virtual - m_block_min) // num_m_blocks
+        step = m_virtual - m_block_min
+        if const_expr(self.loop_desc):
+            group = (m_iter_end - m_block_min) // num_m_blocks
+            back = step // group
+            return m_block_max - 1 - back, head_first + step - back * group
+        head_in_loop = step // num_m_blocks
         return m_virtual - head_in_loop * num_m_blocks, head_first + head_in_loop
 
     @cute.jit

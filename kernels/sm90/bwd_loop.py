@@ -107,7 +107,7 @@ class FlashBwdSm90Loop:
         for m_block in cutlass.range(m_block_min, m_loop_end, unroll=1):
             m_mask = m_block  # (the real query block: the masks')
             if const_expr(self.gqa_loop):
-                m_mask = self.block_head(m_block, m_block_min, m_block_max, Int32(0))[0]
+                m_mask = self.block_head(m_block, m_block_min, m_block_max, m_iter_end, Int32(0))[0]
             stage = state.index
             ds_stage = (m_block - m_block_min) % 2
             self.stamp(stamps, m_block - m_block_min, 0)

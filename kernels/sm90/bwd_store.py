@@ -101,7 +101,7 @@ class FlashBwdSm90Store:
         for m_virtual in cutlass.range(m_block_min, m_loop_end, unroll=1):
             m_block, mdQacc, mdQsem = m_virtual, mdQaccum, mdQ_sem
             if const_expr(self.gqa_loop):
-                m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, head_first)
+                m_block, head = self.block_head(m_virtual, m_block_min, m_block_max, m_iter_end, head_first)
                 mdQacc, mdQsem = mdQaccum[head, None], mdQ_sem[head, None]
             q_block = block_offset + m_block
             if m_virtual > m_block_min:
