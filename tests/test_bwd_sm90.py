@@ -293,6 +293,24 @@ def test_bwd_sm90_gqa_loop_chunks(gqa_loop, shape):
     check_poisoned_grads(q, k, v, dout, "sm90", causal=causal, window_size=window)
 
 
+@pytest.mark.parametrize("shape", [(16, 1024, 16, 4, 128, True, True), (16, 1024, 32, 8, 64, True, True),
+                                   (4, 1024, 16, 1, 128, False, True), (4, 1024, 16, 1, 128, True, False)],
+                         ids=["causal_gqa_d128", "causal_gqa_d64", "mqa", "causal_mqa"])
+def test_bwd_sm90_gqa_loop_table_rule(shape):
+    """The table's ``gqa_loop`` rule ("balanced") through the public API with this GPU's SM count: causal GQA at 1k
+    keys with >= 3 CTAs per SM on the chunked loop, unmasked MQA on the loop, causal MQA (32 CTAs) on the fp32 sums;
+    dq, dk, dv against the fp32 reference."""
+    from flashattn_hopper.backends.common import num_sms
+
+    from ._parity import problem
+
+    b, s, h, h_k, d, causal, loop = shape
+    q, k, v, dout = make_inputs(b, s, s, h, h_k, d, seed=3)
+    key = dispatch.BWD_KERNELS["sm90"].keys(problem(q, k, v, causal=causal)[0], "sm_90a", sms=num_sms(0))[1]
+    assert key.gqa_loop == loop
+    check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", [(2, 1023, 1024, 8, 2, (-1, 0)), (3, 1500, 2100, 8, 2, (-1, 0)),
                                    (2, 700, 1300, 6, 1, (-1, 0)), (2, 1000, 2200, 8, 2, (100, 0)),
