@@ -7,7 +7,9 @@ Matrix: both dtypes, head dims 64, 96, 128, 192 and 256 (the sm90 rows), causal 
 MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length sequences and
 seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
 sequence alone gives the same bits as inside a varlen batch). hdim 64 runs its 128 x 128 tile (dQ
-split by rows), with softcap the 64 x 128 tile (test_bwd_sm90_softmax_scale).
+split by rows), with softcap the 64 x 128 tile (test_bwd_sm90_softmax_scale). GQA by one CTA per KV head
+(``gqa_loop``, forced on by a fixture for masked problems too; its chunked grid; the opt-in ``loop_desc`` order; the
+table's rule through the API).
 """
 
 from __future__ import annotations
