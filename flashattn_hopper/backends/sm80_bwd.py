@@ -515,6 +515,9 @@ class BwdPlan:
         self.kv_fragment = kv_fragment  # GQA sums in per-warpgroup WGMMA fragment order (wgmma_rows_order)
         self.dq_claim = getattr(main_key, "dq_claim", False)  # (sm90 keys: dQaccum tiles claimed, BwdSm90Tile)
         self.kv_sums = kv_scratch(main_key)
+        # (deterministic GQA: one dK/dV semaphore per key block, or per gcd(tile_n, SEQ_PAD) rows where blocks do not
+        # tile the 128-row padded sequences: kernels/sm90/bwd_wide96.py KV_SEM_ROWS)
+        self.kv_sem_rows = math.gcd(main_key.tile_n, SEQ_PAD)
         self.no_gate = (None,) * gate_slots  # the main kernel's gate slots of a call without one
         self.pre, self.main, self.segments, self.post_dq, self.post_kv, self.post_v = fns
         self.tail_blocks, self.tail_segments = tail_blocks, tail_segments
@@ -593,10 +596,8 @@ class BwdPlan:
         dq_state = None
         if self.deterministic:
             sem_q = torch.zeros(self.b_scr, p.nheads, self.s_q_pad // key.tile_m, dtype=torch.int32, device=dev)
-            # (GQA: one per key block, or per gcd(tile_n, SEQ_PAD) rows where blocks do not tile the 128-row
-            # padded sequences: kernels/sm90/bwd_wide96.py KV_SEM_ROWS)
-            sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // math.gcd(key.tile_n, SEQ_PAD),
-                                  dtype=torch.int32, device=dev) if self.kv_sums else sem_q)
+            sem_kv = (torch.zeros(self.b_scr, p.nheads_k, self.s_k_pad // self.kv_sem_rows, dtype=torch.int32,
+                                  device=dev) if self.kv_sums else sem_q)
         elif getattr(key, "trace", False):  # (sm90 debug timeline: the kernel stores its clocks there)
             # (then every CTA's span: 6 int32 each, kernels/sm90/bwd_loop.py ``store_cta_span``; an upper bound of
             # the grid, varlen's included)

@@ -297,10 +297,12 @@ class FlashBwdSm90Loop:
         return acc_S, acc_dP
 
     @cute.jit
-    def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32):
+    def score_coords_and_mask(self, thr_sdp, seqlen: SeqlenInfo, window_left: Int32, window_right: Int32,
+                              queries_on_rows: cutlass.Constexpr[bool] = False):
         """``(tScS_mn, mask)``: the (key, query) coordinates of each of this thread's S^T values (the
-        query column picks LSE / dPsum and the mask) and this sequence's mask."""
-        cSt = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        query column picks LSE / dPsum and the mask) and this sequence's mask; ``queries_on_rows``: the
+        (query, key) coordinates of S's values instead (``bwd_wide96.py``)."""
+        cSt = cute.make_identity_tensor((self.tile_m, self.tile_n) if queries_on_rows else (self.tile_n, self.tile_m))
         tScS_mn = acc_rows_cols(thr_sdp.partition_C(cSt))
         window_l = window_left if const_expr(self.is_local) else None
         window_r = window_right if const_expr(self.is_local) else None

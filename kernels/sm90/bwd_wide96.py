@@ -193,10 +193,7 @@ class FlashBwdSm90Wide96(FlashBwdSm90Wide):
             tiled_mma_sdp,
         ).get_slice(tidx)
         tXsX = r2s_PdS.partition_D(transpose_view(sdSt))
-        tScS_mn = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen.seqlen_q, seqlen.seqlen_k,
-                             window_left if const_expr(self.is_local) else None,
-                             window_right if const_expr(self.is_local) else None)
+        tScS_mn, mask = self.score_coords_and_mask(thr_sdp, seqlen, window_left, window_right, queries_on_rows=True)
         tdQsdQ = self.dq_staging(sdQ, tidx)
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
