@@ -45,7 +45,7 @@ def parse_tile(spec: str):
     """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim|:masked][:loop][:desc][:asD]`` -> (hdim, an
     sm90 backward family whose table has that tile, as row D with ``asD``: HDIM then runs padded to D); ``pingpong``,
     ``packed`` and ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim`` "all"; ``masked``: "masked";
-    ``loop``: ``gqa_loop`` "all"; ``desc``: ``loop_desc``), so ``64:128x128:2:rows`` is the lockstep loop without
+    ``loop``: ``gqa_loop`` "all"; ``desc``: ``loop_desc_above`` 0), so ``64:128x128:2:rows`` is the lockstep loop without
     ds_packed, the preprocess zeroing dQaccum, and hdim 64's default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_PAIR_TILES, BWD_SM90_TILES, BwdSm90, BwdSm90Tile
 
@@ -59,7 +59,7 @@ def parse_tile(spec: str):
     tile = BwdSm90Tile(tile_m=tile_m, tile_n=tile_n, num_stages=stages, dq_split_rows="rows" in parts,
                        dq_transposed="transposed" in parts, pingpong="pingpong" in parts, ds_packed="packed" in parts,
                        dq_claim="all" if "claim" in parts else "masked" if "masked" in parts else "",
-                       gqa_loop="all" if "loop" in parts else "", loop_desc="desc" in parts)
+                       gqa_loop="all" if "loop" in parts else "", loop_desc_above=0 if "desc" in parts else -1)
     family.tiles = {**{d: t for d, t in BWD_SM90_TILES.items() if d != hdim}, table_hdim: tile}
     # (and the tile for every v of that row: 256's 96-key 256/128 pair tile too)
     family.pair_tiles = {pair: t for pair, t in BWD_SM90_PAIR_TILES.items() if pair[0] != table_hdim}

@@ -8,7 +8,7 @@ MHA/GQA/MQA; windows; softcap; a custom softmax_scale; varlen with zero-length s
 seqused; deterministic mode (bf16 and fp16) bitwise stable over repeats and batch-invariant (a
 sequence alone gives the same bits as inside a varlen batch). hdim 64 runs its 128 x 128 tile (dQ
 split by rows), with softcap the 64 x 128 tile (test_bwd_sm90_softmax_scale). GQA by one CTA per KV head
-(``gqa_loop``, forced on by a fixture for masked problems too; its chunked grid; the opt-in ``loop_desc`` order; the
+(``gqa_loop``, forced on by a fixture for masked problems too; its chunked grid; the ``loop_desc`` order; the
 table's rule through the API).
 """
 
@@ -318,7 +318,7 @@ def test_bwd_sm90_gqa_loop_table_rule(shape):
                                    (2, 700, 1300, 6, 1, (-1, 0)), (2, 1000, 2200, 8, 2, (100, 0)),
                                    (2, 300, 333, 6, 2, (40, 10))], ids=["causal", "chunks", "mqa", "empty", "window"])
 def test_bwd_sm90_gqa_loop_desc(gqa_loop, monkeypatch, head_dim, shape):
-    """``loop_desc`` (opt-in): masked ``gqa_loop`` with the heads innermost and the query blocks descending (no
+    """``loop_desc`` (forced at every seqlen): masked ``gqa_loop`` with the heads innermost and the query blocks descending (no
     dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local window."""
     import dataclasses
 
@@ -326,7 +326,7 @@ def test_bwd_sm90_gqa_loop_desc(gqa_loop, monkeypatch, head_dim, shape):
 
     from ._parity import problem
 
-    monkeypatch.setitem(BWD_SM90_TILES, head_dim, dataclasses.replace(BWD_SM90_TILES[head_dim], loop_desc=True))
+    monkeypatch.setitem(BWD_SM90_TILES, head_dim, dataclasses.replace(BWD_SM90_TILES[head_dim], loop_desc_above=0))
     b, s_q, s_k, h, h_k, window = shape
     q, k, v, dout = make_inputs(b, s_q, s_k, h, h_k, head_dim, seed=7)
     key = dispatch.BWD_KERNELS["sm90"].keys(problem(q, k, v, window_size=window)[0], "sm_90a")[1]

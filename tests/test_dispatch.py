@@ -484,11 +484,30 @@ def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
             assert dataclasses.replace(key, tail_split=False) in keys
 
 
+def test_sm90_gqa_loop_table_rows():
+    """The table's masked ``gqa_loop`` bounds (H100, perf/NOTES.md session 37): causal GQA 4:1 at hdim 128 on the
+    descending loop up to 8k (the training step's 8k x batch 2), the fp32 sums at 16k; hdim 64 ascending at 1k,
+    descending at 2k-4k, the sums from 8k."""
+    family = dispatch.BWD_KERNELS["sm90"]
+
+    def key(hdim, seqlen):
+        return family.keys(problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, nheads=2048 // hdim,
+                                   nheads_k=512 // hdim, head_dim=hdim, head_dim_v=hdim, causal=True),
+                           "sm_90a", sms=132)[1]
+
+    assert all(key(128, s).gqa_loop and key(128, s).loop_desc for s in (1024, 2048, 4096, 8192))
+    assert not key(128, 16384).gqa_loop
+    assert key(64, 1024).gqa_loop and not key(64, 1024).loop_desc
+    assert all(key(64, s).gqa_loop and key(64, s).loop_desc for s in (2048, 4096))
+    assert not key(64, 8192).gqa_loop
+
+
 def test_sm90_gqa_loop_keys(monkeypatch):
     """A tile's ``gqa_loop`` keys real GQA problems of the tile_n 128 kernel only: not MHA, not dk_fp32's fp32-sum
     route, not the gate, not deterministic; its plan then has no fp32 sums (``kv_scratch``). "all": masked ones too
     where the chunked grid's z fits (varlen: its own grid); the table's "balanced": unmasked ones, and dense masked ones
-    up to 1k queries and keys with >= 3 CTAs per SM."""
+    up to the row's ``loop_masked_max_seqlen`` queries and keys with >= 3 CTAs per SM, descending past its
+    ``loop_desc_above``."""
     from flashattn_hopper.backends.sm80_bwd import kv_scratch
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
 
@@ -507,7 +526,7 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     varlen_args = VarlenArgs(None, None, None, None, None, None)
     assert family.keys(problem(nheads=8, nheads_k=2, causal=True, is_varlen=True), "sm_90a",
                        varlen=varlen_args)[1].gqa_loop
-    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], loop_desc=True))
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], loop_desc_above=0))
     desc = family.keys(gqa, "sm_90a")[1]
     assert desc.gqa_loop and desc.loop_desc and not desc.dq_claim  # (opt-in order: masked loops only, no claims)
     assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a")[1].loop_desc
@@ -522,13 +541,18 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert not family.keys(problem(nheads=8, nheads_k=2, window_left=64, window_right=64), "sm_90a")[1].gqa_loop
     assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a", deterministic=True)[1].gqa_loop
     # The table's "balanced": masked too, up to 1k keys, dense, with >= 3 CTAs per SM
-    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], gqa_loop="balanced"))
+    monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(
+        BWD_SM90_TILES[128], gqa_loop="balanced", loop_masked_max_seqlen=4096, loop_desc_above=1024))
     short = dict(batch=16, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=4, causal=True)  # 512 CTAs
-    assert family.keys(problem(**short), "sm_90a", sms=132)[1].gqa_loop
+    key = family.keys(problem(**short), "sm_90a", sms=132)[1]
+    assert key.gqa_loop and not key.loop_desc and key.dq_claim  # (ascending up to loop_desc_above)
     assert not family.keys(problem(**{**short, "nheads_k": 1}), "sm_90a", sms=132)[1].gqa_loop  # MQA: 128 CTAs
-    assert not family.keys(problem(**{**short, "batch": 4, "seqlen_q": 4096, "seqlen_k": 4096}), "sm_90a",
+    mid = {**short, "batch": 4, "seqlen_q": 4096, "seqlen_k": 4096}  # 512 CTAs, up to loop_masked_max_seqlen
+    key = family.keys(problem(**mid), "sm_90a", sms=132)[1]
+    assert key.gqa_loop and key.loop_desc and not key.dq_claim
+    assert not family.keys(problem(**{**mid, "batch": 2, "seqlen_q": 8192, "seqlen_k": 8192}), "sm_90a",
                            sms=132)[1].gqa_loop
-    assert not family.keys(problem(**{**short, "seqlen_q": 4096}), "sm_90a", sms=132)[1].gqa_loop
+    assert not family.keys(problem(**{**short, "seqlen_q": 8192}), "sm_90a", sms=132)[1].gqa_loop
     assert family.keys(problem(**{**short, "nheads_k": 1, "causal": False}), "sm_90a", sms=132)[1].gqa_loop
     varlen = VarlenArgs(None, None, None, None, None, None)
     assert not family.keys(problem(**short, is_varlen=True), "sm_90a", varlen=varlen, sms=132)[1].gqa_loop

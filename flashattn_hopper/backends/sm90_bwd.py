@@ -34,11 +34,12 @@ from .sm80_bwd import (
 # for 132 SMs, -32 to -44 %, perf/NOTES.md session 36).
 LOOP_CHUNK_N = 8
 LOOP_MIN_CTAS_PER_SM = 3
-# ... and up to this many keys: from 4k a KV head's CTAs drift apart over its query heads (each walks its own query
-# range per head), so 4 heads' Q / dO and dQ sums share L2 at once (GQA 4:1 causal, hdim 128: +6.7 % at 1k, -1.9 % at
-# 4k, -6.6 % at 16k in chunked order; hdim 64 +23 / +4.5 / -1.7 %)
-LOOP_MASKED_MAX_SEQLEN_K = 1024
-
+# Under masks a KV head's CTAs drift apart over its query heads in ascending order (each walks its own query range
+# per head), so from 4k the group's Q / dO and dQ sums share L2 at once (GQA 4:1 causal, hdim 128: +6.7 % at 1k,
+# -1.9 % at 4k, -6.6 % at 16k against the fp32 sums). Descending with the heads innermost (``loop_desc``) keeps them on
+# one query block: hdim 128 +5 / +9 / +5 / +2 / -3 % at 1k / 2k / 4k / 8k / 16k, hdim 64 (1k: -5 % against
+# ascending) +9 / +4 / -2 % at 2k / 4k / 8k (H100, perf/NOTES.md session 37). The rows' ``loop_masked_max_seqlen``
+# and ``loop_desc_above`` hold those bounds.
 
 @dataclass(frozen=True)
 class BwdSm90Tile:
@@ -58,9 +59,12 @@ class BwdSm90Tile:
     # deterministic): "all" problems, "unmasked" (neither causal nor local) ones only, "balanced" (unmasked, and dense
     # masked ones whose grid has LOOP_MIN_CTAS_PER_SM CTAs per SM: ``_gqa_flags``), or "" never
     gqa_loop: str = ""
-    # (opt-in, not yet run on a GPU) gqa_loop under causal / local masks with the heads innermost and the query blocks
-    # descending (kernels/sm90/bwd.py ``loop_desc``); without dq_claim (its claims a block ahead assume ascending)
-    loop_desc: bool = False
+    # "balanced": masked problems take the loop up to this many queries and keys
+    loop_masked_max_seqlen: int = 1024
+    # masked gqa_loop problems with more queries or keys than this walk the heads innermost and the query blocks
+    # descending (kernels/sm90/bwd.py ``loop_desc``; 0: all of them, -1: none), without dq_claim (its claims a block
+    # ahead assume ascending blocks)
+    loop_desc_above: int = -1
 
 
 # Tiles by (padded) head dim, 64 keys per MMA warpgroup. d=128: 64x128, FA3's sm90 tile; d=96 the same natively
@@ -71,13 +75,14 @@ class BwdSm90Tile:
 # not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below). GQA without causal or local masks:
 # one CTA per (key block, KV head) (``gqa_loop``): +1 to +36 % over the fp32-sum route at 1k-16k, GQA 4:1 and MQA
 # (H100, perf/NOTES.md session 36; -2 % at 16k with 2:1 and 16:1, within the runs' spread). Causal / local calls take
-# it only up to 1k keys with >= 3 CTAs per SM (``LOOP_*`` above: +7 % at hdim 128, +23 % at 64 with GQA 4:1); longer
-# ones keep the fp32 sums.
+# it with >= 3 CTAs per SM up to the row's ``loop_masked_max_seqlen`` (d128: 8k, descending; d64: 4k, descending
+# above 1k; d96 unmeasured: 1k; ``LOOP_*`` above); longer ones keep the fp32 sums.
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all",
-                    gqa_loop="balanced"),
+                    gqa_loop="balanced", loop_masked_max_seqlen=4096, loop_desc_above=1024),
     96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced"),
-    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced"),
+    128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced", loop_masked_max_seqlen=8192,
+                     loop_desc_above=0),
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
     256: BwdSm90Tile(tile_m=64, tile_n=64, num_stages=1, dq_claim="all"),
 }
@@ -135,7 +140,7 @@ class BwdSm90Key(KernelKey):
     gate: bool = False  # gated log-decay: a bias per (query head, key), dG's sums (``backward_with_gate``)
     # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head); "loop" in display names (120 columns)
     gqa_loop: bool = field(default=False, metadata={"display": "loop"})
-    loop_desc: bool = field(default=False, metadata={"display": "desc"})  # BwdSm90Tile's (masked gqa_loop keys)
+    loop_desc: bool = field(default=False, metadata={"display": "desc"})  # (BwdSm90Tile.loop_desc_above)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -204,29 +209,37 @@ class BwdSm90(BwdSm80):
 
     def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
-        mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, up to
-        ``LOOP_MASKED_MAX_SEQLEN_K`` queries and keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per
-        SM (``sms`` None: not checked)."""
+        mask (``gqa_loop_masked``) where its chunked grid's z fits (dense) and, for "balanced" tiles, up to the tile's
+        ``loop_masked_max_seqlen`` queries and keys where the grid has at least ``LOOP_MIN_CTAS_PER_SM`` CTAs per SM
+        (``sms`` None: not checked); in descending order past its ``loop_desc_above`` (``gqa_loop_desc``)."""
         if p.nheads == p.nheads_k or dk_fp32:
             return {}
+        t = self._tile(*self.kernel_dims(p))
         n_blocks = -(-p.seqlen_k // 128)  # (tile_n 128: the only gqa_loop kernel's)
         chunks_fit = varlen or p.batch * -(-n_blocks // LOOP_CHUNK_N) <= MAX_GRID_YZ
         ctas = None if varlen else p.batch * p.nheads_k * n_blocks
-        balanced = not varlen and max(p.seqlen_q, p.seqlen_k) <= LOOP_MASKED_MAX_SEQLEN_K and (
+        seqlen = max(p.seqlen_q, p.seqlen_k)
+        balanced = not varlen and seqlen <= t.loop_masked_max_seqlen and (
             sms is None or ctas >= LOOP_MIN_CTAS_PER_SM * sms)
-        return {"gqa_loop": True, "gqa_loop_masked": chunks_fit, "gqa_loop_balanced": chunks_fit and balanced}
+        return {"gqa_loop": True, "gqa_loop_masked": chunks_fit, "gqa_loop_balanced": chunks_fit and balanced,
+                "gqa_loop_desc": 0 <= t.loop_desc_above < seqlen}
+
+    def _tile(self, hdim: int, hdim_v: int) -> BwdSm90Tile:
+        """The table's tile of a (padded) head-dim pair."""
+        return self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
 
     def _main_key(self, arch: str, dtype: str, hdim: int, hdim_v: int, causal: bool, gqa: bool,
                   **flags: bool) -> BwdSm90Key:
-        t = self.pair_tiles.get((hdim, hdim_v)) or self.tiles[hdim]
+        t = self._tile(hdim, hdim_v)
         # (``keys``: real GQA, not dk_fp32's scratch route)
         masked = causal or flags.get("local")
         loop_masked, loop_balanced = flags.pop("gqa_loop_masked", False), flags.pop("gqa_loop_balanced", False)
+        loop_desc = flags.pop("gqa_loop_desc", False)
         gqa_loop = flags.pop("gqa_loop", False) and t.tile_n == 128 and not t.trace and (
             not masked and t.gqa_loop in ("unmasked", "balanced", "all")
             or masked and (t.gqa_loop == "all" and loop_masked or t.gqa_loop == "balanced" and loop_balanced))
         gqa_loop = gqa_loop and not flags.get("gate") and not flags.get("deterministic")
-        loop_desc = gqa_loop and masked and t.loop_desc
+        loop_desc = gqa_loop and masked and loop_desc
         if flags.get("softcap") and t.tile_m == 128:  # (fp32 S^T kept for tanh' beside dP^T: too many registers)
             t = BwdSm90Tile(tile_m=64, tile_n=t.tile_n, num_stages=t.num_stages)
         return BwdSm90Key(
@@ -276,8 +289,8 @@ class BwdSm90(BwdSm80):
     def all_keys(self, arch: str) -> list[KernelKey]:
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of a
         ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal, GQA
-        causal, GQA non-causal: ``gqa_loop``; d64 causal GQA: its chunked grid), the opt-in 80 x 128 tile (dQ^T) and its
-        postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in
+        causal, GQA non-causal: ``gqa_loop``; d64 causal GQA: its chunked grid; d128 causal GQA: ``loop_desc``), the
+        opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop with ds_packed), d96 causal (K in
         32-byte swizzle atoms), d128 varlen causal, window and causal softcap; the wide kernel: d256 causal, d256 causal
         GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its predicated sums, one Q/dO stage), d192/128
         deterministic causal GQA (its turns), d192 MHA non-causal (the transposing epilogue, and at v's 192 its dO ring
@@ -305,6 +318,7 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 128, 128, True, True),
             main(arch, "bf16", 128, 128, False, True, gqa_loop=True),
             main(arch, "bf16", 64, 64, True, True, gqa_loop=True, gqa_loop_balanced=True),
+            main(arch, "bf16", 128, 128, True, True, gqa_loop=True, gqa_loop_balanced=True, gqa_loop_desc=True),
             main(arch, "bf16", 128, 128, True, True, deterministic=True),
             main(arch, "bf16", 64, 64, True, False),
             main(arch, "bf16", 64, 64, False, True, deterministic=True),
