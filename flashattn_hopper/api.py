@@ -33,6 +33,7 @@ def clear_plans() -> None:
 
     _PLANS.clear()
     sm90_fwd._GATE_PLANS.clear()
+    sm90_fwd._GATE_KEYS.clear()
     common._SINK_PLANS.clear()
 
 

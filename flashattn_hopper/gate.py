@@ -335,26 +335,49 @@ class GatedAttnFunc(torch.autograd.Function):
         return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None, None
 
 
-# Dense eager calls the sm90 forward serves whose g needs no gradient (inference, or a frozen gate) build G, the
-# bias rows and K's slice with one CuTe DSL kernel (backends/gate_scan.py) instead of torch's scan, a division and
-# the slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA sums the keys before its chunk itself) and batch
-# 65535 (its grid's y). Measured on an H200 (perf/NOTES.md session 30): forward -9 to -59 us at 1k-2k keys; forward
-# + backward +9 to +106 us through an autograd.Function, so calls whose g needs a gradient keep torch's ops. The
-# kernel sums G in fp64, torch's scan in fp32: the two routes' out and lse differ by that rounding.
-# False: torch's ops everywhere.
+# Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL kernel
+# (backends/gate_scan.py) instead of torch's scan, a division and the slice build, up to SCAN_KERNEL_MAX_SEQLEN keys
+# (each CTA sums the keys before its chunk itself) and batch 65535 (its grid's y); where g needs a gradient through
+# ``_ScannedGate`` (dg: the reverse cumsum of dG, as torch.cumsum's own backward). Measured on an H200 (perf/NOTES.md
+# session 30): forward -9 to -59 us at 1k-2k keys without a gradient. On the H100 node a gated call with one cost
+# 274-322 us of host time in torch's ops (session 37), more than its GPU time at 1k. The kernel sums G in fp64,
+# torch's scan in fp32: the two routes' out and lse differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 2048
 
 
+class _ScannedGate(torch.autograd.Function):
+    """``(G, bias_rows, k_slice)`` of dense ``g`` by the scan kernel (``gate_scan.scan``: G as ``(b, s, h)``, a
+    view of its rows), differentiable in g through G: ``dg`` is the reverse cumsum of ``dG`` along the sequence in
+    fp32 (torch.cumsum's backward), in g's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
+                arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        from .backends import gate_scan
+
+        G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, scale, slice_dtype, arch)
+        ctx.g_dtype = log_decay.dtype
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(t for t in (bias_rows, k_slice) if t is not None))
+        return G_rows.transpose(1, 2), bias_rows, k_slice
+
+    @staticmethod
+    def backward(ctx: Any, dG: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        if dG is None:
+            return None, None, None, None
+        return dG.float().flip(1).cumsum(1).flip(1).to(ctx.g_dtype), None, None, None
+
+
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                  options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any] | None:
-    """``(G, bias_rows, k_slice, route)`` of a dense call by ``gate_scan.scan`` (``route``: ``ops.eager_route``'s) where the sm90 forward runs the gate in its
-    kernel and g needs no gradient; None elsewhere (torch.compile, CPU, sm80, a gradient, long sequences,
-    ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
+    """``(G, bias_rows, k_slice, route)`` of a dense call by ``gate_scan.scan`` (``route``: ``ops.eager_route``'s)
+    where the sm90 forward runs the gate in its kernel (G differentiable in g where g needs a gradient:
+    ``_ScannedGate``); None elsewhere (torch.compile, CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the
+    forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
-    if (log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535
-            or (log_decay.requires_grad and torch.is_grad_enabled())):
+    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535:
         return None
     from . import ops
 
@@ -362,6 +385,9 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
     slice_dtype, arch = route[0].gate_scan_args(route[2])
+    if log_decay.requires_grad and torch.is_grad_enabled():
+        G, bias_rows, k_slice = _ScannedGate.apply(log_decay, options[0], slice_dtype, arch)
+        return G, bias_rows, k_slice, route
     from .backends import gate_scan
 
     G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, options[0], slice_dtype, arch)

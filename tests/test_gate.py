@@ -466,7 +466,7 @@ def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (300, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seqlens):
     """A gated forward whose g needs no gradient takes the scan kernel (``gate.scanned_gate``; K's slice from
-    1k keys at hdim 64): out and lse against the fp32 definition with the parity rule, GQA, odd lengths."""
+    1k keys): out and lse against the fp32 definition with the parity rule, GQA, odd lengths."""
     from flashattn_hopper.backends import gate_scan
     from flashattn_hopper.testing import assert_close_to_ref
 
@@ -504,8 +504,13 @@ def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, n
     on sm80 the augmented problem. ``g = logsigmoid(2 x + gate_shift)``, x standard normal."""
     from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
+    from flashattn_hopper import gate
+    from flashattn_hopper.backends import gate_scan
+
     taken = _record_in_kernel(monkeypatch)
     taken_bwd = _record_in_kernel(monkeypatch, "_in_kernel_backward")
+    scans, scan = [], gate_scan.scan
+    monkeypatch.setattr(gate_scan, "scan", lambda *a: scans.append(a[2]) or scan(*a))
 
     s_q, s_k = seqlens
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -530,6 +535,8 @@ def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, n
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_HOPPER_BACKEND") != "sm80"
     assert taken == [backend is None and sm90], taken
     assert taken_bwd == ([head_dim <= 128] if backend is None and sm90 else []), taken_bwd
+    # dense calls up to SCAN_KERNEL_MAX_SEQLEN keys build G by the scan kernel, differentiable (``_ScannedGate``)
+    assert len(scans) == int(backend is None and sm90 and s_k <= gate.SCAN_KERNEL_MAX_SEQLEN), scans
 
 
 @pytest.mark.gpu

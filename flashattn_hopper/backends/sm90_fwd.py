@@ -9,6 +9,7 @@ the GPU (the varlen grid is an upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -420,13 +421,26 @@ class FwdSm90(FwdLauncher):
         """The gated call's key: the plain call's with one head per tile, no spanning tiles and no clusters
         (the combinations the gate's tests run), the bias as the QK^T GEMM's k16 slice asked for from
         ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` keys (``_TORCH`` where the slice is built by torch
-        ops: no Triton) (varlen: ``max_seqlen_k`` given as an int)."""
-        keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
+        ops: no Triton) (varlen: ``max_seqlen_k`` given as an int), with one Q stage where two leave no room
+        for the slice (hdim 128 up to ``configs.FWD_SM90_Q_RING_MAX_SEQLEN``: 242,688 bytes of smem with two).
+        Dense calls' keys are kept per problem (``_GATE_KEYS``)."""
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
+        key = _GATE_KEYS.get((p, min_keys)) if varlen is None else None
+        if key is not None:
+            return key
+        keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
-        return self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
-                                cluster_m=1)[1]
+        key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
+                               cluster_m=1)[1]
+        if long_keys and key.q_stages > 1 and not gate_slice(key):
+            one_stage = dataclasses.replace(key, q_stages=1)
+            key = one_stage if gate_slice(one_stage) else key
+        if varlen is None:
+            if len(_GATE_KEYS) >= 1024:
+                _GATE_KEYS.clear()
+            _GATE_KEYS[(p, min_keys)] = key
+        return key
 
 
 @functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
@@ -556,6 +570,7 @@ _GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem,
 # problem -> gate_scan_args (a stale entry after a threshold change costs only a slice built or dropped again:
 # forward_with_gate decides from its own key)
 _GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}
+_GATE_KEYS: dict[tuple[AttnProblem, int], FwdSm90Key] = {}  # (dense problem, slice threshold) -> gate_key
 
 
 class Fp8Plan(FwdPlan):
