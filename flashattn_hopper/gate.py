@@ -335,15 +335,15 @@ class GatedAttnFunc(torch.autograd.Function):
         return dq[..., :d], dk, dv, d_G, d_G_q, dsink, None, None, None, None, None, None
 
 
-# Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL kernel
-# (backends/gate_scan.py) instead of torch's scan, a division and the slice build, up to SCAN_KERNEL_MAX_SEQLEN keys
-# (each CTA sums the keys before its chunk itself) and batch 65535 (its grid's y); where g needs a gradient through
-# ``_ScannedGate`` (dg: the reverse cumsum of dG, as torch.cumsum's own backward). Measured on an H200 (perf/NOTES.md
-# session 30): forward -9 to -59 us at 1k-2k keys without a gradient. On the H100 node a gated call with one cost
-# 274-322 us of host time in torch's ops (session 37), more than its GPU time at 1k. The kernel sums G in fp64,
-# torch's scan in fp32: the two routes' out and lse differ by that rounding. False: torch's ops everywhere.
+# Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL call
+# (backends/gate_scan.py: chunk sums, then the scan) instead of torch's scan, a transposing copy, a division and the
+# slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums: seqlen / 512 loads per
+# lane) and batch 65535 (its grid's y); where g needs a gradient through ``_ScannedGate`` (dg: the reverse cumsum of
+# dG, as torch.cumsum's own backward). On the H100 node (perf/NOTES.md session 37) that took the gated forward from
+# 1.65 to 1.83x FLA at hdim 128 1k-2k with the first, one-pass kernel. The kernel sums G in fp64, torch's scan in
+# fp32: the two routes' out and lse differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
-SCAN_KERNEL_MAX_SEQLEN = 2048
+SCAN_KERNEL_MAX_SEQLEN = 65536
 
 
 class _ScannedGate(torch.autograd.Function):

@@ -442,7 +442,7 @@ def test_gate_scan_kernel_builds_G_bias_and_slice(slice_dtype):
         pytest.skip("needs a Hopper GPU: the G scan kernel compiles for sm_90a only (it serves the sm90 forward)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = 0.125
-    for batch, keys, heads in ((2, 37, 3), (1, 1000, 32), (3, 129, 20), (1, 16384, 2), (2, 1, 5)):
+    for batch, keys, heads in ((2, 37, 3), (1, 1000, 32), (3, 129, 20), (1, 16384, 2), (2, 1, 5), (1, 4099, 40)):
         g = torch.nn.functional.logsigmoid(torch.randn(batch, keys, heads, device="cuda", generator=gen) * 2 - 1)
         G_rows, bias_rows, k_slice = scan(g, scale, slice_dtype, "sm_90a")
         want = torch.cumsum(g.double(), dim=1).transpose(1, 2)

@@ -17,6 +17,12 @@ from ..jit import KernelKey
 from .common import DTYPE_NAMES, compile_cache, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 
 
+# The kernel's CTA: 8 warps of 8 keys (a lane per head), so 64-key chunks: 256 CTAs at 16k tokens.
+SCAN_WARPS = 8
+SCAN_KEYS_PER_WARP = 8
+SCAN_CHUNK = SCAN_WARPS * SCAN_KEYS_PER_WARP
+
+
 @dataclass(frozen=True)
 class GateScanKey(KernelKey):
     slice_dtype: str = ""  # "" (G and bias rows only) or the forward's 16-bit dtype (K's k16 slice too)
@@ -29,7 +35,7 @@ def scan_keys(arch: str) -> list[GateScanKey]:
 
 
 def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
-    """The TVM-FFI function of ``key``: ``fn(g, G_rows, bias_rows, k_slice | None, 1 / -softmax_scale)``."""
+    """The TVM-FFI function of ``key``: ``fn(g, chunk_sums, G_rows, bias_rows, k_slice | None, 1 / -softmax_scale)``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -44,9 +50,12 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
     def rows() -> Any:  # (batch, nheads, seqlen), rows a TMA reads (``aligned_rows``)
         return fake_f32((cute.sym_int(), cute.sym_int(), cute.sym_int()), stride_divisibility=4)
 
+    sums = make_fake_tensor(cutlass.Float64, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                            stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=8)
     k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K) if slice_dtype else None
-    kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS)
-    return ffi_compile(kernel, g, rows(), rows(), k_slice, cutlass.Float32(-1.0), options=options)
+    kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS, warps=SCAN_WARPS,
+                      keys_per_warp=SCAN_KEYS_PER_WARP)
+    return ffi_compile(kernel, g, sums, rows(), rows(), k_slice, cutlass.Float32(-1.0), options=options)
 
 
 def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
@@ -66,7 +75,8 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     if slice_dtype is not None:
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if g.numel() > 0:
-        _compiled(arch, slice_dtype)(g, rows[0], rows[1], k_slice, _neg_inv_scale(float(scale)))
+        chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
+        _compiled(arch, slice_dtype)(g, chunk_sums, rows[0], rows[1], k_slice, _neg_inv_scale(float(scale)))
     return rows[0], rows[1], k_slice
 
 

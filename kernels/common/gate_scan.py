@@ -1,12 +1,10 @@
 """The gated forward's inputs from the log forget gates in one pass: ``G = cumsum(g)``, the keys' bias rows and
 (optionally) K's extra k16 slice (``flashattn_hopper/gate.py``, ``flashattn_hopper/backends/gate_scan.py``).
 
-Purpose: a dense gated call needed a transposing copy and a scan (torch's, ~24-29 us of GPU at 16k tokens x 32
+Purpose: a dense gated call needed a transposing copy and a scan (torch's, ~18-24 us of GPU at 16k tokens x 32
 heads), a division into the bias rows and, from 1k keys, a Triton launch for the slice, each with its own host
 time (perf/NOTES.md sessions 27-29: a Python-launched Triton scan cost more host time than it saved). This kernel
-does all of it in one launch through TVM-FFI (for forward-only calls up to 2k keys, ``gate.scanned_gate``; 23 us
-at 16 x 1k keys x 32 heads on an H200 against the torch route's 34 us of kernels: latency-bound, 64 CTAs, see
-perf/NOTES.md session 30):
+does all of it in one TVM-FFI call (``gate.scanned_gate``, with or without g's gradient):
 - ``G[b, h, s] = sum_{t <= s} g[b, t, h]`` in fp32, summed in fp64 (a sequence's ``|G|`` reaches ~1e4: an fp32
   running total would lose the low digits of each key's ``g``);
 - ``bias[b, h, s] = G * neg_inv_scale`` (``1 / -softmax_scale`` rounded to fp32: the keys' bias ``-G_j / scale``
@@ -16,15 +14,18 @@ perf/NOTES.md session 30):
   before it rounded to nearest, then zeros (``sm90_fwd.gate_k_slice_torch``'s build, bit for bit).
 
 Layouts: g ``(batch, seqlen, nheads)`` fp32, heads innermost (the user's layout); G and bias ``(batch, nheads,
-seqlen)`` fp32 rows with 16-byte aligned strides; the slice ``(batch, seqlen, nheads, slice_cols)`` contiguous.
+seqlen)`` fp32 rows with 16-byte aligned strides; the slice ``(batch, seqlen, nheads, slice_cols)`` contiguous;
+the chunk sums ``(batch, chunks, nheads)`` fp64 scratch.
 
-Grid ``(ceil(nheads / 32), batch, ceil(seqlen / (32 * warps)))``: a CTA per 32 heads (one per lane: g's rows
-read 128 contiguous bytes per warp load) and chunk of ``32 * warps`` keys, 32 per warp. Each CTA first sums g
-over every key before its chunk (its warps striding those rows, fp64 partials; redundant across chunks, which
-is why the route takes this kernel for short sequences only: ``gate.SCAN_KERNEL_MAX_SEQLEN``), and each warp
-its own 32 keys (held in registers); the sums meet in shared memory; then each warp scans its keys on the fp64
-carry, writes K's slice rows (each lane 32 contiguous bytes: 1 KB per warp store) and stages G in a padded smem
-tile, which it writes transposed as G and bias rows (128 contiguous bytes per store). No tensor cores.
+Two passes over the same grid ``(ceil(nheads / 32), batch, ceil(seqlen / chunk))``, ``chunk = keys_per_warp *
+warps`` keys per CTA, a lane per head (g's rows read 128 contiguous bytes per warp load), two launches in one call:
+1. ``chunk_sums``: each chunk's sum per head (fp64) into the scratch;
+2. ``scan``: each warp sums a share of the earlier chunks' sums and its own keys; the sums meet in shared memory;
+   then each warp scans its keys on the fp64 carry, writes K's slice rows (each lane 32 contiguous bytes: 1 KB per
+   warp store) and stages G, which the CTA writes transposed as G and bias rows (128 contiguous bytes per store).
+Many small chunks keep every SM busy (256 CTAs at 16k tokens): the first version was one pass whose CTAs each
+summed every key before their 256-key chunk themselves, 64 CTAs, latency-bound (17-24 us at 16k tokens x 16-32
+heads on an H100, perf/NOTES.md session 37), and for that reason limited to 2k keys. No tensor cores.
 """
 
 import cuda.bindings.driver as cuda
@@ -36,23 +37,29 @@ from cutlass.memory import SmemAllocator
 
 
 class GateScan:
-    """32 heads per CTA (one per lane), a chunk of ``32 * warps`` keys (32 per warp); prefix sums, then the scan."""
+    """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the scan."""
 
     def __init__(self, slice_dtype: type[cutlass.Numeric] | None = None, slice_cols: int = 16, parts: int = 3,
-                 warps: int = 8):
+                 warps: int = 8, keys_per_warp: int = 8):
         if slice_dtype not in (None, cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
             raise ValueError(f"parts must be in [1, slice_cols], got {parts} and {slice_cols}")
+        if (keys_per_warp * warps) % 32 or 32 % warps:
+            raise ValueError(f"keys_per_warp * warps must be a multiple of 32 and warps divide 32, got "
+                             f"{keys_per_warp} and {warps}")
         self.slice_dtype = slice_dtype
         self.slice_cols = slice_cols
         self.parts = parts
         self.warps = warps
+        self.keys_per_warp = keys_per_warp
+        self.chunk = keys_per_warp * warps
 
     @cute.jit
     def __call__(
         self,
         mg: cute.Tensor,  # (batch, seqlen, nheads) fp32, the log forget gates
+        mSums: cute.Tensor,  # (batch, ceil(seqlen / chunk), nheads) fp64 scratch: each chunk's sums
         mG: cute.Tensor,  # (batch, nheads, seqlen) fp32, output
         mBias: cute.Tensor,  # (batch, nheads, seqlen) fp32, output
         mSlice: cute.Tensor | None,  # (batch, seqlen, nheads, slice_cols) slice_dtype, output (slice_dtype only)
@@ -64,16 +71,52 @@ class GateScan:
         for t in (mg, mG, mBias):
             if const_expr(t.element_type != Float32):
                 raise TypeError("g, G and bias must be Float32")
-        smem = 2 * 8 * 32 * self.warps + 4 * self.warps * 32 * 33 + 256  # prefix and own sums, staged G, alignment
-        chunk = 32 * self.warps
-        grid = [(mg.shape[2] + 31) // 32, mg.shape[0], (mg.shape[1] + (chunk - 1)) // chunk]
-        self.kernel(mg, mG, mBias, mSlice, neg_inv_scale).launch(
-            grid=grid, block=[32 * self.warps, 1, 1], smem=smem, stream=stream,
+        if const_expr(mSums.element_type != Float64):
+            raise TypeError("the chunk sums must be Float64")
+        grid = [(mg.shape[2] + 31) // 32, mg.shape[0], (mg.shape[1] + (self.chunk - 1)) // self.chunk]
+        block = [32 * self.warps, 1, 1]
+        sums_smem = 8 * 32 * self.warps + 128
+        self.chunk_sums(mg, mSums).launch(grid=grid, block=block, smem=sums_smem, stream=stream)
+        # prefix and own sums, staged G (chunk x 32 heads, rows padded to 33 words), alignment
+        scan_smem = 2 * 8 * 32 * self.warps + 4 * self.chunk * 33 + 256
+        self.scan(mg, mSums, mG, mBias, mSlice, neg_inv_scale).launch(
+            grid=grid, block=block, smem=scan_smem, stream=stream,
         )
 
+    @cute.jit
+    def load_keys(self, mg: cute.Tensor, gates: cute.Tensor, batch_idx: Int32, start: Int32, head: Int32) -> Float64:
+        """This warp's ``keys_per_warp`` gates of its lane's head from key ``start`` (0 past the ends) into
+        ``gates``; their sum in fp64."""
+        own = Float64(0.0)
+        for i in cutlass.range_constexpr(self.keys_per_warp):
+            gates[i] = Float32(0.0)
+            if start + i < mg.shape[1] and head < mg.shape[2]:
+                gates[i] = mg[batch_idx, start + i, head]
+            own = own + Float64(gates[i])
+        return own
+
     @cute.kernel
-    def kernel(self, mg: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor, mSlice: cute.Tensor | None,
-               neg_inv_scale: Float32):
+    def chunk_sums(self, mg: cute.Tensor, mSums: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        head_block, batch_idx, chunk_idx = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = tidx // 32
+        head = head_block * 32 + lane
+        allocator = SmemAllocator()
+        own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
+        gates = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
+        own_sums[lane, warp] = self.load_keys(mg, gates, batch_idx, chunk_idx * self.chunk + warp * self.keys_per_warp,
+                                              head)
+        cute.arch.barrier()
+        if warp == 0 and head < mg.shape[2]:
+            total = Float64(0.0)
+            for w in cutlass.range_constexpr(self.warps):
+                total = total + own_sums[lane, w]
+            mSums[batch_idx, chunk_idx, head] = total
+
+    @cute.kernel
+    def scan(self, mg: cute.Tensor, mSums: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor,
+             mSlice: cute.Tensor | None, neg_inv_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -81,34 +124,29 @@ class GateScan:
         head = head_block * 32 + lane
         nheads = mg.shape[2]
         seqlen = mg.shape[1]
-        chunk_start = chunk_idx * (32 * self.warps)
-        start = chunk_start + 32 * warp
+        chunk_start = chunk_idx * self.chunk
+        start = chunk_start + warp * self.keys_per_warp
         allocator = SmemAllocator()
         prefix_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
         own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
-        # (32 keys x 32 heads per warp, rows padded to 33 words: the transposed reads are conflict-free)
-        staged = allocator.allocate_tensor(Float32, cute.make_layout((32, 32, self.warps), stride=(33, 1, 33 * 32)),
+        # (chunk keys x 32 heads, rows padded to 33 words: the transposed reads are conflict-free)
+        staged = allocator.allocate_tensor(Float32, cute.make_layout((self.chunk, 32), stride=(33, 1)),
                                            byte_alignment=16)
-        # The keys before the chunk: this warp's rows warp, warp + warps, ..., 16 loads in flight per step (the
-        # loop is latency-bound: four per step took ~23 us at 1k keys), four fp64 partials.
+        gates = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
+        own_sums[lane, warp] = self.load_keys(mg, gates, batch_idx, start, head)
+        # The earlier chunks' sums: this warp's are chunks warp, warp + warps, ..., 8 loads in flight per step,
+        # four fp64 partials.
         partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
-        gates = cute.make_rmem_tensor((32,), Float32)
+        earlier = cute.make_rmem_tensor((8,), Float64)
         if head < nheads:
-            for row in cutlass.range(warp, chunk_start, 16 * self.warps, unroll=1):
-                for i in cutlass.range_constexpr(16):
-                    gates[i] = Float32(0.0)
-                    if row + i * self.warps < chunk_start:
-                        gates[i] = mg[batch_idx, row + i * self.warps, head]
-                for i in cutlass.range_constexpr(16):
-                    partials[i % 4] = partials[i % 4] + Float64(gates[i])
-        own = Float64(0.0)
-        for i in cutlass.range_constexpr(32):
-            gates[i] = Float32(0.0)
-            if start + i < seqlen and head < nheads:
-                gates[i] = mg[batch_idx, start + i, head]
-            own = own + Float64(gates[i])
+            for c in cutlass.range(warp, chunk_idx, 8 * self.warps, unroll=1):
+                for i in cutlass.range_constexpr(8):
+                    earlier[i] = Float64(0.0)
+                    if c + i * self.warps < chunk_idx:
+                        earlier[i] = mSums[batch_idx, c + i * self.warps, head]
+                for i in cutlass.range_constexpr(8):
+                    partials[i % 4] = partials[i % 4] + earlier[i]
         prefix_sums[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
-        own_sums[lane, warp] = own
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):
@@ -116,21 +154,24 @@ class GateScan:
         for w in cutlass.range_constexpr(self.warps):
             if w < warp:
                 carry = carry + own_sums[lane, w]
-        # This warp's 32 keys: G on the carry, the slice rows, G staged; then G and bias rows, transposed.
-        for i in cutlass.range_constexpr(32):
+        # This warp's keys: G on the carry, the slice rows, G staged; then G and bias rows, transposed.
+        for i in cutlass.range_constexpr(self.keys_per_warp):
             carry = carry + Float64(gates[i])
             G = Float32(carry)
-            staged[i, lane, warp] = G
+            staged[warp * self.keys_per_warp + i, lane] = G
             if const_expr(self.slice_dtype is not None):
                 if start + i < seqlen and head < nheads:
                     self.store_slice(mSlice, G * neg_inv_scale, batch_idx, start + i, head)
-        cute.arch.sync_warp()
-        key = start + lane
-        for j in cutlass.range_constexpr(32):
-            if key < seqlen and head_block * 32 + j < nheads:
-                G = staged[lane, j, warp]
-                mG[batch_idx, head_block * 32 + j, key] = G
-                mBias[batch_idx, head_block * 32 + j, key] = G * neg_inv_scale
+        cute.arch.barrier()
+        # warp w writes the rows of heads w, w + warps, ...: 32 keys (lanes) per store
+        for jj in cutlass.range_constexpr(32 // self.warps):
+            j = warp + jj * self.warps
+            for kk in cutlass.range_constexpr(self.chunk // 32):
+                key = chunk_start + kk * 32 + lane
+                if key < seqlen and head_block * 32 + j < nheads:
+                    G = staged[kk * 32 + lane, j]
+                    mG[batch_idx, head_block * 32 + j, key] = G
+                    mBias[batch_idx, head_block * 32 + j, key] = G * neg_inv_scale
 
     @cute.jit
     def store_slice(self, mSlice: cute.Tensor, bias: Float32, batch_idx: Int32, key: Int32, head: Int32):
