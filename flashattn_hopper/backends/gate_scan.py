@@ -17,9 +17,10 @@ from ..jit import KernelKey
 from .common import DTYPE_NAMES, compile_cache, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 
 
-# The kernel's CTA: 8 warps of 8 keys (a lane per head), so 64-key chunks: 256 CTAs at 16k tokens.
+# The kernel's CTA: 8 warps of 4 keys (a lane per head), so 32-key chunks: 512 CTAs at 16k tokens (4 keys per warp
+# against 8: -17 % at 16k tokens x 32 heads, the same at 16 heads; perf/NOTES.md session 37).
 SCAN_WARPS = 8
-SCAN_KEYS_PER_WARP = 8
+SCAN_KEYS_PER_WARP = 4
 SCAN_CHUNK = SCAN_WARPS * SCAN_KEYS_PER_WARP
 
 
