@@ -227,6 +227,36 @@ def test_cumulative_varlen_matches_the_per_sequence_subtraction():
         torch.testing.assert_close(dg[rows], want_dg, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scanned_gate_gradient_is_the_reverse_cumsum(monkeypatch, dtype):
+    """``_ScannedGate`` (the scan kernel's G, differentiable in g): G as a (b, s, h) view of (b, h, s) rows, the bias
+    rows and slice without gradients, and g's gradient that of ``torch.cumsum`` (the reverse cumsum of dG, in g's
+    dtype), with G read twice (as G and as G at the queries). The kernel is stood in for by torch here."""
+    from flashattn_hopper.backends import gate_scan
+
+    def scan(log_decay, scale, slice_dtype, arch):
+        g = log_decay.float()
+        b, s, h = g.shape
+        rows = torch.empty(2, b, h, -(-s // 4) * 4)[..., :s]
+        rows[0] = torch.cumsum(g.double(), dim=1).float().transpose(1, 2)
+        rows[1] = rows[0] / -scale
+        return rows[0], rows[1], None if slice_dtype is None else torch.zeros(b, s, h, 16, dtype=slice_dtype)
+
+    monkeypatch.setattr(gate_scan, "scan", scan)
+    gen = torch.Generator().manual_seed(0)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 37, 3, generator=gen)).to(dtype).requires_grad_()
+    for slice_dtype in (None, torch.bfloat16):
+        G, bias_rows, k_slice = gate._ScannedGate.apply(g, 0.125, slice_dtype, "sm_90a")
+        assert G.shape == g.shape and G.requires_grad and not bias_rows.requires_grad
+        assert k_slice is None if slice_dtype is None else not k_slice.requires_grad
+        w1, w2 = torch.randn(2, 37, 3, generator=gen), torch.randn(2, 37, 3, generator=gen)
+        got = torch.autograd.grad((G * w1).sum() + (G * w2).sum(), g)[0]
+        G_ref = torch.cumsum(g.float(), dim=1)
+        want = torch.autograd.grad((G_ref * w1).sum() + (G_ref * w2).sum(), g)[0]
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_split_gradient_is_that_of_the_sum():
     """The parts carry the gradient of their sum: with equal weights (q's columns of ones give the
     three parts equal gradients in the kernels), d(sum of parts * w)/dx = w (as the bf16 gradient the
