@@ -260,7 +260,10 @@ class GatedAttnFunc(torch.autograd.Function):
     (``_in_kernel_backward``) where it serves the call; else the augmented problem: dq', dk, dv from the kernels
     (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's gate column and
     ``dG_q`` dQ's row-sum column (the rows' sums of dS), both over ``softmax_scale`` (the kernels'
-    dQ and dK carry it); dq dQ's first columns."""
+    dQ and dK carry it); dq dQ's first columns. ``scanned`` (``scanned_gate``'s ``(slice_dtype, arch, route)``):
+    ``G`` is then the dense log gates ``g`` themselves and ``G_q`` None: the scan kernel builds G, the bias rows and
+    K's slice in the forward, and the backward returns g's gradient (``_scan_gradient``), so that a call pays for one
+    autograd node, not two."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
@@ -273,8 +276,15 @@ class GatedAttnFunc(torch.autograd.Function):
         group = q.shape[head_axis] // k.shape[head_axis]
         from . import ops
 
-        if scanned is not None:  # (scanned_gate looked the route up already)
-            *scanned, route = scanned
+        ctx.scan_dtype = None
+        G_rows = None
+        if scanned is not None:  # (scanned_gate looked the route up: G is g, scanned here, ``_scan_gradient``)
+            slice_dtype, arch, route = scanned
+            from .backends import gate_scan
+
+            ctx.scan_dtype = G.dtype
+            G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], slice_dtype, arch)
+            G, G_rows, scanned = G_keys.transpose(1, 2), _rows_at_queries(G_keys, q.shape[1]), (bias_rows, k_slice)
         else:
             route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
         in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, scanned)
@@ -287,7 +297,8 @@ class GatedAttnFunc(torch.autograd.Function):
             k_saved = _k_columns(_per_query_head(k, group, head_axis), _key_bias(G, options[0]))
             v_saved = _per_query_head(v, group, head_axis)
             out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
-        G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
+        if G_rows is None:
+            G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
         lse_full = lse + G_rows
         if sink is not None:
             # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
@@ -304,6 +315,14 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        grads = GatedAttnFunc._backward(ctx, dout)
+        if ctx.scan_dtype is None or grads[3] is None:
+            return grads
+        return (*grads[:3], _scan_gradient(grads[3], grads[4], ctx.scan_dtype), None, *grads[5:])
+
+    @staticmethod
+    def _backward(ctx: Any, dout: torch.Tensor | None) -> tuple[Any, ...]:
+        """The gradients of the inputs, G's and G_q's (``backward`` turns them into g's after a scanned forward)."""
         q_aug, k_aug, v, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full, bias_rows = ctx.saved_tensors
         if dout is None:
             return (None,) * 12
@@ -338,46 +357,48 @@ class GatedAttnFunc(torch.autograd.Function):
 # Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL call
 # (backends/gate_scan.py: chunk sums, then the scan) instead of torch's scan, a transposing copy, a division and the
 # slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums: seqlen / 512 loads per
-# lane) and batch 65535 (its grid's y); where g needs a gradient through ``_ScannedGate`` (dg: the reverse cumsum of
-# dG, as torch.cumsum's own backward). On the H100 node (perf/NOTES.md session 37) that took the gated forward from
+# lane) and batch 65535 (its grid's y); inside ``GatedAttnFunc`` (``scanned``), whose backward then returns g's
+# gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the H100 node (perf/NOTES.md session 37) that took the gated forward from
 # 1.65 to 1.83x FLA at hdim 128 1k-2k with the first, one-pass kernel. The kernel sums G in fp64, torch's scan in
 # fp32: the two routes' out and lse differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 65536
 
 
-class _ScannedGate(torch.autograd.Function):
-    """``(G, bias_rows, k_slice)`` of dense ``g`` by the scan kernel (``gate_scan.scan``: G as ``(b, s, h)``, a
-    view of its rows), differentiable in g through G: ``dg`` is the reverse cumsum of ``dG`` along the sequence in
-    fp32 (torch.cumsum's backward), in g's dtype."""
+def _rows_at_queries(G_rows: torch.Tensor, seqlen_q: int) -> torch.Tensor:
+    """``at_queries`` on dense G rows ``(b, h, s_k)``: ``(b, h, s_q)``, the queries at the last ``s_q`` key positions
+    (0 before the first key)."""
+    seqlen_k = G_rows.shape[-1]
+    if seqlen_q <= seqlen_k:
+        return G_rows[..., seqlen_k - seqlen_q:]
+    return torch.nn.functional.pad(G_rows, (seqlen_q - seqlen_k, 0))
 
-    @staticmethod
-    def forward(ctx: Any, log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
-                arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        from .backends import gate_scan
 
-        G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, scale, slice_dtype, arch)
-        ctx.g_dtype = log_decay.dtype
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(t for t in (bias_rows, k_slice) if t is not None))
-        return G_rows.transpose(1, 2), bias_rows, k_slice
-
-    @staticmethod
-    def backward(ctx: Any, dG: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
-        if dG is None:
-            return None, None, None, None
-        # (along the last axis of dG's (b, h, s) rows, as torch.cumsum's backward of ``cumulative``: PyTorch's scan
-        # over the outer axis of (b, s, h) is up to 70x slower, perf/NOTES.md session 37)
-        rows = dG.float().transpose(1, 2)
-        return rows.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).to(ctx.g_dtype), None, None, None
+def _scan_gradient(dG: torch.Tensor, dG_q: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of dense ``g`` ``(b, s_k, h)`` (``dtype``) where ``G = cumsum(g)`` was read at the keys (``dG``)
+    and at the queries (``dG_q`` ``(b, s_q, h)``, ``_rows_at_queries``'s positions): the reverse cumsum of their sum
+    in fp32, along the rows' last axis as torch.cumsum's own backward of ``cumulative`` (PyTorch's scan over the
+    outer axis of (b, s, h) is up to 70x slower, perf/NOTES.md session 37)."""
+    total = dG.float()
+    if dG_q is not None:
+        seqlen_k, seqlen_q = total.shape[1], dG_q.shape[1]
+        if seqlen_q == seqlen_k:
+            total = total + dG_q
+        else:
+            total = total.clone()
+            if seqlen_q < seqlen_k:
+                total[:, seqlen_k - seqlen_q:] += dG_q
+            else:
+                total += dG_q[:, seqlen_q - seqlen_k:]
+    rows = total.transpose(1, 2)
+    return rows.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).to(dtype)
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 options: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any] | None:
-    """``(G, bias_rows, k_slice, route)`` of a dense call by ``gate_scan.scan`` (``route``: ``ops.eager_route``'s)
-    where the sm90 forward runs the gate in its kernel (G differentiable in g where g needs a gradient:
-    ``_ScannedGate``); None elsewhere (torch.compile, CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the
-    forward kernel does not take)."""
+                 options: tuple[Any, ...]) -> tuple[torch.dtype | None, str, Any] | None:
+    """``(slice_dtype, arch, route)`` for ``GatedAttnFunc``'s scan of a dense call (``route``: ``ops.eager_route``'s)
+    where the sm90 forward runs the gate in its kernel; None elsewhere (torch.compile, CPU, sm80, long sequences,
+    ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
     if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535:
@@ -387,14 +408,7 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     route = ops.eager_route(q, k, v, None, None, None, None, options)
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
-    slice_dtype, arch = route[0].gate_scan_args(route[2])
-    if log_decay.requires_grad and torch.is_grad_enabled():
-        G, bias_rows, k_slice = _ScannedGate.apply(log_decay, options[0], slice_dtype, arch)
-        return G, bias_rows, k_slice, route
-    from .backends import gate_scan
-
-    G_rows, bias_rows, k_slice = gate_scan.scan(log_decay, options[0], slice_dtype, arch)
-    return G_rows.transpose(1, 2), bias_rows, k_slice, route
+    return (*route[0].gate_scan_args(route[2]), route)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -407,10 +421,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
     scanned = scanned_gate(q, k, v, log_decay, options) if varlen is None else None
-    if scanned is not None:
-        G, bias_rows, k_slice, route = scanned
-        return GatedAttnFunc.apply(q, k, v, G, at_queries(G, q.shape[1]), sink, None, None, None, None, options,
-                                   (bias_rows, k_slice, route))
+    if scanned is not None:  # (g itself: the forward scans it)
+        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, options, scanned)
     G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])

@@ -228,33 +228,21 @@ def test_cumulative_varlen_matches_the_per_sequence_subtraction():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scanned_gate_gradient_is_the_reverse_cumsum(monkeypatch, dtype):
-    """``_ScannedGate`` (the scan kernel's G, differentiable in g): G as a (b, s, h) view of (b, h, s) rows, the bias
-    rows and slice without gradients, and g's gradient that of ``torch.cumsum`` (the reverse cumsum of dG, in g's
-    dtype), with G read twice (as G and as G at the queries). The kernel is stood in for by torch here."""
-    from flashattn_hopper.backends import gate_scan
-
-    def scan(log_decay, scale, slice_dtype, arch):
-        g = log_decay.float()
-        b, s, h = g.shape
-        rows = torch.empty(2, b, h, -(-s // 4) * 4)[..., :s]
-        rows[0] = torch.cumsum(g.double(), dim=1).float().transpose(1, 2)
-        rows[1] = rows[0] / -scale
-        return rows[0], rows[1], None if slice_dtype is None else torch.zeros(b, s, h, 16, dtype=slice_dtype)
-
-    monkeypatch.setattr(gate_scan, "scan", scan)
+@pytest.mark.parametrize("s_q,s_k", [(37, 37), (20, 37), (45, 37)])
+def test_scan_gradient_is_that_of_cumsum_at_keys_and_queries(dtype, s_q, s_k):
+    """After a scanned forward (``GatedAttnFunc``'s ``scanned`` route: G built by the scan kernel from g) the backward
+    turns G's gradients at the keys and at the queries into g's (``_scan_gradient``): the same as autograd through
+    ``cumulative`` and ``at_queries``, in g's dtype; ``_rows_at_queries`` is ``at_queries`` on G's rows."""
     gen = torch.Generator().manual_seed(0)
-    g = torch.nn.functional.logsigmoid(torch.randn(2, 37, 3, generator=gen)).to(dtype).requires_grad_()
-    for slice_dtype in (None, torch.bfloat16):
-        G, bias_rows, k_slice = gate._ScannedGate.apply(g, 0.125, slice_dtype, "sm_90a")
-        assert G.shape == g.shape and G.requires_grad and not bias_rows.requires_grad
-        assert k_slice is None if slice_dtype is None else not k_slice.requires_grad
-        w1, w2 = torch.randn(2, 37, 3, generator=gen), torch.randn(2, 37, 3, generator=gen)
-        got = torch.autograd.grad((G * w1).sum() + (G * w2).sum(), g)[0]
-        G_ref = torch.cumsum(g.float(), dim=1)
-        want = torch.autograd.grad((G_ref * w1).sum() + (G_ref * w2).sum(), g)[0]
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 3, generator=gen)).to(dtype).requires_grad_()
+    G = gate.cumulative(g, None)
+    G_q = gate.at_queries(G, s_q)
+    torch.testing.assert_close(gate._rows_at_queries(G.detach().transpose(1, 2), s_q), G_q.detach().transpose(1, 2))
+    dG, dG_q = torch.randn(2, s_k, 3, generator=gen), torch.randn(2, s_q, 3, generator=gen)
+    want = torch.autograd.grad((G * dG).sum() + (G_q * dG_q).sum(), g)[0]
+    got = gate._scan_gradient(dG, dG_q, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_split_gradient_is_that_of_the_sum():
@@ -565,7 +553,7 @@ def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, n
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_HOPPER_BACKEND") != "sm80"
     assert taken == [backend is None and sm90], taken
     assert taken_bwd == ([head_dim <= 128] if backend is None and sm90 else []), taken_bwd
-    # dense calls up to SCAN_KERNEL_MAX_SEQLEN keys build G by the scan kernel, differentiable (``_ScannedGate``)
+    # dense calls up to SCAN_KERNEL_MAX_SEQLEN keys build G by the scan kernel (``GatedAttnFunc``'s scanned route)
     assert len(scans) == int(backend is None and sm90 and s_k <= gate.SCAN_KERNEL_MAX_SEQLEN), scans
 
 

@@ -1,8 +1,8 @@
 """The dense gated forward's inputs by one CuTe DSL kernel (``kernels/common/gate_scan.py``): ``G = cumsum(g)`` in
 the LSE's layout, the keys' bias rows ``-G / softmax_scale`` and, where the forward key takes it, K's extra k16
 slice, in one launch through TVM-FFI (a few us of host time) instead of torch's transposing scan, a division
-and a Triton launch. ``gate.scanned_gate`` takes it for dense calls, through ``gate._ScannedGate`` (its backward the
-reverse cumsum of dG) where g needs a gradient."""
+and a Triton launch. ``gate.GatedAttnFunc`` runs it for dense calls (``gate.scanned_gate``), its backward
+then taking g's gradient as the reverse cumsum of dG."""
 
 from __future__ import annotations
 
