@@ -21,8 +21,9 @@ then compute ``(q . k - G_j / scale) * scale`` in their fp32 accumulators; the r
 Gradients: the three columns' dK are each ``scale`` times the column sum of dS (the kernels' dK GEMM
 with q's columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
 which is why ``G_i`` carries no gradient), and ``dg = reverse cumsum(dG)`` per sequence via
-``torch.cumsum``'s own backward. Two things keep dg accurate through that reverse cumsum (measured
-on an H100 before each: dg 1.2-4x PyTorch's bf16 error over 1k keys):
+``torch.cumsum``'s own backward (``_scan_gradient`` where the scan kernel built G). Two things keep dg
+accurate through that reverse cumsum (measured on an H100 before each: dg 1.2-4x PyTorch's bf16 error over
+1k keys):
 - The column sums are not rounded to bf16: ``GatedAttnFunc`` asks the backward for dK in fp32
   (``dk_fp32``: the kernels' GQA route, fp32 sums in scratch).
 - The row sums are taken, not assumed zero: the kernels' ``dPsum = rowsum(dO * O)`` reads the
@@ -358,9 +359,10 @@ class GatedAttnFunc(torch.autograd.Function):
 # (backends/gate_scan.py: chunk sums, then the scan) instead of torch's scan, a transposing copy, a division and the
 # slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums: seqlen / 512 loads per
 # lane) and batch 65535 (its grid's y); inside ``GatedAttnFunc`` (``scanned``), whose backward then returns g's
-# gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the H100 node (perf/NOTES.md session 37) that took the gated forward from
-# 1.65 to 1.83x FLA at hdim 128 1k-2k with the first, one-pass kernel. The kernel sums G in fp64, torch's scan in
-# fp32: the two routes' out and lse differ by that rounding. False: torch's ops everywhere.
+# gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the H100 node
+# (perf/NOTES.md session 37): gated forward / FLA 1.65 -> 1.94 at hdim 128 1k, 1.83 -> 1.99 at hdim 64 1k, +2 to +4 %
+# at 4k-16k; the backward unchanged. The kernel sums G in fp64, torch's scan in fp32: the two routes' out and lse
+# differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 65536
 

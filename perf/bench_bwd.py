@@ -45,8 +45,9 @@ def parse_tile(spec: str):
     """``HDIM:MxN[:STAGES][:rows|:transposed][:pingpong][:packed][:claim|:masked][:loop][:desc][:asD]`` -> (hdim, an
     sm90 backward family whose table has that tile, as row D with ``asD``: HDIM then runs padded to D); ``pingpong``,
     ``packed`` and ``claim`` set ``BwdSm90Tile``'s flags of those names (``dq_claim`` "all"; ``masked``: "masked";
-    ``loop``: ``gqa_loop`` "all"; ``desc``: ``loop_desc_above`` 0), so ``64:128x128:2:rows`` is the lockstep loop without
-    ds_packed, the preprocess zeroing dQaccum, and hdim 64's default is ``64:128x128:2:rows:pingpong:packed:claim``)."""
+    ``loop``: ``gqa_loop`` "all"; ``desc``: ``loop_desc_above`` 0), so ``64:128x128:2:rows`` is the lockstep loop
+    without ds_packed, the preprocess zeroing dQaccum, and hdim 64's default is
+    ``64:128x128:2:rows:pingpong:packed:claim``)."""
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_PAIR_TILES, BWD_SM90_TILES, BwdSm90, BwdSm90Tile
 
     parts = spec.split(":")

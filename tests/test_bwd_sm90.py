@@ -318,8 +318,8 @@ def test_bwd_sm90_gqa_loop_table_rule(shape):
                                    (2, 700, 1300, 6, 1, (-1, 0)), (2, 1000, 2200, 8, 2, (100, 0)),
                                    (2, 300, 333, 6, 2, (40, 10))], ids=["causal", "chunks", "mqa", "empty", "window"])
 def test_bwd_sm90_gqa_loop_desc(gqa_loop, monkeypatch, head_dim, shape):
-    """``loop_desc`` (forced at every seqlen): masked ``gqa_loop`` with the heads innermost and the query blocks descending (no
-    dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local window."""
+    """``loop_desc`` (forced at every seqlen): masked ``gqa_loop`` with the heads innermost and the query blocks
+    descending (no dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local window."""
     import dataclasses
 
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES
