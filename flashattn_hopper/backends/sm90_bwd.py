@@ -291,15 +291,15 @@ class BwdSm90(BwdSm80):
         """One representative per code path: the preprocess without dQaccum's zeroing and the dQ postprocess of a
         ``dq_claim`` key (its unclaimed tiles read as zeros) and of one without; d128 bf16 dense (MHA non-causal, GQA
         causal, GQA non-causal: ``gqa_loop``; d64 causal GQA: its chunked grid; d128 causal GQA: ``loop_desc``), the
-        opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep
-        loop with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and causal
-        softcap; the wide kernel: d256 causal, d256 causal GQA; the 96-key kernel (``bwd_wide96.py``): d256/128
-        causal GQA (its predicated sums, one Q/dO stage), d192/128 deterministic causal GQA (its turns), d192 MHA
-        non-causal (the transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA; d64 causal GQA: dV issued after the dG sums there,
-        ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits (d128: by columns, d64: by rows) and of d192 (its
-        unswizzled staging tile); the GQA dK/dV postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated
-        forward's G scan (``gate_scan.py``: rows only, and with K's bf16 slice). (The preprocess and the row-major
-        postprocess are the sm80 family's keys.)"""
+        opt-in 80 x 128 tile (dQ^T) and its postprocess, d64 causal (ping-pong), d64 deterministic (the lockstep loop
+        with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and causal softcap; the
+        wide kernel: d256 causal, d256 causal GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its
+        predicated sums, one Q/dO stage), d192/128 deterministic causal GQA (its turns), d192 MHA non-causal (the
+        transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA; d64
+        causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
+        (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
+        tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
+        bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
