@@ -19,6 +19,7 @@ A system that fails prints ERR(...); without ``fla`` its columns read '-'.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -117,6 +118,11 @@ def main(argv: list[str]) -> int:
                 fns[f"fwd:{name}"] = fwd
                 fns[f"bwd:{name}"] = (lambda o=out, i=inputs: torch.autograd.grad(o, i, dout, retain_graph=True))
             fwd_flops = 4 * batch * nheads * seqlen ** 2 * hdim / 2
+            # The earlier cells' graphs and the compile caches out of the collector's way: a gated 1k call is
+            # host-bound, and a later cell of the same process read up to 35 % lower (perf/NOTES.md session 37; a
+            # reading, not yet confirmed: the collector walking a grown heap)
+            gc.collect()
+            gc.freeze()
             tflops: dict[str, object] = dict(notes)
             for part, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
                 # Timed in TIMING_ORDER (the table keeps its columns): each variant right after the call
