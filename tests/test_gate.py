@@ -357,6 +357,32 @@ def test_gate_slice_threshold_follows_how_the_slice_is_built(monkeypatch, triton
         assert key.gate and key.gate_slice == (keys >= threshold), (keys, varlen, key.name)
 
 
+def test_gated_key_drops_a_q_stage_for_the_slice():
+    """hdim 128 up to 2k queries keeps two Q stages in the plain key, and the k16 slice does not fit beside them: the
+    gated key takes one Q stage and the slice (the 4k key's kernel); hdim 64 fits both and keeps two; below the slice
+    threshold nothing changes."""
+    from flashattn_hopper import configs, dispatch
+    from flashattn_hopper.backends.sm90_fwd import gate_slice
+    from flashattn_hopper.validate import AttnProblem
+
+    family = dispatch.FWD_KERNELS["sm90"]
+
+    def keys(head_dim, seqlen):
+        p = AttnProblem(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads=4, nheads_k=4, head_dim=head_dim,
+                        head_dim_v=head_dim, dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1,
+                        window_right=0, softcap=0.0, is_varlen=False)
+        return family.key(p, "sm_90a"), family.gate_key(p, None)
+
+    assert configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K <= 1024 <= configs.FWD_SM90_Q_RING_MAX_SEQLEN
+    plain, gated = keys(128, 1024)
+    assert plain.q_stages == 2 and gated.q_stages == 1 and gate_slice(gated)
+    assert gated == keys(128, 4096)[1]
+    plain, gated = keys(64, 1024)
+    assert plain.q_stages == gated.q_stages == 2 and gate_slice(gated)
+    plain, gated = keys(128, 512)
+    assert gated.q_stages == plain.q_stages and not gated.gate_slice
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(log_decay=[0.0]), TypeError, "log_decay must be a tensor"),
     (dict(log_decay=torch.zeros(1, 8, 3)), ValueError, r"log_decay must have shape \(batch, seqlen_k, nheads\) = \(1, 8, 2\)"),
