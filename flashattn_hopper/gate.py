@@ -357,14 +357,14 @@ class GatedAttnFunc(torch.autograd.Function):
 
 # Dense eager calls the sm90 forward serves build G, the bias rows and K's slice with one CuTe DSL call
 # (backends/gate_scan.py: chunk sums, then the scan) instead of torch's scan, a transposing copy, a division and the
-# slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums: seqlen / 512 loads per
-# lane) and batch 65535 (its grid's y); inside ``GatedAttnFunc`` (``scanned``), whose backward then returns g's
-# gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the H100 node
-# (perf/NOTES.md session 37): gated forward / FLA 1.65 -> 1.94 at hdim 128 1k, 1.83 -> 1.99 at hdim 64 1k, +2 to +4 %
-# at 4k-16k; the backward unchanged. The kernel sums G in fp64, torch's scan in fp32: the two routes' out and lse
-# differ by that rounding. False: torch's ops everywhere.
+# slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums, seqlen / 256 loads per
+# lane: measured to 16k) and batch 65535 (its grid's y); inside ``GatedAttnFunc`` (``scanned``), whose backward
+# then returns g's gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the
+# H100 node (perf/NOTES.md session 37): gated forward / FLA 1.65 -> 1.94 at hdim 128 1k, 1.83 -> 1.99 at hdim 64 1k,
+# +2 to +4 % at 4k-16k; the backward unchanged. The kernel sums G in fp64, torch's scan in fp32: the two routes'
+# out and lse differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
-SCAN_KERNEL_MAX_SEQLEN = 65536
+SCAN_KERNEL_MAX_SEQLEN = 16384
 
 
 def _rows_at_queries(G_rows: torch.Tensor, seqlen_q: int) -> torch.Tensor:
