@@ -426,7 +426,8 @@ class FwdSm90(FwdLauncher):
         Dense calls' keys are kept per problem (``_GATE_KEYS``)."""
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
-        key = _GATE_KEYS.get((p, min_keys)) if varlen is None else None
+        memo = (p, min_keys, target_arch())
+        key = _GATE_KEYS.get(memo) if varlen is None else None
         if key is not None:
             return key
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
@@ -439,7 +440,7 @@ class FwdSm90(FwdLauncher):
         if varlen is None:
             if len(_GATE_KEYS) >= 1024:
                 _GATE_KEYS.clear()
-            _GATE_KEYS[(p, min_keys)] = key
+            _GATE_KEYS[memo] = key
         return key
 
 
@@ -570,7 +571,7 @@ _GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem,
 # problem -> gate_scan_args (a stale entry after a threshold change costs only a slice built or dropped again:
 # forward_with_gate decides from its own key)
 _GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}
-_GATE_KEYS: dict[tuple[AttnProblem, int], FwdSm90Key] = {}  # (dense problem, slice threshold) -> gate_key
+_GATE_KEYS: dict[tuple[AttnProblem, int, str], FwdSm90Key] = {}  # (dense problem, slice threshold, arch) -> gate_key
 
 
 class Fp8Plan(FwdPlan):
