@@ -319,7 +319,8 @@ def test_bwd_sm90_gqa_loop_table_rule(shape):
                                    (2, 300, 333, 6, 2, (40, 10))], ids=["causal", "chunks", "mqa", "empty", "window"])
 def test_bwd_sm90_gqa_loop_desc(gqa_loop, monkeypatch, head_dim, shape):
     """``loop_desc`` (forced at every seqlen): masked ``gqa_loop`` with the heads innermost and the query blocks
-    descending (no dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local window."""
+    descending (no dq_claim), causal (bottom-right: seqlen_k > seqlen_q), MQA, key blocks no query sees, a local
+    window."""
     import dataclasses
 
     from flashattn_hopper.backends.sm90_bwd import BWD_SM90_TILES

@@ -528,7 +528,7 @@ def test_sm90_gqa_loop_keys(monkeypatch):
                        varlen=varlen_args)[1].gqa_loop
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(BWD_SM90_TILES[128], loop_desc_above=0))
     desc = family.keys(gqa, "sm_90a")[1]
-    assert desc.gqa_loop and desc.loop_desc and not desc.dq_claim  # (opt-in order: masked loops only, no claims)
+    assert desc.gqa_loop and desc.loop_desc and not desc.dq_claim  # (masked loops only, no claims)
     assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a")[1].loop_desc
     wide = family.keys(problem(nheads=8, nheads_k=2, head_dim=192, head_dim_v=192), "sm_90a")[1]
     assert wide.tile_n == 96 and not wide.gqa_loop
@@ -540,7 +540,7 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert not family.keys(gqa, "sm_90a")[1].gqa_loop
     assert not family.keys(problem(nheads=8, nheads_k=2, window_left=64, window_right=64), "sm_90a")[1].gqa_loop
     assert not family.keys(problem(nheads=8, nheads_k=2), "sm_90a", deterministic=True)[1].gqa_loop
-    # The table's "balanced": masked too, up to 1k keys, dense, with >= 3 CTAs per SM
+    # "balanced": masked too, dense, up to loop_masked_max_seqlen, with >= 3 CTAs per SM
     monkeypatch.setitem(BWD_SM90_TILES, 128, dataclasses.replace(
         BWD_SM90_TILES[128], gqa_loop="balanced", loop_masked_max_seqlen=4096, loop_desc_above=1024))
     short = dict(batch=16, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=4, causal=True)  # 512 CTAs

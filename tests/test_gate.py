@@ -546,10 +546,8 @@ def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, n
     """out, lse and dq/dk/dv/dg against the fp32 definition (2x PyTorch's error in bf16); on Hopper
     without a backend the forward and the backward run the gate in the sm90 kernels (``gate.IN_KERNEL``),
     on sm80 the augmented problem. ``g = logsigmoid(2 x + gate_shift)``, x standard normal."""
-    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
-
-    from flashattn_hopper import gate
     from flashattn_hopper.backends import gate_scan
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
 
     taken = _record_in_kernel(monkeypatch)
     taken_bwd = _record_in_kernel(monkeypatch, "_in_kernel_backward")
