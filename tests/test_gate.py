@@ -357,14 +357,16 @@ def test_gate_slice_threshold_follows_how_the_slice_is_built(monkeypatch, triton
         assert key.gate and key.gate_slice == (keys >= threshold), (keys, varlen, key.name)
 
 
-def test_gated_key_drops_a_q_stage_for_the_slice():
+def test_gated_key_drops_a_q_stage_for_the_slice(monkeypatch):
     """hdim 128 up to 2k queries keeps two Q stages in the plain key, and the k16 slice does not fit beside them: the
     gated key takes one Q stage and the slice (the 4k key's kernel); hdim 64 fits both and keeps two; below the slice
-    threshold nothing changes."""
+    threshold nothing changes (the threshold where a GPU builds the slice: with Triton or the scan kernel)."""
     from flashattn_hopper import configs, dispatch
+    from flashattn_hopper.backends import sm90_fwd
     from flashattn_hopper.backends.sm90_fwd import gate_slice
     from flashattn_hopper.validate import AttnProblem
 
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: True)
     family = dispatch.FWD_KERNELS["sm90"]
 
     def keys(head_dim, seqlen):
