@@ -235,11 +235,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # running together, sharing its Q / dO and dQ tiles in L2 (one key block per chunk lost 8-24 % at 1k).
         self.loop_chunks = gqa_loop and (is_causal or is_local) and not deterministic
         self.loop_chunk_n = loop_chunk_n
-        # gqa_loop's blocks in the other order (opt-in, not yet run on a GPU): the heads innermost, the query blocks
-        # descending. Under a causal mask every key block sees the last query block, so all CTAs of a KV head then
-        # walk the same query block at the same time (each stops at its own first), and one block of each of the
-        # group's heads is live in L2 instead of whole heads (heads outermost, ascending: the CTAs drift apart over
-        # the heads, -2 to -7 % from 4k at hdim 128, perf/NOTES.md session 36).
+        # gqa_loop's blocks in the other order (the table's masked rows past ``loop_desc_above``): the heads innermost,
+        # the query blocks descending. Under a causal mask every key block sees the last query block, so all CTAs of a
+        # KV head then walk the same query block at the same time (each stops at its own first), and one block of
+        # each of the group's heads is live in L2 instead of whole heads (heads outermost, ascending: the CTAs drift
+        # apart over the heads, -2 to -7 % from 4k at hdim 128; descending +2 to +9 % at 1k-8k, perf/NOTES.md
+        # sessions 36-37).
         self.loop_desc = loop_desc
         # Two MMA warpgroups (64 keys each here; bwd_wide.py splits head_dim between them instead).
         self.num_mma_wg = 2
