@@ -113,13 +113,17 @@ def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool) -> Any:
 
 def _planned(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, signature: tuple[Any, ...], deterministic: bool,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The cached call of a signature that has a plan; None where it has none (yet) or where TVM-FFI
-    turns the inputs down (strides or alignment the kernel cannot take: the general path copies them)."""
+    turns the inputs down (strides or alignment the kernel cannot take: the general path copies them).
+    A gated call's plan (``gate.ScannedPlan``) launches the scan and the forward itself, through autograd."""
     plan = _PLANS.get(signature)
     if plan is None:
         return None
     try:
+        if log_decay is not None:
+            return plan(q, k, v, log_decay)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return PlannedAttnFunc.apply(q, k, v, plan, deterministic)
         return plan(q, k, v)
@@ -135,6 +139,19 @@ def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: 
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[signature] = plan
+
+
+def _make_gate_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, softmax_scale: float | None,
+                    causal: bool, window_size: Any, deterministic: bool, backend: str | None,
+                    signature: tuple[Any, ...]) -> None:
+    """Keep a validated dense gated call's ``gate.ScannedPlan`` (None where it takes another route) under its
+    signature: later calls skip validation, the route lookups and the key building (a gated call at 1k tokens was
+    host-bound: ~160 us of Python for ~160 us of GPU time on an H100 node, perf/NOTES.md session 38)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    options = gate.gate_options(scale, causal, validate.check_window(window_size, causal), deterministic, backend)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[signature] = gate.scanned_gate(q, k, v, log_decay, options)
 
 
 def _attention(
@@ -267,7 +284,6 @@ def flash_attn_func(
     plain_options = (
         not positional_options and (causal is False or causal is True)
         and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
-        and log_decay is None
         and (deterministic is False or deterministic is True) and type(softcap) is float
         and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
         and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
@@ -278,10 +294,13 @@ def flash_attn_func(
         try:
             signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
                          v.get_device(), softmax_scale, causal, window_size, softcap, backend, settings().backend)
+            if log_decay is not None:  # (a gated call's plan: gate.ScannedPlan, per deterministic and route flags)
+                signature += ("log_decay", log_decay.shape, log_decay.dtype, log_decay.get_device(), deterministic,
+                              gate.IN_KERNEL, gate.SCAN_KERNEL)
         except AttributeError:  # not tensors: the general path says which
             signature = None
         else:
-            result = _planned(q, k, v, signature, deterministic)
+            result = _planned(q, k, v, signature, deterministic, log_decay)
             if result is not None:
                 return result if (return_lse or return_attn_probs) else result[0]
     if positional_options:
@@ -303,6 +322,11 @@ def flash_attn_func(
                                   backend, learnable_sink, log_decay)
         return (out, lse) if (return_lse or return_attn_probs) else out
     if log_decay is not None:
+        if signature is not None and signature not in _PLANS and q.dtype == signature[3]:  # (not autocast)
+            _make_gate_plan(q, k, v, log_decay, softmax_scale, causal, window_size, deterministic, backend, signature)
+            result = _planned(q, k, v, signature, deterministic, log_decay)
+            if result is not None:
+                return result if (return_lse or return_attn_probs) else result[0]
         out, lse = _gated(q, k, v, log_decay, None, softmax_scale, causal, window_size, deterministic, backend,
                           learnable_sink)
         return (out, lse) if (return_lse or return_attn_probs) else out

@@ -216,13 +216,13 @@ def _in_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: tor
     ``-G_j / softmax_scale``; its rows in the kernels' layout, ``_kernel_rows``, are returned for the
     backward) added in the kernel: with a zero gate, the plain forward's scores bit for bit. None where
     that path does not serve the call (``route`` None, or another forward family). ``scanned``: the bias rows and
-    K's slice (or None) ``scanned_gate`` built with ``G``."""
+    K's slice (or None) the scan kernel built, and the ``ScannedPlan`` that launches the forward with them."""
     if route is None or not hasattr(route[0], "forward_with_gate"):
         return None
     family, _, p, varlen = route
     if scanned is not None:
-        bias_rows, k_slice = scanned
-        return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice), bias_rows)
+        bias_rows, k_slice, plan = scanned
+        return (*plan.launch(q, k, v, bias_rows, k_slice), bias_rows)
     bias_rows = _kernel_rows(G, scale, varlen is not None)
     return (*family.forward_with_gate(q, k, v, p, varlen, bias_rows), bias_rows)
 
@@ -261,7 +261,7 @@ class GatedAttnFunc(torch.autograd.Function):
     (``_in_kernel_backward``) where it serves the call; else the augmented problem: dq', dk, dv from the kernels
     (dk in fp32), the expanded heads summed per kv head in fp32; ``d(-G)`` dK's gate column and
     ``dG_q`` dQ's row-sum column (the rows' sums of dS), both over ``softmax_scale`` (the kernels'
-    dQ and dK carry it); dq dQ's first columns. ``scanned`` (``scanned_gate``'s ``(slice_dtype, arch, route)``):
+    dQ and dK carry it); dq dQ's first columns. ``scanned`` (``scanned_gate``'s ``ScannedPlan``):
     ``G`` is then the dense log gates ``g`` themselves and ``G_q`` None: the scan kernel builds G, the bias rows and
     K's slice in the forward, and the backward returns g's gradient (``_scan_gradient``), so that a call pays for one
     autograd node, not two."""
@@ -279,16 +279,16 @@ class GatedAttnFunc(torch.autograd.Function):
 
         ctx.scan_dtype = None
         G_rows = None
-        if scanned is not None:  # (scanned_gate looked the route up: G is g, scanned here, ``_scan_gradient``)
-            slice_dtype, arch, route = scanned
+        if scanned is not None:  # (a ScannedPlan: G is g, scanned here; the backward: ``_scan_gradient``)
             from .backends import gate_scan
 
-            ctx.scan_dtype = G.dtype
-            G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], slice_dtype, arch)
-            G, G_rows, scanned = G_keys.transpose(1, 2), _rows_at_queries(G_keys, q.shape[1]), (bias_rows, k_slice)
+            ctx.scan_dtype, route = G.dtype, scanned.route
+            G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
+            G, G_rows = G_keys.transpose(1, 2), _rows_at_queries(G_keys, q.shape[1])
+            in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, (bias_rows, k_slice, scanned))
         else:
             route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
-        in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, scanned)
+            in_kernel = _in_kernel_forward(q, k, v, G, options[0], route)
         bias_rows = None
         if in_kernel is not None:
             out, lse, bias_rows = in_kernel
@@ -371,7 +371,9 @@ def _rows_at_queries(G_rows: torch.Tensor, seqlen_q: int) -> torch.Tensor:
     """``at_queries`` on dense G rows ``(b, h, s_k)``: ``(b, h, s_q)``, the queries at the last ``s_q`` key positions
     (0 before the first key)."""
     seqlen_k = G_rows.shape[-1]
-    if seqlen_q <= seqlen_k:
+    if seqlen_q == seqlen_k:
+        return G_rows
+    if seqlen_q < seqlen_k:
         return G_rows[..., seqlen_k - seqlen_q:]
     return torch.nn.functional.pad(G_rows, (seqlen_q - seqlen_k, 0))
 
@@ -396,11 +398,42 @@ def _scan_gradient(dG: torch.Tensor, dG_q: torch.Tensor | None, dtype: torch.dty
     return rows.flip(-1).cumsum(-1).flip(-1).transpose(1, 2).to(dtype)
 
 
+class ScannedPlan:
+    """How a dense gated call runs on the scan route, worked out once per call signature (``api``'s plans keep it;
+    ``scanned_gate`` builds it): the route (``ops.eager_route``'s), the scan's variant (``slice_dtype``: K's k16 slice
+    built too, in q's dtype, or None; ``arch``) and the sm90 forward's kept gated plan (``FwdSm90.gate_plan``; None
+    where the kernel takes the inputs padded). Holds no tensor."""
+
+    __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan")
+
+    def __init__(self, q: torch.Tensor, route: tuple[Any, ...], options: tuple[Any, ...]) -> None:
+        family, _, p, _ = route
+        self.route, self.options = route, options
+        self.slice_dtype, self.arch = family.gate_scan_args(p)
+        self.fwd_plan = family.kept_gate_plan(q, p)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
+               k_slice: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse less G_i)`` of the gated forward on the scan's bias rows and K's slice (the kept plan; else,
+        or where TVM-FFI turns the inputs' strides down, ``forward_with_gate``'s general launch)."""
+        if self.fwd_plan is not None:
+            try:
+                return self.fwd_plan(q, k, v, bias_rows if k_slice is None else k_slice)
+            except (ValueError, TypeError):
+                pass
+        family, _, p, _ = self.route
+        return family.forward_with_gate(q, k, v, p, None, bias_rows, k_slice)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                 sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``)."""
+        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, self.options, self)
+
+
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 options: tuple[Any, ...]) -> tuple[torch.dtype | None, str, Any] | None:
-    """``(slice_dtype, arch, route)`` for ``GatedAttnFunc``'s scan of a dense call (``route``: ``ops.eager_route``'s)
-    where the sm90 forward runs the gate in its kernel; None elsewhere (torch.compile, CPU, sm80, long sequences,
-    ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
+                 options: tuple[Any, ...]) -> ScannedPlan | None:
+    """The ``ScannedPlan`` of a dense call where the sm90 forward runs the gate in its kernel; None elsewhere
+    (torch.compile, CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
     if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535:
@@ -410,7 +443,13 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     route = ops.eager_route(q, k, v, None, None, None, None, options)
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
-    return (*route[0].gate_scan_args(route[2]), route)
+    return ScannedPlan(q, route, options)
+
+
+def gate_options(scale: float, causal: bool, window: tuple[int, int], deterministic: bool,
+                 backend: str | None) -> tuple[Any, ...]:
+    """The ops' option tuple of a gated call (softcap 0: the gate takes none)."""
+    return (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -421,10 +460,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     a learnable sink per query head if ``sink`` is given; the ops run eagerly and under
     ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
-    options = (float(scale), bool(causal), window[0], window[1], 0.0, bool(deterministic), backend)
+    options = gate_options(scale, causal, window, deterministic, backend)
     scanned = scanned_gate(q, k, v, log_decay, options) if varlen is None else None
     if scanned is not None:  # (g itself: the forward scans it)
-        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, options, scanned)
+        return scanned(q, k, v, log_decay, sink)
     G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])

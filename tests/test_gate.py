@@ -535,6 +535,35 @@ def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seq
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [203, 1024])
+def test_repeated_gated_call_runs_its_kept_plan(seqlen):
+    """A dense gated call's second call runs the plan the first kept (``gate.ScannedPlan`` in ``api._PLANS``: no
+    validation, no route lookup): out, lse and dq/dk/dv/dg bit for bit the first call's; the plan is per
+    ``deterministic``, and a bad ``log_decay`` (another shape) still gets the validation's error."""
+    from flashattn_hopper import api
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: only the sm90 forward takes the scan route")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(2, seqlen, h, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+                     for h in (8, 2, 2, 8))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, seqlen, 8, device="cuda", generator=gen) * 2 + 3)
+    leaves = [t.requires_grad_() for t in (q, k, v, g)]
+    results = []
+    for _ in range(2):
+        out, lse = flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3], return_lse=True)
+        results.append((out, lse, *torch.autograd.grad(out, leaves, dout)))
+    plans = [plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]
+    assert len(plans) == 1 and plans[0].fwd_plan is not None
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+    flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3], deterministic=True)
+    assert len([plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]) == 2
+    with pytest.raises(ValueError, match="log_decay must have shape"):
+        flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3][:, :-1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_long_strong_decay(monkeypatch, head_dim):
     """16k keys with gates down to ~-5 per step (G reaches ~-1.5e4): the forward takes the bias as the

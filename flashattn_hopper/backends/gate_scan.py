@@ -64,21 +64,26 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     """``(G_rows, bias_rows, k_slice)`` of dense ``log_decay`` ``(batch, seqlen_k, nheads)`` (CUDA, any float
     dtype: read as fp32): ``G`` and ``-G / scale`` as ``(batch, nheads, seqlen_k)`` fp32 rows, and K's k16
     slice ``(batch, seqlen_k, nheads, GATE_K)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's."""
-    from ..kernels.sm90.fwd_budget import GATE_K
-
     g = log_decay.float()
     if g.stride(-1) != 1:
         g = g.contiguous()
     batch, seqlen, nheads = g.shape
-    # G and the bias in one buffer of rows padded to 16 bytes (the forward's TMA reads the bias rows)
-    rows = torch.empty(2, batch, nheads, -(-seqlen // 4) * 4, dtype=torch.float32, device=g.device)[..., :seqlen]
+    # G and the bias in one buffer of rows padded to 16 bytes (the forward's TMA reads the bias rows); unbind and
+    # narrow rather than indexing (this runs on every dense gated call: a host-bound one at 1k, NOTES session 38)
+    padded = -(-seqlen // 4) * 4
+    rows = torch.empty(2, batch, nheads, padded, dtype=torch.float32, device=g.device)
+    if padded != seqlen:
+        rows = rows.narrow(3, 0, seqlen)
+    G_rows, bias_rows = rows.unbind(0)
     k_slice = None
     if slice_dtype is not None:
+        from ..kernels.sm90.fwd_budget import GATE_K
+
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
-    if g.numel() > 0:
+    if seqlen > 0 and batch > 0 and nheads > 0:
         chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
-        _compiled(arch, slice_dtype)(g, chunk_sums, rows[0], rows[1], k_slice, _neg_inv_scale(float(scale)))
-    return rows[0], rows[1], k_slice
+        _compiled(arch, slice_dtype)(g, chunk_sums, G_rows, bias_rows, k_slice, _neg_inv_scale(float(scale)))
+    return G_rows, bias_rows, k_slice
 
 
 @functools.lru_cache(maxsize=64)

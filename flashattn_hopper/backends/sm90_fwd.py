@@ -23,7 +23,7 @@ from ..validate import AttnProblem, keys_contiguous
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, keys_contiguous_ready,
-    launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, window_args,
+    kept_plan, launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, window_args,
 )
 
 
@@ -397,6 +397,11 @@ class FwdSm90(FwdLauncher):
                 _GATE_SCAN_ARGS.clear()
             _GATE_SCAN_ARGS[p] = args
         return args
+
+    def kept_gate_plan(self, q: torch.Tensor, p: AttnProblem) -> GatePlan | None:
+        """The dense gated call's kept ``GatePlan`` (``_GATE_PLANS``, as ``forward_with_gate`` keeps it)."""
+        key = self.gate_key(p, None)
+        return kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key))
 
     def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
         """A ``GatePlan`` of the dense gated ``key`` (``gate_key``) for ``p``, None where the kernel takes the
