@@ -538,8 +538,9 @@ def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seq
 @pytest.mark.parametrize("seqlen", [203, 1024])
 def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     """A dense gated call's second call runs the plan the first kept (``gate.ScannedPlan`` in ``api._PLANS``: no
-    validation, no route lookup): out, lse and dq/dk/dv/dg bit for bit the first call's; the plan is per
-    ``deterministic``, and a bad ``log_decay`` (another shape) still gets the validation's error."""
+    validation, no route lookup): out and lse bit for bit the first call's, dq/dk/dv/dg within the rounding of the
+    backward's atomic dQ sums; the plan is per ``deterministic``, and a bad ``log_decay`` (another shape) still
+    gets the validation's error."""
     from flashattn_hopper import api
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
@@ -555,8 +556,9 @@ def test_repeated_gated_call_runs_its_kept_plan(seqlen):
         results.append((out, lse, *torch.autograd.grad(out, leaves, dout)))
     plans = [plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]
     assert len(plans) == 1 and plans[0].fwd_plan is not None
-    for first, second in zip(*results):
-        assert torch.equal(first, second)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for first, second in zip(results[0][2:], results[1][2:]):
+        torch.testing.assert_close(first, second)
     flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3], deterministic=True)
     assert len([plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]) == 2
     with pytest.raises(ValueError, match="log_decay must have shape"):
