@@ -21,7 +21,8 @@ then compute ``(q . k - G_j / scale) * scale`` in their fp32 accumulators; the r
 Gradients: the three columns' dK are each ``scale`` times the column sum of dS (the kernels' dK GEMM
 with q's columns of ones), so ``dG_j = -sum_i dS_ij`` (the row sums ``sum_j dS_ij`` are zero for a softmax,
 which is why ``G_i`` carries no gradient), and ``dg = reverse cumsum(dG)`` per sequence via
-``torch.cumsum``'s own backward (``_scan_gradient`` where the scan kernel built G). Two things keep dg
+``torch.cumsum``'s own backward (where the scan kernel built G: after the in-kernel backward one more CuTe DSL call,
+``backends/gate_scan.scan_gradient``, else ``_scan_gradient``). Two things keep dg
 accurate through that reverse cumsum (measured on an H100 before each: dg 1.2-4x PyTorch's bf16 error over
 1k keys):
 - The column sums are not rounded to bf16: ``GatedAttnFunc`` asks the backward for dK in fp32
@@ -263,8 +264,8 @@ class GatedAttnFunc(torch.autograd.Function):
     ``dG_q`` dQ's row-sum column (the rows' sums of dS), both over ``softmax_scale`` (the kernels'
     dQ and dK carry it); dq dQ's first columns. ``scanned`` (``scanned_gate``'s ``ScannedPlan``):
     ``G`` is then the dense log gates ``g`` themselves and ``G_q`` None: the scan kernel builds G, the bias rows and
-    K's slice in the forward, and the backward returns g's gradient (``_scan_gradient``), so that a call pays for one
-    autograd node, not two."""
+    K's slice in the forward, and the backward returns g's gradient (``gate_scan.scan_gradient`` from the in-kernel
+    backward's sums, else ``_scan_gradient``), so that a call pays for one autograd node, not two."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
@@ -279,10 +280,10 @@ class GatedAttnFunc(torch.autograd.Function):
 
         ctx.scan_dtype = None
         G_rows = None
-        if scanned is not None:  # (a ScannedPlan: G is g, scanned here; the backward: ``_scan_gradient``)
+        if scanned is not None:  # (a ScannedPlan: G is g, scanned here; the backward returns g's gradient)
             from .backends import gate_scan
 
-            ctx.scan_dtype, route = G.dtype, scanned.route
+            ctx.scan_dtype, ctx.scan_arch, route = G.dtype, scanned.arch, scanned.route
             G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
             G, G_rows = G_keys.transpose(1, 2), _rows_at_queries(G_keys, q.shape[1])
             in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, (bias_rows, k_slice, scanned))
@@ -317,7 +318,7 @@ class GatedAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         grads = GatedAttnFunc._backward(ctx, dout)
-        if ctx.scan_dtype is None or grads[3] is None:
+        if ctx.scan_dtype is None or grads[3] is None or grads[4] is None:  # (no g, or g's gradient already)
             return grads
         return (*grads[:3], _scan_gradient(grads[3], grads[4], ctx.scan_dtype), None, *grads[5:])
 
@@ -336,6 +337,12 @@ class GatedAttnFunc(torch.autograd.Function):
             if grads is not None:
                 dq, dk, dv, d_neg_G, d_G_q, rows = grads
                 dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q, rows)
+                if ctx.scan_dtype is not None:  # (a scanned call: g's gradient straight from the kernel's sums)
+                    from .backends import gate_scan
+
+                    dg = gate_scan.scan_gradient(d_neg_G.transpose(1, 2), d_G_q.transpose(1, 2), ctx.scan_dtype,
+                                                 ctx.scan_arch)
+                    return dq, dk, dv, dg, None, dsink, None, None, None, None, None, None
                 return dq, dk, dv, -d_neg_G, d_G_q, dsink, None, None, None, None, None, None
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
         if bias_rows is not None:  # else the augmented problem, built here
@@ -359,7 +366,8 @@ class GatedAttnFunc(torch.autograd.Function):
 # (backends/gate_scan.py: chunk sums, then the scan) instead of torch's scan, a transposing copy, a division and the
 # slice build, up to SCAN_KERNEL_MAX_SEQLEN keys (each CTA reads every earlier chunk's sums, seqlen / 256 loads per
 # lane: measured to 16k) and batch 65535 (its grid's y); inside ``GatedAttnFunc`` (``scanned``), whose backward
-# then returns g's gradient (``_scan_gradient``: the reverse cumsum of dG, as torch.cumsum's own backward). On the
+# then returns g's gradient (the reverse cumsum of dG: ``gate_scan.scan_gradient``'s kernel after the in-kernel
+# backward, torch's flips and scan in ``_scan_gradient`` after the augmented one). On the
 # H100 node (perf/NOTES.md session 37): gated forward / FLA 1.65 -> 1.94 at hdim 128 1k, 1.83 -> 1.99 at hdim 64 1k,
 # +2 to +4 % at 4k-16k; the backward unchanged. The kernel sums G in fp64, torch's scan in fp32: the two routes'
 # out and lse differ by that rounding. False: torch's ops everywhere.

@@ -535,6 +535,35 @@ def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seq
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_scan_gradient_kernel_is_the_reverse_cumsum(dtype):
+    """g's gradient by one CuTe DSL call after the in-kernel backward (``gate_scan.scan_gradient``): the reverse
+    cumsum of the query sums (at their key positions, ``seqlen_k - seqlen_q`` on) less the key sums, against fp64;
+    fewer, more and as many queries as keys, odd lengths and head counts, padded key rows, 16k keys."""
+    from flashattn_hopper.backends.gate_scan import scan_gradient
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a Hopper GPU: the dg scan kernel compiles for sm_90a only (it serves the sm90 backward)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, heads, s_q, s_k in ((2, 3, 37, 37), (1, 32, 1000, 1000), (3, 20, 100, 129), (2, 5, 300, 37),
+                                   (1, 40, 4099, 4099), (1, 2, 16384, 16384), (2, 1, 1, 1)):
+        key_rows = torch.randn(batch, heads, -(-s_k // 4) * 4, device="cuda", generator=gen)[..., :s_k]
+        query_rows = torch.randn(batch, heads, s_q, device="cuda", generator=gen)
+        got = scan_gradient(key_rows, query_rows, dtype, "sm_90a")
+        total = -key_rows.double()
+        if s_q <= s_k:
+            total[..., s_k - s_q:] += query_rows.double()
+        else:
+            total += query_rows.double()[..., s_q - s_k:]
+        want = total.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
+        assert got.dtype == dtype and tuple(got.shape) == (batch, s_k, heads)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        else:  # (fp64 -> fp32 -> bf16 against fp64 -> bf16: at most one ulp apart)
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen", [203, 1024])
 def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     """A dense gated call's second call runs the plan the first kept (``gate.ScannedPlan`` in ``api._PLANS``: no

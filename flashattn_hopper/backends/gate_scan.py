@@ -29,10 +29,48 @@ class GateScanKey(KernelKey):
     slice_dtype: str = ""  # "" (G and bias rows only) or the forward's 16-bit dtype (K's k16 slice too)
 
 
-def scan_keys(arch: str) -> list[GateScanKey]:
-    """The kernel's two variants (the slice only in bf16: fp16 is the same code), for precompile and the CPU tier."""
+@dataclass(frozen=True)
+class GateScanGradKey(KernelKey):
+    grad_dtype: str = "fp32"  # g's dtype: dg's
+
+
+def scan_keys(arch: str) -> list[KernelKey]:
+    """The forward kernel's two variants (the slice only in bf16: fp16 is the same code) and the gradient's fp32 one
+    (the 16-bit outputs differ in the final conversion only), for precompile and the CPU tier."""
     return [GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=""),
-            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16")]
+            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16"),
+            GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32")]
+
+
+def compile_scan_grad(key: GateScanGradKey, options: str | None = None) -> Any:
+    """The TVM-FFI function of ``key``: ``fn(key_sums, query_sums, chunk_sums, dg, seqlen_k - seqlen_q)``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from ..kernels.common.gate_scan_grad import GateScanGrad
+
+    def rows(dtype: Any, align: int) -> Any:  # rank 3, last stride 1
+        return make_fake_tensor(dtype, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=align)
+
+    dg_dtype = cutlass.Float32 if key.grad_dtype == "fp32" else cutlass_dtype(key.grad_dtype)
+    kernel = GateScanGrad(warps=SCAN_WARPS, keys_per_warp=SCAN_KEYS_PER_WARP)
+    return ffi_compile(kernel, rows(cutlass.Float32, 4), rows(cutlass.Float32, 4), rows(cutlass.Float64, 8),
+                       rows(dg_dtype, 2), cutlass.Int32(0), options=options)
+
+
+def scan_gradient(key_sums: torch.Tensor, query_sums: torch.Tensor, dtype: torch.dtype, arch: str) -> torch.Tensor:
+    """g's gradient ``(batch, seqlen_k, nheads)`` in ``dtype`` from the backward kernel's dS sums per key
+    (``key_sums``, d(-G), ``(batch, nheads, seqlen_k)`` fp32 rows) and per query (``query_sums``, ``(batch, nheads,
+    seqlen_q)``): the reverse cumsum of ``query_sums[t - (seqlen_k - seqlen_q)] - key_sums[t]`` along the keys
+    (``gate._scan_gradient``'s, in one call of ``kernels/common/gate_scan_grad.py``)."""
+    batch, nheads, seqlen_k = key_sums.shape
+    dg = torch.empty(batch, seqlen_k, nheads, dtype=dtype, device=key_sums.device)
+    if dg.numel() > 0:
+        chunk_sums = torch.empty(batch, -(-seqlen_k // SCAN_CHUNK), nheads, dtype=torch.float64, device=dg.device)
+        _compiled_grad(arch, dtype)(key_sums, query_sums, chunk_sums, dg, seqlen_k - query_sums.shape[-1])
+    return dg
 
 
 def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
@@ -91,6 +129,14 @@ def _neg_inv_scale(scale: float) -> float:
     """``1 / -scale`` rounded to fp32, as torch's CUDA division by a Python scalar multiplies by it (exactly the fp32
     quotient: fp64's 53 bits rule out double rounding)."""
     return struct.unpack("f", struct.pack("f", 1.0 / struct.unpack("f", struct.pack("f", -scale))[0]))[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_grad(arch: str, dtype: torch.dtype) -> Any:
+    """The compiled gradient scan of a dtype, looked up once per process."""
+    key = GateScanGradKey(kernel="gate_scan_grad", arch=arch,
+                          grad_dtype="fp32" if dtype == torch.float32 else DTYPE_NAMES[dtype])
+    return compile_cache.get(key, compile_scan_grad)
 
 
 @functools.lru_cache(maxsize=16)

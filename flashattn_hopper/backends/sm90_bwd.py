@@ -299,7 +299,8 @@ class BwdSm90(BwdSm80):
         causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
         (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
         tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
-        bf16 slice). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        bf16 slice) and its backward's dg scan (fp32). (The preprocess and the row-major postprocess are the sm80
+        family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -342,6 +343,10 @@ class BwdSm90(BwdSm80):
             from .gate_scan import compile_scan
 
             return compile_scan(key, options)  # type: ignore[arg-type]
+        if key.kernel == "gate_scan_grad":  # (its backward's dg scan)
+            from .gate_scan import compile_scan_grad
+
+            return compile_scan_grad(key, options)  # type: ignore[arg-type]
         if key.kernel != self.kind:
             return super().compile(key, options)
         import cutlass
