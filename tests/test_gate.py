@@ -538,7 +538,8 @@ def test_gate_forward_through_the_scan_kernel(monkeypatch, head_dim, causal, seq
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_scan_gradient_kernel_is_the_reverse_cumsum(dtype):
     """g's gradient by one CuTe DSL call after the in-kernel backward (``gate_scan.scan_gradient``): the reverse
-    cumsum of the query sums (at their key positions, ``seqlen_k - seqlen_q`` on) less the key sums, against fp64;
+    cumsum of the query sums (at their key positions, ``seqlen_k - seqlen_q`` on) less the key sums (fp32 terms),
+    against fp64 sums;
     fewer, more and as many queries as keys, odd lengths and head counts, padded key rows, 16k keys."""
     from flashattn_hopper.backends.gate_scan import scan_gradient
 
@@ -550,12 +551,12 @@ def test_gate_scan_gradient_kernel_is_the_reverse_cumsum(dtype):
         key_rows = torch.randn(batch, heads, -(-s_k // 4) * 4, device="cuda", generator=gen)[..., :s_k]
         query_rows = torch.randn(batch, heads, s_q, device="cuda", generator=gen)
         got = scan_gradient(key_rows, query_rows, dtype, "sm_90a")
-        total = -key_rows.double()
+        total = -key_rows  # (each term in fp32, as the kernel takes it; the sums in fp64)
         if s_q <= s_k:
-            total[..., s_k - s_q:] += query_rows.double()
+            total[..., s_k - s_q:] += query_rows
         else:
-            total += query_rows.double()[..., s_q - s_k:]
-        want = total.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
+            total += query_rows[..., s_q - s_k:]
+        want = total.double().flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
         assert got.dtype == dtype and tuple(got.shape) == (batch, s_k, heads)
         if dtype == torch.float32:
             torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
