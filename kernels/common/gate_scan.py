@@ -37,6 +37,24 @@ from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 
+@cute.jit
+def strided_chunk_sum(mSums: cute.Tensor, batch_idx: Int32, head: Int32, begin: Int32, end: Int32, warps: int
+                      ) -> Float64:
+    """The sum of ``mSums[batch_idx, c, head]`` over the chunks ``c = begin, begin + warps, ...`` below ``end`` (one
+    warp's share of a range of chunk sums, ``warps`` sharing it), 8 loads in flight per step, four fp64 partials.
+    Shared with the gradient's reverse scan (``gate_scan_grad.py``: the later chunks)."""
+    partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
+    loads = cute.make_rmem_tensor((8,), Float64)
+    for c in cutlass.range(begin, end, 8 * warps, unroll=1):
+        for i in cutlass.range_constexpr(8):
+            loads[i] = Float64(0.0)
+            if c + i * warps < end:
+                loads[i] = mSums[batch_idx, c + i * warps, head]
+        for i in cutlass.range_constexpr(8):
+            partials[i % 4] = partials[i % 4] + loads[i]
+    return (partials[0] + partials[1]) + (partials[2] + partials[3])
+
+
 class GateScan:
     """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the scan."""
 
@@ -135,19 +153,11 @@ class GateScan:
                                            byte_alignment=16)
         gates = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
         own_sums[lane, warp] = self.load_keys(mg, gates, batch_idx, start, head)
-        # The earlier chunks' sums: this warp's are chunks warp, warp + warps, ..., 8 loads in flight per step,
-        # four fp64 partials.
-        partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
-        earlier = cute.make_rmem_tensor((8,), Float64)
+        # The earlier chunks' sums: this warp's are chunks warp, warp + warps, ...
+        earlier = Float64(0.0)
         if head < nheads:
-            for c in cutlass.range(warp, chunk_idx, 8 * self.warps, unroll=1):
-                for i in cutlass.range_constexpr(8):
-                    earlier[i] = Float64(0.0)
-                    if c + i * self.warps < chunk_idx:
-                        earlier[i] = mSums[batch_idx, c + i * self.warps, head]
-                for i in cutlass.range_constexpr(8):
-                    partials[i % 4] = partials[i % 4] + earlier[i]
-        prefix_sums[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
+            earlier = strided_chunk_sum(mSums, batch_idx, head, warp, chunk_idx, self.warps)
+        prefix_sums[lane, warp] = earlier
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):

@@ -29,6 +29,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
+from .gate_scan import strided_chunk_sum
+
 
 class GateScanGrad:
     """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the reverse
@@ -126,7 +128,6 @@ class GateScanGrad:
         head = head_block * 32 + lane
         nheads = mKey.shape[1]
         seqlen = mKey.shape[2]
-        chunks = mSums.shape[1]
         start = chunk_idx * self.chunk + warp * self.keys_per_warp
         allocator = SmemAllocator()
         staged = allocator.allocate_tensor(Float32, cute.make_layout((self.chunk, 32), stride=(33, 1)),
@@ -136,19 +137,11 @@ class GateScanGrad:
         self.stage(mKey, mQuery, staged, batch_idx, head_block, chunk_idx * self.chunk, shift)
         grads = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
         own_sums[lane, warp] = self.own_keys(staged, grads)
-        # The later chunks' sums: this warp's are chunks chunk_idx + 1 + warp, + warps, ..., 8 loads in flight per
-        # step, four fp64 partials.
-        partials = [Float64(0.0), Float64(0.0), Float64(0.0), Float64(0.0)]
-        later = cute.make_rmem_tensor((8,), Float64)
+        # The later chunks' sums: this warp's are chunks chunk_idx + 1 + warp, + warps, ...
+        later = Float64(0.0)
         if head < nheads:
-            for c in cutlass.range(chunk_idx + 1 + warp, chunks, 8 * self.warps, unroll=1):
-                for i in cutlass.range_constexpr(8):
-                    later[i] = Float64(0.0)
-                    if c + i * self.warps < chunks:
-                        later[i] = mSums[batch_idx, c + i * self.warps, head]
-                for i in cutlass.range_constexpr(8):
-                    partials[i % 4] = partials[i % 4] + later[i]
-        later_sums[lane, warp] = (partials[0] + partials[1]) + (partials[2] + partials[3])
+            later = strided_chunk_sum(mSums, batch_idx, head, chunk_idx + 1 + warp, mSums.shape[1], self.warps)
+        later_sums[lane, warp] = later
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):
