@@ -113,11 +113,12 @@ def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool) -> Any:
 
 def _planned(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, signature: tuple[Any, ...], deterministic: bool,
-    log_decay: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    log_decay: torch.Tensor | None = None, want_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The cached call of a signature that has a plan; None where it has none (yet) or where TVM-FFI
     turns the inputs down (strides or alignment the kernel cannot take: the general path copies them).
-    A gated call's plan (``gate.ScannedPlan``) launches the scan and the forward itself, through autograd."""
+    A gated call's plan (``gate.ScannedPlan``) launches the scan and the forward itself, through autograd,
+    and adds ``G_i`` to the LSE only where the caller returns it (``want_lse``)."""
     plan = _PLANS.get(signature)
     if plan is None:
         return None
@@ -127,7 +128,7 @@ def _planned(
             # launch on other strides, past the validation's error)
             if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
                 return None
-            return plan(q, k, v, log_decay)
+            return plan(q, k, v, log_decay, None, want_lse)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return PlannedAttnFunc.apply(q, k, v, plan, deterministic)
         return plan(q, k, v)
@@ -304,7 +305,7 @@ def flash_attn_func(
         except AttributeError:  # not tensors: the general path says which
             signature = None
         else:
-            result = _planned(q, k, v, signature, deterministic, log_decay)
+            result = _planned(q, k, v, signature, deterministic, log_decay, return_lse or return_attn_probs)
             if result is not None:
                 return result if (return_lse or return_attn_probs) else result[0]
     if positional_options:
@@ -328,7 +329,7 @@ def flash_attn_func(
     if log_decay is not None:
         if signature is not None and signature not in _PLANS and q.dtype == signature[3]:  # (not autocast)
             _make_gate_plan(q, k, v, log_decay, softmax_scale, causal, window_size, deterministic, backend, signature)
-            result = _planned(q, k, v, signature, deterministic, log_decay)
+            result = _planned(q, k, v, signature, deterministic, log_decay, return_lse or return_attn_probs)
             if result is not None:
                 return result if (return_lse or return_attn_probs) else result[0]
         out, lse = _gated(q, k, v, log_decay, None, softmax_scale, causal, window_size, deterministic, backend,

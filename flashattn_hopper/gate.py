@@ -271,21 +271,21 @@ class GatedAttnFunc(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,
                 G_q: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor | None,
                 cu_k: torch.Tensor | None, used_q: torch.Tensor | None, used_k: torch.Tensor | None,
-                options: tuple[Any, ...], scanned: tuple[Any, ...] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                options: tuple[Any, ...], scanned: ScannedPlan | None = None, want_lse: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         varlen = cu_q is not None
         head_axis = 1 if varlen else 2
         group = q.shape[head_axis] // k.shape[head_axis]
         from . import ops
 
         ctx.scan_dtype = None
-        G_rows = None
+        G_keys = None
         if scanned is not None:  # (a ScannedPlan: G is g, scanned here; the backward returns g's gradient)
             from .backends import gate_scan
 
             ctx.scan_dtype, ctx.scan_arch, route = G.dtype, scanned.arch, scanned.route
             G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
-            G, G_rows = G_keys.transpose(1, 2), _rows_at_queries(G_keys, q.shape[1])
+            G = G_keys.transpose(1, 2)
             in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, (bias_rows, k_slice, scanned))
         else:
             route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
@@ -299,19 +299,23 @@ class GatedAttnFunc(torch.autograd.Function):
             k_saved = _k_columns(_per_query_head(k, group, head_axis), _key_bias(G, options[0]))
             v_saved = _per_query_head(v, group, head_axis)
             out, lse = _fwd_op(q_aug, k_saved, v_saved, cu_q, cu_k, used_q, used_k, *options)
-        if G_rows is None:
-            G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
-        lse_full = lse + G_rows
-        if sink is not None:
-            # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
-            # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
-            # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
-            lse_full, out = join_sink(out, lse_full, sink, q, cu_q, used_q)
-            lse = lse_full - G_rows
+        lse_full = None
+        if want_lse or sink is not None:  # (the caller drops the LSE otherwise: no add, ~3 us of GPU at 1k)
+            if G_keys is not None:
+                G_rows = _rows_at_queries(G_keys, q.shape[1])
+            else:
+                G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
+            lse_full = lse + G_rows
+            if sink is not None:
+                # The sink's logit joins each row's denominator (sinks.py's math, on the gated LSE: the
+                # keys' scores carry G_i, the sink does not); the kernels' backward then gets the sinked
+                # out and the sinked LSE less G_i, so it recomputes the sinked probabilities.
+                lse_full, out = join_sink(out, lse_full, sink, q, cu_q, used_q)
+                lse = lse_full - G_rows
+            ctx.mark_non_differentiable(lse_full)
         ctx.save_for_backward(q_saved, k_saved, v_saved, out, lse, cu_q, cu_k, used_q, used_k, sink, lse_full,
                               bias_rows)
         ctx.options, ctx.group, ctx.head_axis, ctx.route = options, group, head_axis, route
-        ctx.mark_non_differentiable(lse_full)
         ctx.set_materialize_grads(False)
         return out, lse_full
 
@@ -433,9 +437,9 @@ class ScannedPlan:
         return family.forward_with_gate(q, k, v, p, None, bias_rows, k_slice)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``)."""
-        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, self.options, self)
+                 sink: torch.Tensor | None = None, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``; lse None unless ``want_lse`` or a sink)."""
+        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, self.options, self, want_lse)
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -569,7 +569,7 @@ def test_gate_scan_gradient_kernel_is_the_reverse_cumsum(dtype):
 def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     """A dense gated call's second call runs the plan the first kept (``gate.ScannedPlan`` in ``api._PLANS``: no
     validation, no route lookup): out and lse bit for bit the first call's, dq/dk/dv/dg within the rounding of the
-    backward's atomic dQ sums; the plan is per ``deterministic``, and a bad ``log_decay`` (another shape) still
+    backward's atomic dQ sums, also without ``return_lse`` (no LSE add then); the plan is per ``deterministic``, and a bad ``log_decay`` (another shape) still
     gets the validation's error."""
     from flashattn_hopper import api
 
@@ -588,6 +588,11 @@ def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     assert len(plans) == 1 and plans[0].fwd_plan is not None
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     for first, second in zip(results[0][2:], results[1][2:]):
+        torch.testing.assert_close(first, second)
+    # without return_lse the plan skips the LSE's G_i add: the same out and gradients
+    out = flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3])
+    assert torch.equal(out, results[0][0])
+    for first, second in zip(results[0][2:], torch.autograd.grad(out, leaves, dout)):
         torch.testing.assert_close(first, second)
     flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3], deterministic=True)
     assert len([plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]) == 2
