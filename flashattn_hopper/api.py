@@ -146,9 +146,9 @@ def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: 
     _PLANS[signature] = plan
 
 
-def _make_gate_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, softmax_scale: float | None,
-                    causal: bool, window_size: Any, deterministic: bool, backend: str | None,
-                    signature: tuple[Any, ...]) -> None:
+def _make_gate_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                    softmax_scale: float | None, causal: bool, window_size: Any, deterministic: bool,
+                    backend: str | None, signature: tuple[Any, ...]) -> None:
     """Keep a validated dense gated call's ``gate.ScannedPlan`` (None where it takes another route) under its
     signature: later calls skip validation, the route lookups and the key building (a gated call at 1k tokens was
     host-bound: ~160 us of Python for ~160 us of GPU time on an H100 node, perf/NOTES.md session 38)."""

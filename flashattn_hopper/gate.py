@@ -265,7 +265,8 @@ class GatedAttnFunc(torch.autograd.Function):
     dQ and dK carry it); dq dQ's first columns. ``scanned`` (``scanned_gate``'s ``ScannedPlan``):
     ``G`` is then the dense log gates ``g`` themselves and ``G_q`` None: the scan kernel builds G, the bias rows and
     K's slice in the forward, and the backward returns g's gradient (``gate_scan.scan_gradient`` from the in-kernel
-    backward's sums, else ``_scan_gradient``), so that a call pays for one autograd node, not two."""
+    backward's sums, else ``_scan_gradient``), so that a call pays for one autograd node, not two. ``want_lse``
+    False (a caller that drops the LSE; no sink): no ``G_i`` add, the second output None."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor,

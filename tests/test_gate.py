@@ -569,8 +569,8 @@ def test_gate_scan_gradient_kernel_is_the_reverse_cumsum(dtype):
 def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     """A dense gated call's second call runs the plan the first kept (``gate.ScannedPlan`` in ``api._PLANS``: no
     validation, no route lookup): out and lse bit for bit the first call's, dq/dk/dv/dg within the rounding of the
-    backward's atomic dQ sums, also without ``return_lse`` (no LSE add then); the plan is per ``deterministic``, and a bad ``log_decay`` (another shape) still
-    gets the validation's error."""
+    backward's atomic dQ sums, also without ``return_lse`` (no LSE add then); the plan is per ``deterministic``, and
+    a bad ``log_decay`` (another shape) still gets the validation's error."""
     from flashattn_hopper import api
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
