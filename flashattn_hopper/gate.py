@@ -322,10 +322,10 @@ class GatedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        grads = GatedAttnFunc._backward(ctx, dout)
+        grads = GatedAttnFunc._backward(ctx, dout)  # (and None for want_lse: 13 inputs at most)
         if ctx.scan_dtype is None or grads[3] is None or grads[4] is None:  # (no g, or g's gradient already)
-            return grads
-        return (*grads[:3], _scan_gradient(grads[3], grads[4], ctx.scan_dtype), None, *grads[5:])
+            return (*grads, None)
+        return (*grads[:3], _scan_gradient(grads[3], grads[4], ctx.scan_dtype), None, *grads[5:], None)
 
     @staticmethod
     def _backward(ctx: Any, dout: torch.Tensor | None) -> tuple[Any, ...]:
