@@ -245,6 +245,87 @@ def test_scan_gradient_is_that_of_cumsum_at_keys_and_queries(dtype, s_q, s_k):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+class _EmulatedGateFamily:
+    """Torch stand-ins for the sm90 gated forward and backward kernels (``forward_with_gate`` / ``backward_with_gate``'s
+    contracts: out and the LSE less ``G_i``; dq, dk, dv and dS's sums per key and per query) on the bias ``-G_j /
+    scale`` in the scores' units, causal, MHA."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def forward_with_gate(self, *args):  # (only its presence is asked)
+        raise AssertionError("the scanned route launches through its plan")
+
+    def can_gate(self, p):
+        return True
+
+    def scores(self, q, k, bias_rows, key_add, query_add):
+        s = torch.einsum("bthd,bshd->bhts", q, k) * self.scale + (bias_rows * self.scale + key_add)[:, :, None, :]
+        s = s + query_add[..., None]
+        s_q, s_k = q.shape[1], k.shape[1]
+        visible = testing._key_mask(s_q, s_k, True, (-1, 0), q.device)
+        return s.masked_fill(~visible, float("-inf"))
+
+    def launch(self, q, k, v, bias_rows, k_slice):
+        zeros_k, zeros_q = torch.zeros_like(bias_rows), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        s = self.scores(q, k, bias_rows, zeros_k, zeros_q)
+        return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+    def backward_with_gate(self, dout, q, k, v, out, lse, p, varlen, deterministic, bias, rows_dpsum=False):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        key_add = torch.zeros_like(bias, requires_grad=True)
+        query_add = torch.zeros(q.shape[0], q.shape[2], q.shape[1], requires_grad=True)
+        with torch.enable_grad():  # (a Function's backward runs without grad mode)
+            s = self.scores(*leaves[:2], bias, key_add, query_add)
+            o = torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), leaves[2])
+        dq, dk, dv, key_sums, query_sums = torch.autograd.grad(o, [*leaves, key_add, query_add], dout)
+        return dq, dk, dv, key_sums, query_sums
+
+
+@pytest.mark.parametrize("want_lse", [True, False])
+def test_scanned_route_autograd_with_emulated_kernels(monkeypatch, want_lse):
+    """``GatedAttnFunc`` on the scan route (a ``ScannedPlan``: g in, the scan, the kept forward plan, the in-kernel
+    backward's sums, dg by the gradient scan), its three CUDA kernels replaced by torch stand-ins: out, the LSE (None
+    without ``want_lse``) and dq/dk/dv/dg against the definition. The CPU tier's check of that route's wiring (its
+    inputs and gradients counted alike: the GPU tier found a 13th input without its gradient, session 38)."""
+    from flashattn_hopper.backends import gate_scan
+
+    scale = 0.3
+    family = _EmulatedGateFamily(scale)
+
+    def scan(g, scale_, slice_dtype, arch):
+        G_rows = torch.cumsum(g.double(), 1).float().transpose(1, 2).contiguous()
+        return G_rows, G_rows / -scale_, None
+
+    def scan_gradient(key_sums, query_sums, dtype, arch):
+        total = query_sums - key_sums  # (self-attention: as many queries as keys)
+        return total.double().flip(-1).cumsum(-1).flip(-1).transpose(1, 2).to(dtype)
+
+    monkeypatch.setattr(gate_scan, "scan", scan)
+    monkeypatch.setattr(gate_scan, "scan_gradient", scan_gradient)
+    plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
+    options = gate.gate_options(scale, True, (-1, 0), False, None)
+    plan.route, plan.options, plan.slice_dtype, plan.arch = (family, family, None, None), options, None, "sm_90a"
+    plan.fwd_plan = None
+    monkeypatch.setattr(gate.ScannedPlan, "launch", lambda self, *a: family.launch(*a))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 19, 3, 8, generator=gen) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 19, 3, generator=gen) + 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    out, lse = plan(*leaves, None, want_lse)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    ref_out, ref_lse = _gated_ref_dense(*ref, True, (-1, 0), scale)
+    ref_grads = torch.autograd.grad(ref_out, ref, dout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    if want_lse:
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    else:
+        assert lse is None
+    for name, got, want in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_split_gradient_is_that_of_the_sum():
     """The parts carry the gradient of their sum: with equal weights (q's columns of ones give the
     three parts equal gradients in the kernels), d(sum of parts * w)/dx = w (as the bf16 gradient the
