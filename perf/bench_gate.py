@@ -1,6 +1,6 @@
 """Gated log-decay attention and attention sinks against flash-linear-attention (not a test).
 
-    python perf/bench_gate.py [--hdims 64 128] [--seqlens 1024 4096 16384] [--repeat 3]
+    python perf/bench_gate.py [--hdims 64 128] [--seqlens 1024 4096 16384] [--repeat 3] [--fresh]
 
 Issue 24: ``log_decay`` (Forgetting Transformer) and ``learnable_sink`` against FLA's Triton
 ``parallel_attn(q, k, v, g, sink_bias=...)`` (PyPI ``fla-core``; imported here only, never by the
@@ -32,6 +32,32 @@ from bench_fwd_sm90 import format_cells, make_timer, time_interleaved
 TIMING_ORDER = ["ours", "ours_sink_k", "ours_gate", "fla_gate", "ours_gate_a", "ours_sink", "fla_sink", "fa4_sink"]
 
 
+SYSTEMS = ["ours", "ours_gate", "ours_gate_a", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink", "fa4_sink"]
+
+
+def _print_table_head() -> None:
+    cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in SYSTEMS]
+    print("| hdim | seqlen | " + " | ".join(cols)
+          + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA | vs FA4 |")
+    print("|---|---|" + "---|" * len(cols) + "---|---|---|---|", flush=True)
+
+
+def _fresh_cells(args: argparse.Namespace) -> int:
+    """The table with each cell run by a child process of this script (its rows only)."""
+    import subprocess
+
+    print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"repeat={args.repeat}, a process per cell\n")
+    _print_table_head()
+    for hdim in args.hdims:
+        for seqlen in args.seqlens:
+            child = subprocess.run([sys.executable, __file__, "--hdims", str(hdim), "--seqlens", str(seqlen),
+                                    "--repeat", str(args.repeat), "--rows-only"], capture_output=True, text=True)
+            rows = [line for line in child.stdout.splitlines() if line.startswith("|")]
+            print("\n".join(rows) if rows else f"| {hdim} | {seqlen} | ERR(exit {child.returncode}) |", flush=True)
+    return 0
+
+
 def sink_path(fn, in_kernel: bool, module: str = "sinks"):
     """``fn`` with ``flashattn_hopper.<module>.IN_KERNEL`` set to ``in_kernel`` while it runs (the sink
     in the forward kernel's finalize or joined after it; the gate's bias in the sm90 forward kernel or
@@ -54,7 +80,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true",
+                    help="each (hdim, seqlen) cell in its own process: host-bound columns (ours_gate, the sink "
+                         "routes, FLA) read up to 35 %% lower late in a long process (perf/NOTES.md session 38)")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # (--fresh's cells)
     args = ap.parse_args(argv)
+    if args.fresh:
+        return _fresh_cells(args)
 
     from flashattn_hopper import flash_attn_func
 
@@ -63,18 +95,17 @@ def main(argv: list[str]) -> int:
     except ImportError:
         parallel_attn = None
     timer = make_timer()
-    print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"repeat={args.repeat}\n")
-    systems = ["ours", "ours_gate", "ours_gate_a", "fla_gate", "ours_sink", "ours_sink_k", "fla_sink", "fa4_sink"]
+    if not args.rows_only:
+        print(f"# causal, bf16, 16k tokens, hidden 2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"repeat={args.repeat}\n")
     try:  # FA4's learnable_sink (a benchmark-only peer, its wheels carried to the GPU machine)
         from flash_attn.cute import flash_attn_func as fa4
     except Exception as exc:  # noqa: BLE001 - absent is fine
         print(f"note: FA4 not available ({type(exc).__name__}: {exc})", file=sys.stderr)
         fa4 = None
-    cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in systems]
-    print("| hdim | seqlen | " + " | ".join(cols)
-          + " | gate fwd / bwd vs FLA | sink fwd / bwd vs FLA | in-kernel sink fwd / bwd vs FLA | vs FA4 |")
-    print("|---|---|" + "---|" * len(cols) + "---|---|---|---|")
+    cols = [f"{d}:{s}" for d in ("fwd", "bwd") for s in SYSTEMS]
+    if not args.rows_only:
+        _print_table_head()
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for seqlen in args.seqlens:
