@@ -27,11 +27,13 @@ SCAN_CHUNK = SCAN_WARPS * SCAN_KEYS_PER_WARP
 @dataclass(frozen=True)
 class GateScanKey(KernelKey):
     slice_dtype: str = ""  # "" (G and bias rows only) or the forward's 16-bit dtype (K's k16 slice too)
+    varlen: bool = False  # packed sequences (batch 1, the sums restarting at each cu_seqlens start)
 
 
 @dataclass(frozen=True)
 class GateScanGradKey(KernelKey):
     grad_dtype: str = "fp32"  # g's dtype: dg's
+    varlen: bool = False  # packed sequences (batch 1, the sums restarting at each sequence's end)
 
 
 def scan_keys(arch: str) -> list[KernelKey]:
@@ -56,8 +58,9 @@ def compile_scan_grad(key: GateScanGradKey, options: str | None = None) -> Any:
 
     dg_dtype = cutlass.Float32 if key.grad_dtype == "fp32" else cutlass_dtype(key.grad_dtype)
     kernel = GateScanGrad(warps=SCAN_WARPS, keys_per_warp=SCAN_KEYS_PER_WARP)
+    segments = _fake_segments() if key.varlen else (None, None)
     return ffi_compile(kernel, rows(cutlass.Float32, 4), rows(cutlass.Float32, 4), rows(cutlass.Float64, 8),
-                       rows(dg_dtype, 2), cutlass.Int32(0), options=options)
+                       rows(dg_dtype, 2), cutlass.Int32(0), *segments, options=options)
 
 
 def scan_gradient(key_sums: torch.Tensor, query_sums: torch.Tensor, dtype: torch.dtype, arch: str) -> torch.Tensor:
@@ -69,7 +72,7 @@ def scan_gradient(key_sums: torch.Tensor, query_sums: torch.Tensor, dtype: torch
     dg = torch.empty(batch, seqlen_k, nheads, dtype=dtype, device=key_sums.device)
     if dg.numel() > 0:
         chunk_sums = torch.empty(batch, -(-seqlen_k // SCAN_CHUNK), nheads, dtype=torch.float64, device=dg.device)
-        _compiled_grad(arch, dtype)(key_sums, query_sums, chunk_sums, dg, seqlen_k - query_sums.shape[-1])
+        _compiled_grad(arch, dtype)(key_sums, query_sums, chunk_sums, dg, seqlen_k - query_sums.shape[-1], None, None)
     return dg
 
 
@@ -94,7 +97,17 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
     k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K) if slice_dtype else None
     kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS, warps=SCAN_WARPS,
                       keys_per_warp=SCAN_KEYS_PER_WARP)
-    return ffi_compile(kernel, g, sums, rows(), rows(), k_slice, cutlass.Float32(-1.0), options=options)
+    segments = _fake_segments() if key.varlen else (None, None)
+    return ffi_compile(kernel, g, sums, rows(), rows(), k_slice, cutlass.Float32(-1.0), *segments, options=options)
+
+
+def _fake_segments() -> tuple[Any, Any]:
+    """Varlen scans' ``(cu_seqlens, chunk_seq)``: two int32 vectors (``scan_varlen``)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return tuple(make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) for _ in range(2))
 
 
 def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
@@ -120,7 +133,8 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if seqlen > 0 and batch > 0 and nheads > 0:
         chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
-        _compiled(arch, slice_dtype)(g, chunk_sums, G_rows, bias_rows, k_slice, _neg_inv_scale(float(scale)))
+        _compiled(arch, slice_dtype)(g, chunk_sums, G_rows, bias_rows, k_slice, _neg_inv_scale(float(scale)), None,
+                                     None)
     return G_rows, bias_rows, k_slice
 
 

@@ -55,6 +55,25 @@ def strided_chunk_sum(mSums: cute.Tensor, batch_idx: Int32, head: Int32, begin: 
     return (partials[0] + partials[1]) + (partials[2] + partials[3])
 
 
+@cute.jit
+def next_start(mCu: cute.Tensor, seq: Int32) -> Int32:
+    """The first key after sequence ``seq`` of the packed keys (``cu_seqlens[seq + 1]``; past the last sequence a
+    key no row reaches)."""
+    nxt = Int32(2**31 - 1)
+    if seq + 1 < mCu.shape[0]:
+        nxt = mCu[seq + 1]
+    return nxt
+
+
+@cute.jit
+def sequence_of(mCu: cute.Tensor, seq: Int32, key: Int32) -> Int32:
+    """The sequence holding ``key``, walking forward from ``seq`` (one at or before it); zero-length sequences are
+    stepped over, keys past the last sequence stay with the last index (``cu_seqlens``' length - 1)."""
+    while next_start(mCu, seq) <= key:
+        seq = seq + 1
+    return seq
+
+
 class GateScan:
     """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the scan."""
 
@@ -83,6 +102,8 @@ class GateScan:
         mBias: cute.Tensor,  # (batch, nheads, seqlen) fp32, output
         mSlice: cute.Tensor | None,  # (batch, seqlen, nheads, slice_cols) slice_dtype, output (slice_dtype only)
         neg_inv_scale: Float32,  # 1 / -softmax_scale (fp32, as torch divides by a scalar)
+        mCu: cute.Tensor | None,  # varlen: (sequences + 1,) int32 cu_seqlens of the packed keys (batch 1), else None
+        mChunkSeq: cute.Tensor | None,  # varlen: (chunks,) int32, 1 + the sequence of each chunk's first key
         stream: cuda.CUstream,
     ):
         if const_expr((mSlice is None) != (self.slice_dtype is None)):
@@ -92,13 +113,16 @@ class GateScan:
                 raise TypeError("g, G and bias must be Float32")
         if const_expr(mSums.element_type != Float64):
             raise TypeError("the chunk sums must be Float64")
+        if const_expr((mCu is None) != (mChunkSeq is None)):
+            raise TypeError("mCu and mChunkSeq come together (varlen)")
         grid = [(mg.shape[2] + 31) // 32, mg.shape[0], (mg.shape[1] + (self.chunk - 1)) // self.chunk]
         block = [32 * self.warps, 1, 1]
         sums_smem = 8 * 32 * self.warps + 128
-        self.chunk_sums(mg, mSums).launch(grid=grid, block=block, smem=sums_smem, stream=stream)
-        # prefix and own sums, staged G (chunk x 32 heads, rows padded to 33 words), alignment
-        scan_smem = 2 * 8 * 32 * self.warps + 4 * self.chunk * 33 + 256
-        self.scan(mg, mSums, mG, mBias, mSlice, neg_inv_scale).launch(
+        self.chunk_sums(mg, mSums, mCu, mChunkSeq).launch(grid=grid, block=block, smem=sums_smem, stream=stream)
+        # prefix and own sums, staged G (chunk x 32 heads, rows padded to 33 words), varlen's restart flags,
+        # alignment
+        scan_smem = 2 * 8 * 32 * self.warps + 4 * self.chunk * 33 + 4 * self.warps + 256
+        self.scan(mg, mSums, mG, mBias, mSlice, neg_inv_scale, mCu, mChunkSeq).launch(
             grid=grid, block=block, smem=scan_smem, stream=stream,
         )
 
@@ -115,7 +139,7 @@ class GateScan:
         return own
 
     @cute.kernel
-    def chunk_sums(self, mg: cute.Tensor, mSums: cute.Tensor):
+    def chunk_sums(self, mg: cute.Tensor, mSums: cute.Tensor, mCu: cute.Tensor | None, mChunkSeq: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -124,8 +148,18 @@ class GateScan:
         allocator = SmemAllocator()
         own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
         gates = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
-        own_sums[lane, warp] = self.load_keys(mg, gates, batch_idx, chunk_idx * self.chunk + warp * self.keys_per_warp,
-                                              head)
+        start = chunk_idx * self.chunk + warp * self.keys_per_warp
+        own = self.load_keys(mg, gates, batch_idx, start, head)
+        if const_expr(mCu is not None):
+            # Varlen: the chunk's sum from its last sequence start on (the start of its last key's sequence),
+            # what the chunks after it add up to that sequence's keys.
+            last_key = cutlass.min(chunk_idx * self.chunk + self.chunk, mg.shape[1]) - 1
+            last_start = mCu[sequence_of(mCu, mChunkSeq[chunk_idx] - 1, last_key)]
+            own = Float64(0.0)
+            for i in cutlass.range_constexpr(self.keys_per_warp):
+                if start + i >= last_start:
+                    own = own + Float64(gates[i])
+        own_sums[lane, warp] = own
         cute.arch.barrier()
         if warp == 0 and head < mg.shape[2]:
             total = Float64(0.0)
@@ -135,7 +169,8 @@ class GateScan:
 
     @cute.kernel
     def scan(self, mg: cute.Tensor, mSums: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor,
-             mSlice: cute.Tensor | None, neg_inv_scale: Float32):
+             mSlice: cute.Tensor | None, neg_inv_scale: Float32, mCu: cute.Tensor | None,
+             mChunkSeq: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -152,11 +187,34 @@ class GateScan:
         staged = allocator.allocate_tensor(Float32, cute.make_layout((self.chunk, 32), stride=(33, 1)),
                                            byte_alignment=16)
         gates = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
-        own_sums[lane, warp] = self.load_keys(mg, gates, batch_idx, start, head)
-        # The earlier chunks' sums: this warp's are chunks warp, warp + warps, ...
+        own = self.load_keys(mg, gates, batch_idx, start, head)
+        # The earlier chunks' sums: this warp's are chunks warp, warp + warps, ... (varlen: from the chunk holding
+        # the start of this chunk's first key's sequence, whose sum is from that start on, chunk_sums)
+        first_chunk = Int32(0)
+        starts = cute.make_rmem_tensor((self.keys_per_warp,), Int32)  # (varlen: 1 where a sequence starts)
+        restart_flags = None
+        if const_expr(mCu is not None):
+            restart_flags = allocator.allocate_tensor(Int32, cute.make_layout((self.warps,)), byte_alignment=16)
+            first_seq = mChunkSeq[chunk_idx] - 1
+            first_chunk = mCu[first_seq] // self.chunk
+            # This warp's keys: which start a sequence; its sum from its last start (and whether it has one).
+            seq = sequence_of(mCu, first_seq, start)
+            own = Float64(0.0)
+            restarted = Int32(0)
+            for i in cutlass.range_constexpr(self.keys_per_warp):
+                seq = sequence_of(mCu, seq, start + i)
+                starts[i] = Int32(0)
+                if mCu[seq] == start + i:
+                    starts[i] = Int32(1)
+                    own = Float64(0.0)
+                    restarted = Int32(1)
+                own = own + Float64(gates[i])
+            if lane == 0:
+                restart_flags[warp] = restarted
+        own_sums[lane, warp] = own
         earlier = Float64(0.0)
         if head < nheads:
-            earlier = strided_chunk_sum(mSums, batch_idx, head, warp, chunk_idx, self.warps)
+            earlier = strided_chunk_sum(mSums, batch_idx, head, first_chunk + warp, chunk_idx, self.warps)
         prefix_sums[lane, warp] = earlier
         cute.arch.barrier()
         carry = Float64(0.0)
@@ -164,9 +222,18 @@ class GateScan:
             carry = carry + prefix_sums[lane, w]
         for w in cutlass.range_constexpr(self.warps):
             if w < warp:
-                carry = carry + own_sums[lane, w]
+                if const_expr(mCu is not None):  # (a warp with a start passes on its sum from there only)
+                    if restart_flags[w] != 0:
+                        carry = own_sums[lane, w]
+                    else:
+                        carry = carry + own_sums[lane, w]
+                else:
+                    carry = carry + own_sums[lane, w]
         # This warp's keys: G on the carry, the slice rows, G staged; then G and bias rows, transposed.
         for i in cutlass.range_constexpr(self.keys_per_warp):
+            if const_expr(mCu is not None):
+                if starts[i] != 0:
+                    carry = Float64(0.0)
             carry = carry + Float64(gates[i])
             G = Float32(carry)
             staged[warp * self.keys_per_warp + i, lane] = G

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
-from .gate_scan import strided_chunk_sum
+from .gate_scan import next_start, sequence_of, strided_chunk_sum
 
 
 class GateScanGrad:
@@ -52,6 +52,8 @@ class GateScanGrad:
         mSums: cute.Tensor,  # (batch, ceil(seqlen_k / chunk), nheads) fp64 scratch
         mdg: cute.Tensor,  # (batch, seqlen_k, nheads) fp32 / bf16 / fp16, output
         shift: Int32,  # seqlen_k - seqlen_q
+        mCu: cute.Tensor | None,  # varlen: (sequences + 1,) int32 cu_seqlens of the packed keys (batch 1), else None
+        mChunkSeq: cute.Tensor | None,  # varlen: (chunks,) int32, 1 + the sequence of each chunk's first key
         stream: cuda.CUstream,
     ):
         for t in (mKey, mQuery):
@@ -59,12 +61,17 @@ class GateScanGrad:
                 raise TypeError("the key and query sums must be Float32")
         if const_expr(mSums.element_type != Float64):
             raise TypeError("the chunk sums must be Float64")
+        if const_expr((mCu is None) != (mChunkSeq is None)):
+            raise TypeError("mCu and mChunkSeq come together (varlen)")
         grid = [(mKey.shape[1] + 31) // 32, mKey.shape[0], (mKey.shape[2] + (self.chunk - 1)) // self.chunk]
         block = [32 * self.warps, 1, 1]
-        # staged chunk (chunk keys x 32 heads, rows padded to 33 words), own and later sums, alignment
-        smem = 4 * self.chunk * 33 + 2 * 8 * 32 * self.warps + 256
-        self.chunk_sums(mKey, mQuery, mSums, shift).launch(grid=grid, block=block, smem=smem, stream=stream)
-        self.scan(mKey, mQuery, mSums, mdg, shift).launch(grid=grid, block=block, smem=smem, stream=stream)
+        # staged chunk (chunk keys x 32 heads, rows padded to 33 words), own and later sums, varlen's end flags,
+        # alignment
+        smem = 4 * self.chunk * 33 + 2 * 8 * 32 * self.warps + 4 * self.warps + 256
+        self.chunk_sums(mKey, mQuery, mSums, shift, mCu, mChunkSeq).launch(grid=grid, block=block, smem=smem,
+                                                                           stream=stream)
+        self.scan(mKey, mQuery, mSums, mdg, shift, mCu, mChunkSeq).launch(grid=grid, block=block, smem=smem,
+                                                                          stream=stream)
 
     @cute.jit
     def stage(self, mKey: cute.Tensor, mQuery: cute.Tensor, staged: cute.Tensor, batch_idx: Int32, head_block: Int32,
@@ -99,7 +106,8 @@ class GateScanGrad:
         return own
 
     @cute.kernel
-    def chunk_sums(self, mKey: cute.Tensor, mQuery: cute.Tensor, mSums: cute.Tensor, shift: Int32):
+    def chunk_sums(self, mKey: cute.Tensor, mQuery: cute.Tensor, mSums: cute.Tensor, shift: Int32,
+                   mCu: cute.Tensor | None, mChunkSeq: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -111,7 +119,17 @@ class GateScanGrad:
         own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
         self.stage(mKey, mQuery, staged, batch_idx, head_block, chunk_idx * self.chunk, shift)
         grads = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
-        own_sums[lane, warp] = self.own_keys(staged, grads)
+        own = self.own_keys(staged, grads)
+        if const_expr(mCu is not None):
+            # Varlen: the chunk's sum up to the end of its first key's sequence, what that sequence's keys in the
+            # chunks before it add.
+            first_end = next_start(mCu, mChunkSeq[chunk_idx] - 1)
+            start = chunk_idx * self.chunk + warp * self.keys_per_warp
+            own = Float64(0.0)
+            for i in cutlass.range_constexpr(self.keys_per_warp):
+                if start + i < first_end:
+                    own = own + Float64(grads[i])
+        own_sums[lane, warp] = own
         cute.arch.barrier()
         if warp == 0 and head < mKey.shape[1]:
             total = Float64(0.0)
@@ -120,7 +138,8 @@ class GateScanGrad:
             mSums[batch_idx, chunk_idx, head] = total
 
     @cute.kernel
-    def scan(self, mKey: cute.Tensor, mQuery: cute.Tensor, mSums: cute.Tensor, mdg: cute.Tensor, shift: Int32):
+    def scan(self, mKey: cute.Tensor, mQuery: cute.Tensor, mSums: cute.Tensor, mdg: cute.Tensor, shift: Int32,
+             mCu: cute.Tensor | None, mChunkSeq: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -136,22 +155,66 @@ class GateScanGrad:
         own_sums = allocator.allocate_tensor(Float64, cute.make_layout((32, self.warps)), byte_alignment=16)
         self.stage(mKey, mQuery, staged, batch_idx, head_block, chunk_idx * self.chunk, shift)
         grads = cute.make_rmem_tensor((self.keys_per_warp,), Float32)
-        own_sums[lane, warp] = self.own_keys(staged, grads)
-        # The later chunks' sums: this warp's are chunks chunk_idx + 1 + warp, + warps, ...
+        own = Float64(0.0)
+        if const_expr(mCu is None):
+            own = self.own_keys(staged, grads)
+        # The later chunks' sums: this warp's are chunks chunk_idx + 1 + warp, + warps, ... (varlen: up to the chunk
+        # holding the end of this chunk's last key's sequence, whose sum is up to that end, chunk_sums)
+        end_chunk = mSums.shape[1]
+        ends = cute.make_rmem_tensor((self.keys_per_warp,), Int32)  # (varlen: 1 where a sequence ends)
+        end_flags = None
+        if const_expr(mCu is not None):
+            end_flags = allocator.allocate_tensor(Int32, cute.make_layout((self.warps,)), byte_alignment=16)
+            first_seq = mChunkSeq[chunk_idx] - 1
+            last_key = cutlass.min(chunk_idx * self.chunk + self.chunk, seqlen) - 1
+            last_end = next_start(mCu, sequence_of(mCu, first_seq, last_key))
+            end_chunk = cutlass.min((cutlass.min(last_end, seqlen) - 1) // self.chunk + 1, end_chunk)
+            # This warp's keys: which end a sequence; its sum up to its first end (and whether it has one).
+            seq = sequence_of(mCu, first_seq, start)
+            for i in cutlass.range_constexpr(self.keys_per_warp):
+                seq = sequence_of(mCu, seq, start + i)
+                ends[i] = Int32(0)
+                if next_start(mCu, seq) == start + i + 1:
+                    ends[i] = Int32(1)
+            self.own_keys(staged, grads)
+            own = Float64(0.0)
+            ended = Int32(0)
+            for ii in cutlass.range_constexpr(self.keys_per_warp):
+                i = self.keys_per_warp - 1 - ii
+                if ends[i] != 0:
+                    own = Float64(0.0)
+                    ended = Int32(1)
+                own = own + Float64(grads[i])
+            if lane == 0:
+                end_flags[warp] = ended
+        own_sums[lane, warp] = own
         later = Float64(0.0)
         if head < nheads:
-            later = strided_chunk_sum(mSums, batch_idx, head, chunk_idx + 1 + warp, mSums.shape[1], self.warps)
+            later = strided_chunk_sum(mSums, batch_idx, head, chunk_idx + 1 + warp, end_chunk, self.warps)
         later_sums[lane, warp] = later
         cute.arch.barrier()
         carry = Float64(0.0)
         for w in cutlass.range_constexpr(self.warps):
             carry = carry + later_sums[lane, w]
-        for w in cutlass.range_constexpr(self.warps):
+        for ww in cutlass.range_constexpr(self.warps):
+            # (varlen: from the farthest warp in, so that the nearest end decides)
+            w = self.warps - 1 - ww if const_expr(mCu is not None) else ww
             if w > warp:
-                carry = carry + own_sums[lane, w]
+                if const_expr(mCu is not None):  # (a warp with an end passes on its sum up to there only)
+                    if end_flags[w] != 0:
+                        carry = own_sums[lane, w]
+                    else:
+                        carry = carry + own_sums[lane, w]
+                else:
+                    carry = carry + own_sums[lane, w]
+        if const_expr(mCu is not None):  # (read again: held across the later chunks' loop, one was spilled)
+            self.own_keys(staged, grads)
         # This warp's keys from the last one down: dg on the carry, a lane per head.
         for ii in cutlass.range_constexpr(self.keys_per_warp):
             i = self.keys_per_warp - 1 - ii
+            if const_expr(mCu is not None):
+                if ends[i] != 0:
+                    carry = Float64(0.0)
             carry = carry + Float64(grads[i])
             if start + i < seqlen and head < nheads:
                 mdg[batch_idx, start + i, head] = Float32(carry).to(mdg.element_type)
