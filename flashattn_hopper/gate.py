@@ -285,8 +285,13 @@ class GatedAttnFunc(torch.autograd.Function):
             from .backends import gate_scan
 
             ctx.scan_dtype, ctx.scan_arch, route = G.dtype, scanned.arch, scanned.route
-            G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
-            G = G_keys.transpose(1, 2)
+            if varlen:  # (packed self-attention: G's rows (h, total) are the LSE's layout too)
+                G_keys, bias_rows, k_slice, ctx.chunk_seq = gate_scan.scan_varlen(
+                    G, cu_k, options[0], scanned.slice_dtype, scanned.arch)
+                G = G_keys.t()
+            else:
+                G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
+                G = G_keys.transpose(1, 2)
             in_kernel = _in_kernel_forward(q, k, v, G, options[0], route, (bias_rows, k_slice, scanned))
         else:
             route = ops.eager_route(q, k, v, cu_q, cu_k, used_q, used_k, options) if IN_KERNEL else None
@@ -303,7 +308,7 @@ class GatedAttnFunc(torch.autograd.Function):
         lse_full = None
         if want_lse or sink is not None:  # (the caller drops the LSE otherwise: no add, ~3 us of GPU at 1k)
             if G_keys is not None:
-                G_rows = _rows_at_queries(G_keys, q.shape[1])
+                G_rows = G_keys if varlen else _rows_at_queries(G_keys, q.shape[1])
             else:
                 G_rows = G_q.t() if varlen else G_q.transpose(1, 2)  # (lse's layout)
             lse_full = lse + G_rows
@@ -325,6 +330,8 @@ class GatedAttnFunc(torch.autograd.Function):
         grads = GatedAttnFunc._backward(ctx, dout)  # (and None for want_lse: 13 inputs at most)
         if ctx.scan_dtype is None or grads[3] is None or grads[4] is None:  # (no g, or g's gradient already)
             return (*grads, None)
+        if getattr(ctx, "chunk_seq", None) is not None:  # (scanned_gate packs only where the in-kernel one serves)
+            raise RuntimeError("a packed scanned gate call must take the in-kernel backward")
         return (*grads[:3], _scan_gradient(grads[3], grads[4], ctx.scan_dtype), None, *grads[5:], None)
 
     @staticmethod
@@ -345,8 +352,12 @@ class GatedAttnFunc(torch.autograd.Function):
                 if ctx.scan_dtype is not None:  # (a scanned call: g's gradient straight from the kernel's sums)
                     from .backends import gate_scan
 
-                    dg = gate_scan.scan_gradient(d_neg_G.transpose(1, 2), d_G_q.transpose(1, 2), ctx.scan_dtype,
-                                                 ctx.scan_arch)
+                    if cu_q is not None:  # (packed self-attention: the sums' rows (h, total))
+                        dg = gate_scan.scan_gradient_varlen(d_neg_G.t(), d_G_q.t(), cu_k, ctx.chunk_seq,
+                                                            ctx.scan_dtype, ctx.scan_arch)
+                    else:
+                        dg = gate_scan.scan_gradient(d_neg_G.transpose(1, 2), d_G_q.transpose(1, 2), ctx.scan_dtype,
+                                                     ctx.scan_arch)
                     return dq, dk, dv, dg, None, dsink, None, None, None, None, None, None
                 return dq, dk, dv, -d_neg_G, d_G_q, dsink, None, None, None, None, None, None
         dsink = None if sink is None else sink_gradient(dout, out, sink, lse_full, q_aug, cu_q, used_q)
@@ -378,6 +389,13 @@ class GatedAttnFunc(torch.autograd.Function):
 # out and lse differ by that rounding. False: torch's ops everywhere.
 SCAN_KERNEL = True
 SCAN_KERNEL_MAX_SEQLEN = 16384
+# Packed self-attention (one cu_seqlens for queries and keys, no seqused) by the kernels' varlen mode, G restarting at
+# each sequence (``backends/gate_scan.scan_varlen``, ``scan_gradient_varlen``), up to 2M packed keys (the grid's z)
+# and only where the in-kernel backward serves the call (its sums feed the gradient scan): instead of
+# ``cumulative``'s fp64 torch ops and their autograd. Off: written and compiled (no spills) in session 38 without a
+# GPU, its chunked algorithm checked on the CPU (tests/test_gate_scan.py); its GPU tests force it on. The next
+# session runs them and measures it before turning it on.
+SCAN_KERNEL_VARLEN = False
 
 
 def _rows_at_queries(G_rows: torch.Tensor, seqlen_q: int) -> torch.Tensor:
@@ -415,15 +433,19 @@ class ScannedPlan:
     """How a dense gated call runs on the scan route, worked out once per call signature (``api``'s plans keep it;
     ``scanned_gate`` builds it): the route (``ops.eager_route``'s), the scan's variant (``slice_dtype``: K's k16 slice
     built too, in q's dtype, or None; ``arch``) and the sm90 forward's kept gated plan (``FwdSm90.gate_plan``; None
-    where the kernel takes the inputs padded). Holds no tensor."""
+    where the kernel takes the inputs padded). A dense one holds no tensor (``api`` keeps it); a packed one
+    (``SCAN_KERNEL_VARLEN``) is built per call, its route holding the call's cu_seqlens."""
 
     __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan")
 
     def __init__(self, q: torch.Tensor, route: tuple[Any, ...], options: tuple[Any, ...]) -> None:
-        family, _, p, _ = route
+        family, _, p, varlen = route
         self.route, self.options = route, options
-        self.slice_dtype, self.arch = family.gate_scan_args(p)
-        self.fwd_plan = family.kept_gate_plan(q, p)
+        if varlen is None:
+            self.slice_dtype, self.arch = family.gate_scan_args(p)
+            self.fwd_plan = family.kept_gate_plan(q, p)
+        else:  # (packed self-attention, SCAN_KERNEL_VARLEN: the key's fp32 rows, launched by forward_with_gate)
+            self.slice_dtype, self.arch, self.fwd_plan = None, family.gate_key(p, varlen).arch, None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
                k_slice: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,28 +456,35 @@ class ScannedPlan:
                 return self.fwd_plan(q, k, v, bias_rows if k_slice is None else k_slice)
             except (ValueError, TypeError):
                 pass
-        family, _, p, _ = self.route
-        return family.forward_with_gate(q, k, v, p, None, bias_rows, k_slice)
+        family, _, p, varlen = self.route
+        return family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                  sink: torch.Tensor | None = None, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``; lse None unless ``want_lse`` or a sink)."""
-        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, None, None, None, None, self.options, self, want_lse)
+        varlen = self.route[3]
+        cu = None if varlen is None else varlen.cu_seqlens_k
+        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, cu, cu, None, None, self.options, self, want_lse)
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 options: tuple[Any, ...]) -> ScannedPlan | None:
-    """The ``ScannedPlan`` of a dense call where the sm90 forward runs the gate in its kernel; None elsewhere
-    (torch.compile, CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the forward kernel does not take)."""
+                 options: tuple[Any, ...], cu_seqlens: torch.Tensor | None = None) -> ScannedPlan | None:
+    """The ``ScannedPlan`` of a dense call where the sm90 forward runs the gate in its kernel, or (``cu_seqlens``,
+    ``SCAN_KERNEL_VARLEN``) of packed self-attention where the sm90 backward does too; None elsewhere (torch.compile,
+    CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the kernels do not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
-    if log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535:
+    if cu_seqlens is None and (log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535):
+        return None
+    if cu_seqlens is not None and (not SCAN_KERNEL_VARLEN or log_decay.shape[0] > 65535 * 32):
         return None
     from . import ops
 
-    route = ops.eager_route(q, k, v, None, None, None, None, options)
+    route = ops.eager_route(q, k, v, cu_seqlens, cu_seqlens, None, None, options)
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
+    if cu_seqlens is not None and not (hasattr(route[1], "backward_with_gate") and route[1].can_gate(route[2])):
+        return None  # (the gradient scan reads the in-kernel backward's sums)
     return ScannedPlan(q, route, options)
 
 
@@ -474,13 +503,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     options = gate_options(scale, causal, window, deterministic, backend)
-    scanned = scanned_gate(q, k, v, log_decay, options) if varlen is None else None
+    self_packed = varlen is not None and cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]
+    scanned = None
+    if varlen is None or self_packed:
+        scanned = scanned_gate(q, k, v, log_decay, options, cu_k)
     if scanned is not None:  # (g itself: the forward scans it)
         return scanned(q, k, v, log_decay, sink)
     G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])
-    elif cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]:
+    elif self_packed:
         # Self-attention packing (one cu_seqlens for both): each query sits at its own key row, so
         # G_q is G (rows past cu_seqlens[-1] belong to no sequence and are never read); skips ~25
         # small torch ops (~0.4 ms of host time per call on an H200 node).

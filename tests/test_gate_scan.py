@@ -45,8 +45,16 @@ class _EmulatedGateFamily:
     def __init__(self, scale):
         self.scale = scale
 
-    def forward_with_gate(self, *args):  # (only its presence is asked)
-        raise AssertionError("the scanned route launches through its plan")
+    def forward_with_gate(self, q, k, v, p, varlen, bias_rows, k_slice=None):
+        """Packed calls (the dense route launches through its plan): each sequence on its own."""
+        assert varlen is not None, "the dense scanned route launches through its plan"
+        cu = varlen.cu_seqlens_k.tolist()
+        outs, lses = [], []
+        for start, end in zip(cu[:-1], cu[1:]):
+            o, l = self.launch(q[None, start:end], k[None, start:end], v[None, start:end],
+                               bias_rows[None, :, start:end], None)
+            outs.append(o[0]), lses.append(l[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
 
     def can_gate(self, p):
         return True
@@ -64,6 +72,12 @@ class _EmulatedGateFamily:
         return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
 
     def backward_with_gate(self, dout, q, k, v, out, lse, p, varlen, deterministic, bias, rows_dpsum=False):
+        if varlen is not None:  # (each sequence on its own; the sums in (h, total) rows)
+            cu = varlen.cu_seqlens_k.tolist()
+            parts = [self.backward_with_gate(dout[None, a:b], q[None, a:b], k[None, a:b], v[None, a:b], None, None,
+                                             p, None, deterministic, bias[None, :, a:b]) for a, b in zip(cu[:-1], cu[1:])]
+            return (*(torch.cat([part[i][0] for part in parts]) for i in range(3)),
+                    *(torch.cat([part[i][0] for part in parts], dim=1) for i in (3, 4)))
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         key_add = torch.zeros_like(bias, requires_grad=True)
         query_add = torch.zeros(q.shape[0], q.shape[2], q.shape[1], requires_grad=True)
@@ -242,3 +256,228 @@ def test_repeated_gated_call_runs_its_kept_plan(seqlen):
     assert len([plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]) == 2
     with pytest.raises(ValueError, match="log_decay must have shape"):
         flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3][:, :-1])
+
+
+def _segmented_scans(g, cu, warps=2, keys_per_warp=4):
+    """The varlen kernels' algorithm (``kernels/common/gate_scan.py`` / ``gate_scan_grad.py`` with ``mCu``) step for
+    step in Python on one head: chunk records, then each chunk's carry from the chunks its first (last) key's
+    sequence reaches, warps' sums with their restart flags, and the per-key restarts. ``(G, reverse)``."""
+    total, chunk = len(g), warps * keys_per_warp
+    chunks = -(-total // chunk)
+    big = 2**31 - 1
+
+    def next_start(s):
+        return int(cu[s + 1]) if s + 1 < len(cu) else big
+
+    def sequence_of(s, key):
+        while next_start(s) <= key:
+            s += 1
+        return s
+
+    chunk_seq = [int(torch.searchsorted(cu, torch.tensor([c * chunk], dtype=cu.dtype), right=True)) for c in range(chunks)]
+    value = [float(x) for x in g] + [0.0] * (chunks * chunk - total)
+    fwd_rec, rev_rec = [], []
+    for c in range(chunks):
+        keys = range(c * chunk, c * chunk + chunk)
+        last_start = int(cu[sequence_of(chunk_seq[c] - 1, min(c * chunk + chunk, total) - 1)])
+        fwd_rec.append(sum(value[j] for j in keys if j >= last_start))
+        first_end = next_start(chunk_seq[c] - 1)
+        rev_rec.append(sum(value[j] for j in keys if j < first_end))
+    G, rev = [0.0] * total, [0.0] * total
+    for c in range(chunks):
+        first_seq = chunk_seq[c] - 1
+        first_chunk = int(cu[first_seq]) // chunk
+        last_end = next_start(sequence_of(first_seq, min(c * chunk + chunk, total) - 1))
+        end_chunk = min((min(last_end, total) - 1) // chunk + 1, chunks)
+        starts, ends, own_f, own_r, flag_f, flag_r = {}, {}, [], [], [], []
+        for w in range(warps):
+            start = c * chunk + w * keys_per_warp
+            seq, own, restarted = sequence_of(first_seq, start), 0.0, False
+            for j in range(start, start + keys_per_warp):
+                seq = sequence_of(seq, j)
+                starts[j], ends[j] = int(cu[seq]) == j, next_start(seq) == j + 1
+                if starts[j]:
+                    own, restarted = 0.0, True
+                own += value[j]
+            own_f.append(own), flag_f.append(restarted)
+            own, ended = 0.0, False
+            for j in reversed(range(start, start + keys_per_warp)):
+                if ends[j]:
+                    own, ended = 0.0, True
+                own += value[j]
+            own_r.append(own), flag_r.append(ended)
+        for w in range(warps):
+            start = c * chunk + w * keys_per_warp
+            carry = sum(fwd_rec[first_chunk:c])
+            for v in range(w):
+                carry = own_f[v] if flag_f[v] else carry + own_f[v]
+            for j in range(start, start + keys_per_warp):
+                carry = (0.0 if starts[j] else carry) + value[j]
+                if j < total:
+                    G[j] = carry
+            carry = sum(rev_rec[c + 1:end_chunk])
+            for v in reversed(range(w + 1, warps)):
+                carry = own_r[v] if flag_r[v] else carry + own_r[v]
+            for j in reversed(range(start, start + keys_per_warp)):
+                carry = (0.0 if ends[j] else carry) + value[j]
+                if j < total:
+                    rev[j] = carry
+    return torch.tensor(G, dtype=torch.float64), torch.tensor(rev, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 13, 1, 0, 20], [40], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [0, 9, 17], [8, 8, 8]])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_segmented_scan_algorithm_is_the_per_sequence_cumsum(lens, pad):
+    """The varlen scans' chunked algorithm (``_segmented_scans``: the kernels' steps, 2 warps of 4 keys) gives, on
+    packed sequences with zero-length ones and rows past the last sequence, each sequence's cumsum (G) and reverse
+    cumsum (dg) within the sequence."""
+    import itertools
+
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(len(lens) + pad)
+    g = torch.randn(int(cu[-1]) + pad, generator=gen, dtype=torch.float64)
+    G, rev = _segmented_scans(g, cu)
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        torch.testing.assert_close(G[rows], g[rows].cumsum(0))
+        torch.testing.assert_close(rev[rows], g[rows].flip(0).cumsum(0).flip(0))
+
+
+@pytest.mark.gpu
+def test_gate_scan_kernels_varlen_restart_per_sequence():
+    """The scans' varlen mode (``scan_varlen`` / ``scan_gradient_varlen``: ``gate.SCAN_KERNEL_VARLEN``'s kernels) on
+    packed sequences with zero-length ones, lengths across and inside 32-key chunks and rows past the last sequence:
+    G each sequence's cumsum (against fp64), the bias rows ``G / -scale`` bit for bit, and dg each sequence's reverse
+    cumsum of ``query_sums - key_sums``."""
+    import itertools
+
+    from flashattn_hopper.backends.gate_scan import scan_gradient_varlen, scan_varlen
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a Hopper GPU: the scan kernels compile for sm_90a only")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for lens, pad, heads in (([5, 0, 13, 1, 0, 200, 31, 33], 3, 7), ([4096], 0, 32), ([1] * 70, 5, 3),
+                             ([0, 1000, 0, 999, 64], 0, 40)):
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+        total = int(cu[-1]) + pad
+        g = torch.nn.functional.logsigmoid(torch.randn(total, heads, device="cuda", generator=gen) * 2 - 1)
+        G_rows, bias_rows, k_slice, chunk_seq = scan_varlen(g, cu, 0.125, None, "sm_90a")
+        assert k_slice is None and tuple(G_rows.shape) == (heads, total) and G_rows.stride(0) % 4 == 0
+        assert torch.equal(bias_rows, G_rows / -0.125)
+        key_rows = torch.randn(heads, total, device="cuda", generator=gen)
+        query_rows = torch.randn(heads, total, device="cuda", generator=gen)
+        dg = scan_gradient_varlen(key_rows, query_rows, cu, chunk_seq, torch.float32, "sm_90a")
+        assert tuple(dg.shape) == (total, heads)
+        total_grad = (query_rows - key_rows).double()
+        for i in range(len(lens)):
+            rows = slice(int(cu[i]), int(cu[i + 1]))
+            want = g[rows].double().cumsum(0).t()
+            torch.testing.assert_close(G_rows[:, rows].double(), want, rtol=0,
+                                       atol=float(want.abs().max(initial=0)) * 2e-7 + 1e-6)
+            want = total_grad[:, rows].flip(-1).cumsum(-1).flip(-1).t()
+            torch.testing.assert_close(dg[rows].double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gate_varlen_scan_route_parity(monkeypatch, head_dim):
+    """Packed self-attention (one cu_seqlens, no seqused) on the scan route (``gate.SCAN_KERNEL_VARLEN`` forced on):
+    the route is taken (one varlen scan per call), and out, lse and dq/dk/dv/dg match the fp32 definition per
+    sequence (2x PyTorch's error in bf16); zero-length and one-key sequences, GQA, causal."""
+    import itertools
+
+    from flashattn_hopper import flash_attn_varlen_func
+    from flashattn_hopper.backends import gate_scan
+    from flashattn_hopper.testing import assert_close_to_ref, rounding_atol
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: only the sm90 kernels take the scan route")
+    monkeypatch.setattr(gate, "SCAN_KERNEL_VARLEN", True)
+    scans, scan_varlen = [], gate_scan.scan_varlen
+    monkeypatch.setattr(gate_scan, "scan_varlen", lambda *a: scans.append(1) or scan_varlen(*a))
+    lens = [300, 0, 517, 1, 64]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    h, h_k = 4, 2
+    q, dout = (torch.randn(sum(lens), h, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(sum(lens), h_k, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(sum(lens), h, device="cuda", generator=gen) * 2 + 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    out, lse = flash_attn_varlen_func(leaves[0], leaves[1], leaves[2], cu, cu, max(lens), max(lens), causal=True,
+                                      log_decay=leaves[3], return_lse=True)
+    assert scans == [1]
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = {}
+    for upcast in (True, False):
+        ls = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        ls.append(g.detach().clone().requires_grad_())
+        outs, lses, loss = [], [], 0
+        for i in range(len(lens)):
+            rows = slice(int(cu[i]), int(cu[i + 1]))
+            if lens[i] == 0:
+                continue
+            o, l = _gated_ref_dense(ls[0][rows][None], ls[1][rows][None], ls[2][rows][None], ls[3][rows][None], True,
+                                    (-1, 0), head_dim ** -0.5)
+            outs.append(o[0]), lses.append(l[0])
+            loss = loss + (o[0] * dout[rows].to(o.dtype)).sum()
+        refs[upcast] = (torch.cat(outs), torch.cat(lses, dim=1), torch.autograd.grad(loss, ls))
+    assert_close_to_ref("out", out, refs[True][0].to(torch.bfloat16), refs[False][0])
+    assert_close_to_ref("lse", lse, refs[True][1].float(), refs[False][1].float(), atol=1e-3)
+    for name, gr, r, pt in zip(("dq", "dk", "dv", "dg"), grads, refs[True][2], refs[False][2]):
+        assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
+
+
+def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
+    """``GatedAttnFunc`` on the packed scan route (``gate.SCAN_KERNEL_VARLEN``: ``scan_varlen``, the in-kernel
+    forward and backward per sequence, ``scan_gradient_varlen``), its kernels replaced by torch stand-ins: out, the
+    LSE and dq/dk/dv/dg against the definition per sequence, zero-length and one-key sequences included."""
+    import itertools
+
+    from flashattn_hopper.backends import gate_scan
+    from flashattn_hopper.backends.common import VarlenArgs
+
+    scale = 0.3
+    family = _EmulatedGateFamily(scale)
+    lens = [7, 0, 12, 1, 5]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+    def per_sequence(rows, reverse):
+        out = torch.zeros_like(rows, dtype=torch.float64)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            part = rows[..., a:b].double()
+            out[..., a:b] = part.flip(-1).cumsum(-1).flip(-1) if reverse else part.cumsum(-1)
+        return out
+
+    def scan_varlen(g, cu_, scale_, slice_dtype, arch):
+        assert cu_ is cu
+        G_rows = per_sequence(g.t(), False).float()
+        return G_rows, G_rows / -scale_, None, "chunk_seq"
+
+    def scan_gradient_varlen(key_rows, query_rows, cu_, chunk_seq, dtype, arch):
+        assert cu_ is cu and chunk_seq == "chunk_seq"
+        return per_sequence(query_rows - key_rows, True).t().to(dtype)
+
+    monkeypatch.setattr(gate_scan, "scan_varlen", scan_varlen)
+    monkeypatch.setattr(gate_scan, "scan_gradient_varlen", scan_gradient_varlen)
+    plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
+    plan.route = (family, family, None, VarlenArgs(cu, cu, None, None, None, None))
+    plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan = gate.gate_options(scale, True, (-1, 0), False, None), \
+        None, "sm_90a", None
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(sum(lens), 3, 8, generator=gen) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(sum(lens), 3, generator=gen) + 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    out, lse = plan(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    outs, lses = [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a < b:
+            o, l = _gated_ref_dense(*(t[None, a:b] for t in ref), True, (-1, 0), scale)
+            outs.append(o[0]), lses.append(l[0])
+    ref_out = torch.cat(outs)
+    ref_grads = torch.autograd.grad(ref_out, ref, dout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.cat(lses, dim=1), rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)

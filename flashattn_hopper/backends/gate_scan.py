@@ -38,10 +38,13 @@ class GateScanGradKey(KernelKey):
 
 def scan_keys(arch: str) -> list[KernelKey]:
     """The forward kernel's two variants (the slice only in bf16: fp16 is the same code) and the gradient's fp32 one
-    (the 16-bit outputs differ in the final conversion only), for precompile and the CPU tier."""
+    (the 16-bit outputs differ in the final conversion only), and each kernel's varlen mode, for precompile and the
+    CPU tier."""
     return [GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=""),
             GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16"),
-            GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32")]
+            GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32"),
+            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="", varlen=True),
+            GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32", varlen=True)]
 
 
 def compile_scan_grad(key: GateScanGradKey, options: str | None = None) -> Any:
@@ -63,16 +66,19 @@ def compile_scan_grad(key: GateScanGradKey, options: str | None = None) -> Any:
                        rows(dg_dtype, 2), cutlass.Int32(0), *segments, options=options)
 
 
-def scan_gradient(key_sums: torch.Tensor, query_sums: torch.Tensor, dtype: torch.dtype, arch: str) -> torch.Tensor:
+def scan_gradient(key_sums: torch.Tensor, query_sums: torch.Tensor, dtype: torch.dtype, arch: str,
+                  segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """g's gradient ``(batch, seqlen_k, nheads)`` in ``dtype`` from the backward kernel's dS sums per key
     (``key_sums``, d(-G), ``(batch, nheads, seqlen_k)`` fp32 rows) and per query (``query_sums``, ``(batch, nheads,
     seqlen_q)``): the reverse cumsum of ``query_sums[t - (seqlen_k - seqlen_q)] - key_sums[t]`` along the keys
-    (``gate._scan_gradient``'s, in one call of ``kernels/common/gate_scan_grad.py``)."""
+    (``gate._scan_gradient``'s, in one call of ``kernels/common/gate_scan_grad.py``). ``segments``: ``(cu_seqlens,
+    chunk_seq)`` of packed sequences (batch 1; ``scan_gradient_varlen``)."""
     batch, nheads, seqlen_k = key_sums.shape
     dg = torch.empty(batch, seqlen_k, nheads, dtype=dtype, device=key_sums.device)
     if dg.numel() > 0:
         chunk_sums = torch.empty(batch, -(-seqlen_k // SCAN_CHUNK), nheads, dtype=torch.float64, device=dg.device)
-        _compiled_grad(arch, dtype)(key_sums, query_sums, chunk_sums, dg, seqlen_k - query_sums.shape[-1], None, None)
+        _compiled_grad(arch, dtype, segments is not None)(key_sums, query_sums, chunk_sums, dg,
+                                                          seqlen_k - query_sums.shape[-1], *(segments or (None, None)))
     return dg
 
 
@@ -110,11 +116,13 @@ def _fake_segments() -> tuple[Any, Any]:
     return tuple(make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) for _ in range(2))
 
 
-def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str
+def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None, arch: str,
+         segments: tuple[torch.Tensor, torch.Tensor] | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(G_rows, bias_rows, k_slice)`` of dense ``log_decay`` ``(batch, seqlen_k, nheads)`` (CUDA, any float
     dtype: read as fp32): ``G`` and ``-G / scale`` as ``(batch, nheads, seqlen_k)`` fp32 rows, and K's k16
-    slice ``(batch, seqlen_k, nheads, GATE_K)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's."""
+    slice ``(batch, seqlen_k, nheads, GATE_K)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's.
+    ``segments``: ``(cu_seqlens, chunk_seq)`` of packed sequences (batch 1; ``scan_varlen``)."""
     g = log_decay.float()
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -133,9 +141,34 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if seqlen > 0 and batch > 0 and nheads > 0:
         chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
-        _compiled(arch, slice_dtype)(g, chunk_sums, G_rows, bias_rows, k_slice, _neg_inv_scale(float(scale)), None,
-                                     None)
+        _compiled(arch, slice_dtype, segments is not None)(g, chunk_sums, G_rows, bias_rows, k_slice,
+                                                           _neg_inv_scale(float(scale)), *(segments or (None, None)))
     return G_rows, bias_rows, k_slice
+
+
+def chunk_sequences(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """The varlen scans' ``chunk_seq``: 1 + the sequence holding each chunk's first key (one searchsorted: the
+    kernels walk on from there, a binary search per CTA would be ~17 dependent loads)."""
+    starts = torch.arange(0, total, SCAN_CHUNK, dtype=torch.int32, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens, starts, right=True, out_int32=True)
+
+
+def scan_varlen(log_decay: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
+                arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``scan`` of packed ``log_decay`` ``(total_k, nheads)`` with the cumsum restarting at each ``cu_seqlens`` start
+    (int32, CUDA): ``(G_rows, bias_rows, k_slice, chunk_seq)``, the rows ``(nheads, total_k)`` fp32 (16-byte aligned),
+    K's slice ``(total_k, nheads, GATE_K)`` or None, and ``chunk_sequences`` (for ``scan_gradient_varlen``)."""
+    total, nheads = log_decay.shape
+    chunk_seq = chunk_sequences(cu_seqlens, total)
+    G_rows, bias_rows, k_slice = scan(log_decay[None], scale, slice_dtype, arch, (cu_seqlens, chunk_seq))
+    return G_rows[0], bias_rows[0], None if k_slice is None else k_slice[0], chunk_seq
+
+
+def scan_gradient_varlen(key_sums: torch.Tensor, query_sums: torch.Tensor, cu_seqlens: torch.Tensor,
+                         chunk_seq: torch.Tensor, dtype: torch.dtype, arch: str) -> torch.Tensor:
+    """``scan_gradient`` of packed self-attention (``(nheads, total)`` sum rows, one ``cu_seqlens`` for queries and
+    keys): g's gradient ``(total, nheads)``, the reverse cumsum restarting at each sequence's end."""
+    return scan_gradient(key_sums[None], query_sums[None], dtype, arch, (cu_seqlens, chunk_seq))[0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -146,15 +179,16 @@ def _neg_inv_scale(scale: float) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_grad(arch: str, dtype: torch.dtype) -> Any:
+def _compiled_grad(arch: str, dtype: torch.dtype, varlen: bool = False) -> Any:
     """The compiled gradient scan of a dtype, looked up once per process."""
     key = GateScanGradKey(kernel="gate_scan_grad", arch=arch,
-                          grad_dtype="fp32" if dtype == torch.float32 else DTYPE_NAMES[dtype])
+                          grad_dtype="fp32" if dtype == torch.float32 else DTYPE_NAMES[dtype], varlen=varlen)
     return compile_cache.get(key, compile_scan_grad)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(arch: str, slice_dtype: torch.dtype | None) -> Any:
+def _compiled(arch: str, slice_dtype: torch.dtype | None, varlen: bool = False) -> Any:
     """The compiled scan of a variant, looked up once per process (the compile cache's memory keeps it too)."""
-    key = GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype else "")
+    key = GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype else "",
+                      varlen=varlen)
     return compile_cache.get(key, compile_scan)
