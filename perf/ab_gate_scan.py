@@ -7,9 +7,10 @@ or on (``backends/gate_scan.py``: one TVM-FFI launch), alternated round by round
 alike. Cells: a tiny causal shape (1 x 128 x 8 x 128 bf16; us per call over ``--calls`` calls, host-bound) and
 the causal FA3-paper cells (16k tokens, hidden 2048) at hdim 64 / 128 and 1k / 4k / 16k keys: do_bench wall of
 the gated forward and of forward + backward (g with a gradient: since session 37 the kernel route takes it too, its
-backward since session 38 with the dg scan kernel), beside the plain (ungated) call of the same shape. Medians. ``--varlen``: the same cells as packed self-attention (one cu_seqlens of
-equal sequences through ``flash_attn_varlen_func``), ``gate.SCAN_KERNEL_VARLEN`` off (``cumulative``'s torch ops
-and their autograd) or on (the kernels' varlen mode).
+backward since session 38 with the dg scan kernel), beside the plain (ungated) call of the same shape. Medians.
+``--varlen``: the same cells as packed self-attention (one cu_seqlens of equal sequences through
+``flash_attn_varlen_func``), ``gate.SCAN_KERNEL_VARLEN`` off (``cumulative``'s torch ops and their autograd) or on
+(the kernels' varlen mode).
 """
 
 from __future__ import annotations
