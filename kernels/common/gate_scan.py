@@ -27,6 +27,11 @@ Many small chunks keep every SM busy (512 CTAs at 16k tokens with the backend's 
 version was one pass whose CTAs each summed every key before their 256-key chunk themselves, 64 CTAs,
 latency-bound (17-24 us at 16k tokens x 16-32 heads on an H100, perf/NOTES.md session 37), and for that reason
 limited to 2k keys; this one takes 7.3 / 13.2 us there. No tensor cores.
+
+Varlen (``mCu``: packed sequences, batch 1; session 38, not yet run on a GPU): the sums restart at each sequence
+start. A chunk's record is its sum from its last start on; a CTA's carry sums the records from the chunk holding the
+start of its first key's sequence (``mChunkSeq``: that sequence, one host searchsorted per call, the CTA walking on
+from it over ``cu_seqlens``), and a warp with a start passes on its sum from there only.
 """
 
 import cuda.bindings.driver as cuda
@@ -72,6 +77,19 @@ def sequence_of(mCu: cute.Tensor, seq: Int32, key: Int32) -> Int32:
     while next_start(mCu, seq) <= key:
         seq = seq + 1
     return seq
+
+
+@cute.jit
+def store_chunk_sum(own_sums: cute.Tensor, mSums: cute.Tensor, batch_idx: Int32, chunk_idx: Int32, head: Int32,
+                    nheads: Int32, warps: int):
+    """The chunk's sum of its lane's head (the warps' ``own_sums``, after the CTA's barrier) into the scratch, by
+    warp 0. Shared with the gradient's scan (``gate_scan_grad.py``)."""
+    if cute.arch.thread_idx()[0] // 32 == 0 and head < nheads:
+        lane = cute.arch.lane_idx()
+        total = Float64(0.0)
+        for w in cutlass.range_constexpr(warps):
+            total = total + own_sums[lane, w]
+        mSums[batch_idx, chunk_idx, head] = total
 
 
 class GateScan:
@@ -161,11 +179,7 @@ class GateScan:
                     own = own + Float64(gates[i])
         own_sums[lane, warp] = own
         cute.arch.barrier()
-        if warp == 0 and head < mg.shape[2]:
-            total = Float64(0.0)
-            for w in cutlass.range_constexpr(self.warps):
-                total = total + own_sums[lane, w]
-            mSums[batch_idx, chunk_idx, head] = total
+        store_chunk_sum(own_sums, mSums, batch_idx, chunk_idx, head, mg.shape[2], self.warps)
 
     @cute.kernel
     def scan(self, mg: cute.Tensor, mSums: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor,

@@ -19,7 +19,9 @@ ceil(seqlen_k / chunk))``, ``chunk = keys_per_warp * warps`` keys per CTA, a lan
 2. ``scan``: the same staging; each warp sums a share of the *later* chunks' sums, the sums meet in shared memory,
    then each warp scans its keys from the last one down on the fp64 carry and writes dg (a lane per head: 32
    contiguous values per store). fp64 carries: dg sums up to ``seqlen_k`` terms of mixed signs.
-No tensor cores.
+No tensor cores. Varlen (``mCu``, packed self-attention, batch 1; session 38, not yet run on a GPU): the forward's
+segments mirrored, the sums restarting at each sequence's end (a chunk's record is its sum up to its first
+sequence's end; a CTA's carry sums the records up to the chunk holding its last key's sequence's end).
 """
 
 import cuda.bindings.driver as cuda
@@ -29,7 +31,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
-from .gate_scan import next_start, sequence_of, strided_chunk_sum
+from .gate_scan import next_start, sequence_of, store_chunk_sum, strided_chunk_sum
 
 
 class GateScanGrad:
@@ -131,11 +133,7 @@ class GateScanGrad:
                     own = own + Float64(grads[i])
         own_sums[lane, warp] = own
         cute.arch.barrier()
-        if warp == 0 and head < mKey.shape[1]:
-            total = Float64(0.0)
-            for w in cutlass.range_constexpr(self.warps):
-                total = total + own_sums[lane, w]
-            mSums[batch_idx, chunk_idx, head] = total
+        store_chunk_sum(own_sums, mSums, batch_idx, chunk_idx, head, mKey.shape[1], self.warps)
 
     @cute.kernel
     def scan(self, mKey: cute.Tensor, mQuery: cute.Tensor, mSums: cute.Tensor, mdg: cute.Tensor, shift: Int32,
