@@ -128,6 +128,11 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 # 0.88); built by six torch ops (``_TORCH``) only from 4k (session 26: +9 % at hdim 64 1k).
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
+# The gated sm90 backward's per-key dS sums by one more WGMMA beside dK's (dS^T times a tile of ones,
+# kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle. Off: written and compiled (no spills)
+# in session 38 without a GPU; the gate's GPU tests run it with this on (tests/test_gate_scan.py); the next session
+# measures it (perf/NOTES.md session 38's WGMMA design) before turning it on.
+BWD_SM90_GATE_KEY_MMA = False
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q

@@ -162,6 +162,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         gqa_loop: bool = False,
         loop_chunk_n: int = 8,
         loop_desc: bool = False,
+        gate_key_mma: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -174,6 +175,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if reason is None and gqa_loop and (is_gqa or has_gate or trace or tile_n != 128):
             reason = ("gqa_loop keeps dK/dV in registers over a KV head's query heads (the MHA epilogue): not with "
                       "the GQA sums (is_gqa), the gate (a bias per query head), trace, or the wide kernels")
+        if reason is None and gate_key_mma and not has_gate:
+            reason = "gate_key_mma takes the gate's per-key sums by WGMMA: only with has_gate"
+        if reason is None and gate_key_mma and (
+                FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate)
+                + 8 * tile_m * dtype.width // 8 + 1024 > _SMEM_CAPACITY):
+            reason = "gate_key_mma's tile of ones does not fit in shared memory"
         if reason is None and loop_desc and (not gqa_loop or dq_claim):
             reason = "loop_desc orders gqa_loop's blocks; dq_claim's claims a block ahead assume ascending blocks"
         if reason is not None:
@@ -189,6 +196,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         self.has_softcap = has_softcap
         # Gated log-decay (bwd_gate.py): a bias per (query head, key) in P^T, dG's sums from dS^T.
         self.has_gate = has_gate
+        # The gate's per-key sums by one more WGMMA beside dK's (dS^T times a tile of ones, bwd_gate.py) instead
+        # of the threads' adds (session 38: written and compiled without a GPU; opt-in, not yet measured).
+        self.gate_key_mma = gate_key_mma
         self.num_stages = num_stages
         self.num_stages_do = num_stages  # dO / dPsum ring stages (bwd_wide96.py: fewer than Q's where dO is wide)
         # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
@@ -320,6 +330,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             "sV": make_smem_layout_sm90(self.dtype, self.tile_n, self.head_dim_v),
             # dS^T: (keys, queries), queries contiguous; the dQ GEMM reads its transpose (M-major A).
             "sdSt": make_smem_layout_sm90(self.dtype, self.tile_n, self.tile_m, self.pds_stages),
+            # gate_key_mma: the ones the per-key sums' WGMMA takes as B, (8, queries) K-major (every element 1:
+            # the swizzle does not matter)
+            **({"sOnes": make_smem_layout_sm90(self.dtype, 8, self.tile_m)} if self.gate_key_mma else {}),
         }
 
     def _shared_storage(self, layouts):
@@ -346,8 +359,19 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], _SMEM_ALIGN]
             # has_gate: each MMA warp's query sums of the m_block (bwd_gate.py), read by the dQ writer.
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
+            if self.gate_key_mma:
+                sOnes: buffer(layouts["sOnes"])
 
         return SharedStorage
+
+    def _tiled_mma_key_sums(self):
+        """gate_key_mma: dS^T (A from registers, as dK's) times a (queries x 8) tile of ones (K-major B): each key
+        row's sum of dS^T in every one of its 8 columns."""
+        K = cute.nvgpu.OperandMajorMode.K
+        return hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, 8),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
 
     def _tiled_mmas(self):
         """S^T / dP^T: SS, both K-major, warpgroups along keys. dV / dK: A = P^T / dS^T from
@@ -556,6 +580,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             cute.make_layout((self.tile_m, self.num_stages_do), stride=(1, _stats_stride(self.tile_m)))
         )
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
+        sOnes = smem(storage.sOnes, "sOnes") if const_expr(self.gate_key_mma) else None
 
         # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
         block_x, head_idx, block_z = cute.arch.block_idx()
@@ -628,6 +653,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     softcap_scale if const_expr(self.has_softcap) else None, window_left, window_right,
                     sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                     **({"m_iter_end": m_iter_end} if const_expr(self.gqa_loop) else {}),
+                    **({"sOnes": sOnes} if const_expr(self.gate_key_mma) else {}),
                 )
                 acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS

@@ -21,7 +21,7 @@ query columns (the WGMMA C layout: row ``16 * warp + lane / 4 (+ 8)``, column ``
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..common.bwd_utils import elem_pointer
 from ..common.utils import acc_rows_cols
@@ -44,19 +44,20 @@ def load_key_bias(mGate_cur: cute.Tensor, tScS_mn: cute.Tensor, n_block: Int32, 
 
 
 @cute.jit
-def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor, sQuerySums: cute.Tensor, slot: Int32, mma_warp: Int32,
-               tile_m: cutlass.Constexpr[int]):
-    """From this block's dS^T (16-bit, summed in fp32): adds each key row's sum into ``key_sums``, and
-    writes this warp's query sums (its 16 key rows) into its row of smem slot ``slot``
-    (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
+def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor | None, sQuerySums: cute.Tensor, slot: Int32,
+               mma_warp: Int32, tile_m: cutlass.Constexpr[int]):
+    """From this block's dS^T (16-bit, summed in fp32): adds each key row's sum into ``key_sums`` (None:
+    gate_key_mma's WGMMA takes them), and writes this warp's query sums (its 16 key rows) into its row of smem
+    slot ``slot`` (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
     acc_mn = acc_rows_cols(acc_dS)
     num_rows = cute.size(acc_mn.shape[0])
     num_cols = cute.size(acc_mn.shape[1])
-    for r in cutlass.range_constexpr(num_rows):
-        row = acc_mn[r, 0].to(Float32)
-        for c in cutlass.range_constexpr(1, num_cols):
-            row = row + acc_mn[r, c].to(Float32)
-        key_sums[r] = key_sums[r] + row
+    if const_expr(key_sums is not None):
+        for r in cutlass.range_constexpr(num_rows):
+            row = acc_mn[r, 0].to(Float32)
+            for c in cutlass.range_constexpr(1, num_cols):
+                row = row + acc_mn[r, c].to(Float32)
+            key_sums[r] = key_sums[r] + row
     lane = cute.arch.lane_idx()
     # Columns in chunks of 4 (8 partial sums live at once serialized every WGMMA at hdim 128: ptxas
     # C7512): lane bits 4 and 8 split the chunk (each lane keeps one column), bit 16 adds the rest.
@@ -109,15 +110,43 @@ def add_query_sums(sQuerySums: cute.Tensor, slot: Int32, mdGq_cur: cute.Tensor, 
 
 
 @cute.jit
+def ones_operand(tiled_mma_ks: cute.TiledMma, sOnes: cute.Tensor, wg_thread: Int32, tidx: Int32) -> cute.Tensor:
+    """gate_key_mma: fills the (8, tile_m) smem tile with ones (the MMA threads, each a few elements: any
+    swizzle holds the same ones) and returns its B fragment for the per-key sums' WGMMA (the caller's first
+    DS_READY barrier, after a fence here, makes the ones visible to it)."""
+    flat = cute.make_tensor(sOnes.iterator, cute.make_layout(cute.cosize(sOnes.layout)))
+    for i in cutlass.range_constexpr(cute.size(flat) // (2 * 128)):
+        flat[i * 2 * 128 + tidx] = sOnes.element_type(1.0)
+    cute.arch.fence_view_async_shared()
+    wg_ks = tiled_mma_ks.get_slice(wg_thread)
+    return wg_ks.make_fragment_B(wg_ks.partition_B(sOnes))
+
+
+@cute.jit
+def key_sums_of(acc_ks: cute.Tensor) -> cute.Tensor:
+    """gate_key_mma: each of this thread's key rows' sum (its first column of the ones product; the quad's other
+    lanes hold the same sums: 0 there, so that ``store_key_sums``' quad adds are exact)."""
+    acc_mn = acc_rows_cols(acc_ks)
+    lane = cute.arch.lane_idx()
+    sums = cute.make_rmem_tensor((cute.size(acc_mn.shape[0]),), Float32)
+    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+        sums[r] = Float32(0.0)
+        if (lane & 3) == 0:
+            sums[r] = acc_mn[r, 0]
+    return sums
+
+
+@cute.jit
 def store_key_sums(key_sums: cute.Tensor, tScS_mn: cute.Tensor, mdGk_cur: cute.Tensor, n_block: Int32,
-                   tile_n: cutlass.Constexpr[int], seqlen_k: Int32):
-    """Each key row's sum over all query blocks (the quad's four lanes added) -> its key's slot (rows
-    below ``seqlen_k``; a key block no query sees stores zeros)."""
+                   tile_n: cutlass.Constexpr[int], seqlen_k: Int32, reduced: cutlass.Constexpr[bool] = False):
+    """Each key row's sum over all query blocks (the quad's four lanes added; ``reduced``: lane 0 of the quad
+    holds it already) -> its key's slot (rows below ``seqlen_k``; a key block no query sees stores zeros)."""
     lane = cute.arch.lane_idx()
     for r in cutlass.range_constexpr(cute.size(key_sums)):
         total = key_sums[r]
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+        if const_expr(not reduced):
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
         key = n_block * tile_n + tScS_mn[r, 0][0]
         if (lane & 3) == 0 and key < seqlen_k:
             mdGk_cur[key] = total

@@ -50,12 +50,14 @@ class FlashBwdSm90Loop:
         dgk: cute.Tensor | None,
         trace_out: cute.Tensor | None = None,
         m_iter_end: Int32 | None = None,
+        sOnes: cute.Tensor | None = None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv[, (K/V landed, loop done)
         %globaltimer stamps: trace only]). ``gate``
         and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
         (trace): where ``store_stamps`` puts the clocks. ``m_iter_end`` (gqa_loop): the virtual end of the loop over
-        the KV head's query heads' blocks in turn (``block_head``; only the masks read the real m_block)."""
+        the KV head's query heads' blocks in turn (``block_head``; only the masks read the real m_block). ``sOnes``
+        (gate_key_mma): the B tile of ones of the per-key sums' WGMMA."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -92,6 +94,12 @@ class FlashBwdSm90Loop:
             key_bias = bwd_gate.load_key_bias(gate, tScS_mn, n_block, self.tile_n, seqlen.seqlen_k)
             key_sums = cute.make_rmem_tensor(key_bias.shape, Float32)
             key_sums.fill(0.0)
+        tiled_mma_ks = acc_ks = tKSrOnes = None
+        if const_expr(self.gate_key_mma):  # (the ones are visible to WGMMA by the first DS_READY barrier)
+            tiled_mma_ks = self._tiled_mma_key_sums()
+            tKSrOnes = bwd_gate.ones_operand(tiled_mma_ks, sOnes, wg_idx * _WG_THREADS, tidx)
+            acc_ks = cute.make_rmem_tensor(tiled_mma_ks.partition_shape_C((self.tile_n, 8)), Float32)
+            acc_ks.fill(0.0)
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
         kv_landed = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
@@ -146,7 +154,8 @@ class FlashBwdSm90Loop:
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
                 # staged at once; two slots by block parity, as sdSt: the writer read block j's
                 # before the DQ_EMPTY this block's dq_to_smem(j + 1) waited for.
-                bwd_gate.stage_sums(rdS, key_sums, sQuerySums, ds_stage, tidx // 32, self.tile_m)
+                bwd_gate.stage_sums(rdS, None if const_expr(self.gate_key_mma) else key_sums, sQuerySums, ds_stage,
+                                    tidx // 32, self.tile_m)
                 if const_expr(self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             if const_expr(self.pingpong):
@@ -170,6 +179,8 @@ class FlashBwdSm90Loop:
                     acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                     wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
                 self.stamp(stamps, m_block - m_block_min, 14)
+                if const_expr(self.gate_key_mma):  # (before dK: dK's wait below then covers it too)
+                    wgmma(tiled_mma_ks, acc_ks, tdKrdS, tKSrOnes, zero_init=False, wg_wait=-1)
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
                 self.stamp(stamps, m_block - m_block_min, 6)
                 pipe_do.consumer_release(state)  # dP^T and dV have read dO
@@ -190,7 +201,10 @@ class FlashBwdSm90Loop:
         if const_expr(self.trace):
             self.store_stamps(stamps, tidx, wg_idx, trace_out)
             times = ((kv_landed, cute.arch.globaltimer_lo()),)
-        if const_expr(self.has_gate):
+        if const_expr(self.gate_key_mma):  # (every lane of a quad holds its rows' whole sums)
+            bwd_gate.store_key_sums(bwd_gate.key_sums_of(acc_ks), tScS_mn, dgk, n_block, self.tile_n,
+                                    seqlen.seqlen_k, reduced=True)
+        elif const_expr(self.has_gate):
             bwd_gate.store_key_sums(key_sums, tScS_mn, dgk, n_block, self.tile_n, seqlen.seqlen_k)
         return (acc_dK, acc_dV, tiled_mma_dkv, *times)
 
