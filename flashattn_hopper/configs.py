@@ -133,6 +133,8 @@ FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # in session 38 without a GPU; the gate's GPU tests run it with this on (tests/test_gate_scan.py); the next session
 # measures it (perf/NOTES.md session 38's WGMMA design) before turning it on.
 BWD_SM90_GATE_KEY_MMA = False
+# Its per-query sums likewise, beside dQ's WGMMA (dS times a tile of ones, staged whole for the dQ writer). Same status.
+BWD_SM90_GATE_QUERY_MMA = False
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q

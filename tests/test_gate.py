@@ -467,23 +467,26 @@ def test_gate_long_strong_decay(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sums", ["key", "query", "both"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gate_key_sums_by_wgmma_parity(monkeypatch, head_dim):
-    """``configs.BWD_SM90_GATE_KEY_MMA`` (opt-in: the gated backward's per-key dS sums by one more WGMMA beside
-    dK's, session 38, not yet measured): the gated main key takes it, and out, lse and every gradient (dg from those
-    sums) keep the parity rule."""
+def test_gate_sums_by_wgmma_parity(monkeypatch, sums, head_dim):
+    """``configs.BWD_SM90_GATE_KEY_MMA`` / ``BWD_SM90_GATE_QUERY_MMA`` (opt-in: the gated backward's per-key /
+    per-query dS sums by one more WGMMA beside dK's / dQ's, session 38, not yet measured): the gated main key takes
+    them, and out, lse and every gradient (dg from those sums) keep the parity rule."""
     from flashattn_hopper import configs
     from flashattn_hopper.backends import sm80_bwd
     from flashattn_hopper.backends.sm90_bwd import BwdSm90
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
         pytest.skip("needs a Hopper GPU and the sm90 backend: the sums are the sm90 backward's")
-    monkeypatch.setattr(configs, "BWD_SM90_GATE_KEY_MMA", True)
+    monkeypatch.setattr(configs, "BWD_SM90_GATE_KEY_MMA", sums in ("key", "both"))
+    monkeypatch.setattr(configs, "BWD_SM90_GATE_QUERY_MMA", sums in ("query", "both"))
     monkeypatch.setattr(sm80_bwd, "_PLAN_MEMO", {})  # (a plan kept from an earlier test has the other key)
     keys, main_key = [], BwdSm90._main_key
     monkeypatch.setattr(BwdSm90, "_main_key", lambda self, *a, **kw: keys.append(main_key(self, *a, **kw)) or keys[-1])
     _gate_api_parity(monkeypatch, None, head_dim, True, (1023, 1024))
-    assert any(k.gate and k.gate_key_mma for k in keys), keys
+    want = (sums in ("key", "both"), sums in ("query", "both"))
+    assert any(k.gate and (k.gate_key_mma, k.gate_query_mma) == want for k in keys), keys
 
 
 def _gate_api_parity(monkeypatch, backend, head_dim, causal, seqlens, batch=2, nheads=(8, 2), gate_shift=3.0):

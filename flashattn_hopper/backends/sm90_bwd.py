@@ -143,6 +143,7 @@ class BwdSm90Key(KernelKey):
     gqa_loop: bool = field(default=False, metadata={"display": "loop"})
     loop_desc: bool = field(default=False, metadata={"display": "desc"})  # (BwdSm90Tile.loop_desc_above)
     gate_key_mma: bool = False  # the gate's per-key sums by WGMMA (configs.BWD_SM90_GATE_KEY_MMA, opt-in)
+    gate_query_mma: bool = False  # the gate's per-query sums by WGMMA (configs.BWD_SM90_GATE_QUERY_MMA, opt-in)
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -259,7 +260,8 @@ class BwdSm90(BwdSm80):
             **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
                and not t.trace and not flags.get("deterministic") and not loop_desc else {}),
             **({"gqa_loop": True} if gqa_loop else {}), **({"loop_desc": True} if loop_desc else {}),
-            **({"gate_key_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_KEY_MMA else {}), **flags,
+            **({"gate_key_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_KEY_MMA else {}),
+            **({"gate_query_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_QUERY_MMA else {}), **flags,
         )
 
     def tile_80_key(self, arch: str) -> BwdSm90Key:
@@ -382,6 +384,7 @@ class BwdSm90(BwdSm80):
             **({"gqa_loop": True, "loop_chunk_n": LOOP_CHUNK_N} if k.gqa_loop else {}),
             **({"loop_desc": True} if k.loop_desc else {}),
             **({"gate_key_mma": True} if k.gate_key_mma else {}),
+            **({"gate_query_mma": True} if k.gate_query_mma else {}),
         )
         if k.gqa and not k.gqa_loop:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))

@@ -163,6 +163,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         loop_chunk_n: int = 8,
         loop_desc: bool = False,
         gate_key_mma: bool = False,
+        gate_query_mma: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -175,12 +176,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if reason is None and gqa_loop and (is_gqa or has_gate or trace or tile_n != 128):
             reason = ("gqa_loop keeps dK/dV in registers over a KV head's query heads (the MHA epilogue): not with "
                       "the GQA sums (is_gqa), the gate (a bias per query head), trace, or the wide kernels")
-        if reason is None and gate_key_mma and not has_gate:
-            reason = "gate_key_mma takes the gate's per-key sums by WGMMA: only with has_gate"
-        if reason is None and gate_key_mma and (
+        if reason is None and (gate_key_mma or gate_query_mma) and (not has_gate or pingpong):
+            reason = "gate_key_mma / gate_query_mma take the gate's sums by WGMMA: only with has_gate, not pingpong"
+        if reason is None and (gate_key_mma or gate_query_mma) and (
                 FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate)
-                + 8 * tile_m * dtype.width // 8 + 1024 > _SMEM_CAPACITY):
-            reason = "gate_key_mma's tile of ones does not fit in shared memory"
+                + 8 * (tile_m + tile_n) * dtype.width // 8 + 2048 > _SMEM_CAPACITY):
+            reason = "gate_key_mma / gate_query_mma's tiles of ones do not fit in shared memory"
         if reason is None and loop_desc and (not gqa_loop or dq_claim):
             reason = "loop_desc orders gqa_loop's blocks; dq_claim's claims a block ahead assume ascending blocks"
         if reason is not None:
@@ -199,6 +200,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # The gate's per-key sums by one more WGMMA beside dK's (dS^T times a tile of ones, bwd_gate.py) instead
         # of the threads' adds (session 38: written and compiled without a GPU; opt-in, not yet measured).
         self.gate_key_mma = gate_key_mma
+        # The per-query sums likewise beside dQ's (dS times a tile of ones), staged whole into warp 0's row of
+        # sQuerySums (the other rows zeroed once: the dQ writer's sum stays as it is). Same status.
+        self.gate_query_mma = gate_query_mma
         self.num_stages = num_stages
         self.num_stages_do = num_stages  # dO / dPsum ring stages (bwd_wide96.py: fewer than Q's where dO is wide)
         # Deterministic: semaphore-ordered dQ (and GQA dK/dV) adds, compiled in only where asked
@@ -333,6 +337,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             # gate_key_mma: the ones the per-key sums' WGMMA takes as B, (8, queries) K-major (every element 1:
             # the swizzle does not matter)
             **({"sOnes": make_smem_layout_sm90(self.dtype, 8, self.tile_m)} if self.gate_key_mma else {}),
+            # gate_query_mma: the ones of the per-query sums' WGMMA, (8, keys) K-major
+            **({"sOnesN": make_smem_layout_sm90(self.dtype, 8, self.tile_n)} if self.gate_query_mma else {}),
         }
 
     def _shared_storage(self, layouts):
@@ -361,6 +367,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             sQuerySums: cute.struct.Align[cute.struct.MemRange[Float32, query_sums], 128]
             if self.gate_key_mma:
                 sOnes: buffer(layouts["sOnes"])
+            if self.gate_query_mma:
+                sOnesN: buffer(layouts["sOnesN"])
 
         return SharedStorage
 
@@ -371,6 +379,15 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         return hopper_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, 8),
             a_source=warpgroup.OperandSource.RMEM,
+        )
+
+    def _tiled_mma_query_sums(self):
+        """gate_query_mma: dS (A = dQ's M-major view of sdSt) times a (keys x 8) tile of ones (K-major B): each
+        query row's sum of dS. The warpgroups split the rows where dQ's do (tile_m 128); at tile_m 64 (dQ split
+        by columns) warpgroup 0 takes the whole 64 x 8 product."""
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        return hopper_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, K, Float32, atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, 8),
         )
 
     def _tiled_mmas(self):
@@ -581,6 +598,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         )
         sQuerySums = storage.sQuerySums.get_tensor(cute.make_layout((bwd_gate.NUM_MMA_WARPS * self.tile_m, 2)))
         sOnes = smem(storage.sOnes, "sOnes") if const_expr(self.gate_key_mma) else None
+        sOnesN = smem(storage.sOnesN, "sOnesN") if const_expr(self.gate_query_mma) else None
 
         # This CTA's (sequence, key block): varlen CTAs past the last tile have none.
         block_x, head_idx, block_z = cute.arch.block_idx()
@@ -654,6 +672,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                     sQuerySums, gate, dgk, mdQ_sem[0, 0, None] if const_expr(self.trace) else None,
                     **({"m_iter_end": m_iter_end} if const_expr(self.gqa_loop) else {}),
                     **({"sOnes": sOnes} if const_expr(self.gate_key_mma) else {}),
+                    **({"sOnesN": sOnesN} if const_expr(self.gate_query_mma) else {}),
                 )
                 acc_dK, acc_dV, tiled_mma_dkv = mma_out[:3]
                 tidx = cute.arch.thread_idx()[0] - _WG_THREADS

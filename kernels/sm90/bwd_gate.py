@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.bwd_utils import elem_pointer
-from ..common.utils import acc_rows_cols
+from ..common.utils import acc_rows_cols, transpose_view
 
 NUM_MMA_WARPS = 8  # two MMA warpgroups: one smem row of query sums per warp
 _CHUNK = 4  # query columns reduced together
@@ -44,11 +44,11 @@ def load_key_bias(mGate_cur: cute.Tensor, tScS_mn: cute.Tensor, n_block: Int32, 
 
 
 @cute.jit
-def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor | None, sQuerySums: cute.Tensor, slot: Int32,
+def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor | None, sQuerySums: cute.Tensor | None, slot: Int32,
                mma_warp: Int32, tile_m: cutlass.Constexpr[int]):
     """From this block's dS^T (16-bit, summed in fp32): adds each key row's sum into ``key_sums`` (None:
     gate_key_mma's WGMMA takes them), and writes this warp's query sums (its 16 key rows) into its row of smem
-    slot ``slot`` (``(NUM_MMA_WARPS * tile_m, 2)`` fp32)."""
+    slot ``slot`` (``(NUM_MMA_WARPS * tile_m, 2)`` fp32; None: gate_query_mma's WGMMA takes them)."""
     acc_mn = acc_rows_cols(acc_dS)
     num_rows = cute.size(acc_mn.shape[0])
     num_cols = cute.size(acc_mn.shape[1])
@@ -58,6 +58,17 @@ def stage_sums(acc_dS: cute.Tensor, key_sums: cute.Tensor | None, sQuerySums: cu
             for c in cutlass.range_constexpr(1, num_cols):
                 row = row + acc_mn[r, c].to(Float32)
             key_sums[r] = key_sums[r] + row
+    if const_expr(sQuerySums is not None):
+        stage_query_columns(acc_mn, sQuerySums, slot, mma_warp, tile_m)
+
+
+@cute.jit
+def stage_query_columns(acc_mn: cute.Tensor, sQuerySums: cute.Tensor, slot: Int32, mma_warp: Int32,
+                        tile_m: cutlass.Constexpr[int]):
+    """``stage_sums``' query half: this warp's query sums (its 16 key rows of dS^T, ``acc_mn`` as (rows,
+    columns)) into its row of smem slot ``slot``."""
+    num_rows = cute.size(acc_mn.shape[0])
+    num_cols = cute.size(acc_mn.shape[1])
     lane = cute.arch.lane_idx()
     # Columns in chunks of 4 (8 partial sums live at once serialized every WGMMA at hdim 128: ptxas
     # C7512): lane bits 4 and 8 split the chunk (each lane keeps one column), bit 16 adds the rest.
@@ -120,6 +131,41 @@ def ones_operand(tiled_mma_ks: cute.TiledMma, sOnes: cute.Tensor, wg_thread: Int
     cute.arch.fence_view_async_shared()
     wg_ks = tiled_mma_ks.get_slice(wg_thread)
     return wg_ks.make_fragment_B(wg_ks.partition_B(sOnes))
+
+
+@cute.jit
+def query_sums_operands(tiled_mma_qs: cute.TiledMma, sdSt: cute.Tensor, sOnesN: cute.Tensor, sQuerySums: cute.Tensor,
+                        tidx: Int32, tile_m: cutlass.Constexpr[int]):
+    """gate_query_mma: fills the (8, tile_n) tile of ones, zeroes the rows of warps 1-7 in both ``sQuerySums``
+    slots (each block's whole sums go to warp 0's row, ``stage_query_sums``: the dQ writer's 8-row sum is then
+    that sum, exactly), and returns ``(A fragments of dS per sdSt stage, B fragment of the ones, the thread's (query,
+    column) coordinates of the 64 x 8 or 128 x 8 product)``. The MMA threads' first DS_READY barrier (after the
+    fence here) and DQ_FULL handshake make these stores visible to the WGMMA and to the writer."""
+    flat = cute.make_tensor(sOnesN.iterator, cute.make_layout(cute.cosize(sOnesN.layout)))
+    for i in cutlass.range_constexpr(cute.size(flat) // (2 * 128)):
+        flat[i * 2 * 128 + tidx] = sOnesN.element_type(1.0)
+    rows = (NUM_MMA_WARPS - 1) * tile_m  # (warps 1-7's rows of a slot)
+    for i in cutlass.range_constexpr((2 * rows + 2 * 128 - 1) // (2 * 128)):
+        index = i * 2 * 128 + tidx
+        if index < 2 * rows:
+            sQuerySums[tile_m + index % rows, index // rows] = Float32(0.0)
+    cute.arch.fence_view_async_shared()
+    thread = tidx if const_expr(tile_m == 128) else tidx % 128  # (tile_m 64: one warpgroup's product)
+    wg_qs = tiled_mma_qs.get_slice(thread - thread % 128)
+    tQSrdS = wg_qs.make_fragment_A(wg_qs.partition_A(transpose_view(sdSt)))
+    tQSrOnes = wg_qs.make_fragment_B(wg_qs.partition_B(sOnesN))
+    tQScQ = acc_rows_cols(tiled_mma_qs.get_slice(thread).partition_C(cute.make_identity_tensor((tile_m, 8))))
+    return tQSrdS, tQSrOnes, tQScQ
+
+
+@cute.jit
+def stage_query_sums(acc_qs: cute.Tensor, tQScQ: cute.Tensor, sQuerySums: cute.Tensor, slot: Int32):
+    """gate_query_mma: each query row's whole sum of this block's dS (the product's column 0, on lane 0 of the
+    quad) into warp 0's row of slot ``slot``."""
+    acc_mn = acc_rows_cols(acc_qs)
+    if (cute.arch.lane_idx() & 3) == 0:
+        for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+            sQuerySums[tQScQ[r, 0][0], slot] = acc_mn[r, 0]
 
 
 @cute.jit

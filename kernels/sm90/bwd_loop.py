@@ -51,13 +51,14 @@ class FlashBwdSm90Loop:
         trace_out: cute.Tensor | None = None,
         m_iter_end: Int32 | None = None,
         sOnes: cute.Tensor | None = None,
+        sOnesN: cute.Tensor | None = None,
     ):
         """The m_block loop of both MMA warpgroups; returns (acc_dK, acc_dV, tiled_mma_dkv[, (K/V landed, loop done)
         %globaltimer stamps: trace only]). ``gate``
         and ``dgk`` (has_gate): this sequence and query head's key bias and per-key dS sums. ``trace_out``
         (trace): where ``store_stamps`` puts the clocks. ``m_iter_end`` (gqa_loop): the virtual end of the loop over
         the KV head's query heads' blocks in turn (``block_head``; only the masks read the real m_block). ``sOnes``
-        (gate_key_mma): the B tile of ones of the per-key sums' WGMMA."""
+        (gate_key_mma) / ``sOnesN`` (gate_query_mma): the B tiles of ones of the per-key / per-query sums' WGMMAs."""
         tidx = cute.arch.thread_idx()[0] - _WG_THREADS
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -100,6 +101,14 @@ class FlashBwdSm90Loop:
             tKSrOnes = bwd_gate.ones_operand(tiled_mma_ks, sOnes, wg_idx * _WG_THREADS, tidx)
             acc_ks = cute.make_rmem_tensor(tiled_mma_ks.partition_shape_C((self.tile_n, 8)), Float32)
             acc_ks.fill(0.0)
+        tiled_mma_qs = tQSrdS = tQSrOnes = tQScQ = None
+        qs_issuer = wg_idx >= 0  # (tile_m 128: both warpgroups, their own rows)
+        if const_expr(self.gate_query_mma):
+            tiled_mma_qs = self._tiled_mma_query_sums()
+            if const_expr(self.tile_m == 64):
+                qs_issuer = wg_idx == 0
+            tQSrdS, tQSrOnes, tQScQ = bwd_gate.query_sums_operands(tiled_mma_qs, sdSt, sOnesN, sQuerySums, tidx,
+                                                                   self.tile_m)
 
         self.wait_kv(pipe_kv, m_block_min, m_block_max)
         kv_landed = cute.arch.globaltimer_lo() if const_expr(self.trace) else None
@@ -154,8 +163,10 @@ class FlashBwdSm90Loop:
                 # From the 16-bit dS^T (the fp32 one beside P^T serialized every WGMMA: ptxas C7512),
                 # staged at once; two slots by block parity, as sdSt: the writer read block j's
                 # before the DQ_EMPTY this block's dq_to_smem(j + 1) waited for.
-                bwd_gate.stage_sums(rdS, None if const_expr(self.gate_key_mma) else key_sums, sQuerySums, ds_stage,
-                                    tidx // 32, self.tile_m)
+                if const_expr(not (self.gate_key_mma and self.gate_query_mma)):
+                    bwd_gate.stage_sums(rdS, None if const_expr(self.gate_key_mma) else key_sums,
+                                        None if const_expr(self.gate_query_mma) else sQuerySums, ds_stage,
+                                        tidx // 32, self.tile_m)
                 if const_expr(self.dv_after_sums):
                     wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False, wg_wait=-1)
             if const_expr(self.pingpong):
@@ -179,9 +190,18 @@ class FlashBwdSm90Loop:
                     acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, d)), Float32)
                     wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrKt, zero_init=True, wg_wait=-1)
                 self.stamp(stamps, m_block - m_block_min, 14)
+                acc_qs = None
+                if const_expr(self.gate_query_mma):  # (before dK, as the key sums: dK's wait covers both)
+                    acc_qs = cute.make_rmem_tensor(tiled_mma_qs.partition_shape_C((self.tile_m, 8)), Float32)
+                    if qs_issuer:
+                        wgmma(tiled_mma_qs, acc_qs, tQSrdS[None, None, None, ds_stage], tQSrOnes, zero_init=True,
+                              wg_wait=-1)
                 if const_expr(self.gate_key_mma):  # (before dK: dK's wait below then covers it too)
                     wgmma(tiled_mma_ks, acc_ks, tdKrdS, tKSrOnes, zero_init=False, wg_wait=-1)
                 wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False, wg_wait=1)
+                if const_expr(self.gate_query_mma):  # (into this block's slot, before dq_to_smem tells the writer)
+                    if qs_issuer:
+                        bwd_gate.stage_query_sums(acc_qs, tQScQ, sQuerySums, ds_stage)
                 self.stamp(stamps, m_block - m_block_min, 6)
                 pipe_do.consumer_release(state)  # dP^T and dV have read dO
                 self.dq_to_smem(acc_dQ, tdQsdQ, m_block > m_block_min, stamps, m_block - m_block_min)
