@@ -260,7 +260,9 @@ class BwdSm90(BwdSm80):
             **({"dq_claim": True} if (t.dq_claim == "all" or t.dq_claim == "masked" and (causal or flags.get("local")))
                and not t.trace and not flags.get("deterministic") and not loop_desc else {}),
             **({"gqa_loop": True} if gqa_loop else {}), **({"loop_desc": True} if loop_desc else {}),
-            **({"gate_key_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_KEY_MMA else {}),
+            # (both at head_dim 128 serialize every WGMMA, ptxas C7512: the query half alone there)
+            **({"gate_key_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_KEY_MMA
+               and not (configs.BWD_SM90_GATE_QUERY_MMA and hdim == 128) else {}),
             **({"gate_query_mma": True} if flags.get("gate") and configs.BWD_SM90_GATE_QUERY_MMA else {}), **flags,
         )
 

@@ -172,7 +172,7 @@ class GateScan:
             # Varlen: the chunk's sum from its last sequence start on (the start of its last key's sequence),
             # what the chunks after it add up to that sequence's keys.
             last_key = cutlass.min(chunk_idx * self.chunk + self.chunk, mg.shape[1]) - 1
-            last_start = mCu[sequence_of(mCu, mChunkSeq[chunk_idx] - 1, last_key)]
+            last_start = mCu[sequence_of(mCu, cutlass.max(mChunkSeq[chunk_idx] - 1, 0), last_key)]
             own = Float64(0.0)
             for i in cutlass.range_constexpr(self.keys_per_warp):
                 if start + i >= last_start:
@@ -209,7 +209,7 @@ class GateScan:
         restart_flags = None
         if const_expr(mCu is not None):
             restart_flags = allocator.allocate_tensor(Int32, cute.make_layout((self.warps,)), byte_alignment=16)
-            first_seq = mChunkSeq[chunk_idx] - 1
+            first_seq = cutlass.max(mChunkSeq[chunk_idx] - 1, 0)
             first_chunk = mCu[first_seq] // self.chunk
             # This warp's keys: which start a sequence; its sum from its last start (and whether it has one).
             seq = sequence_of(mCu, first_seq, start)

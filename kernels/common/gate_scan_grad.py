@@ -125,7 +125,7 @@ class GateScanGrad:
         if const_expr(mCu is not None):
             # Varlen: the chunk's sum up to the end of its first key's sequence, what that sequence's keys in the
             # chunks before it add.
-            first_end = next_start(mCu, mChunkSeq[chunk_idx] - 1)
+            first_end = next_start(mCu, cutlass.max(mChunkSeq[chunk_idx] - 1, 0))
             start = chunk_idx * self.chunk + warp * self.keys_per_warp
             own = Float64(0.0)
             for i in cutlass.range_constexpr(self.keys_per_warp):
@@ -163,7 +163,7 @@ class GateScanGrad:
         end_flags = None
         if const_expr(mCu is not None):
             end_flags = allocator.allocate_tensor(Int32, cute.make_layout((self.warps,)), byte_alignment=16)
-            first_seq = mChunkSeq[chunk_idx] - 1
+            first_seq = cutlass.max(mChunkSeq[chunk_idx] - 1, 0)
             last_key = cutlass.min(chunk_idx * self.chunk + self.chunk, seqlen) - 1
             last_end = next_start(mCu, sequence_of(mCu, first_seq, last_key))
             end_chunk = cutlass.min((cutlass.min(last_end, seqlen) - 1) // self.chunk + 1, end_chunk)

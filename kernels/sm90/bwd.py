@@ -176,8 +176,12 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if reason is None and gqa_loop and (is_gqa or has_gate or trace or tile_n != 128):
             reason = ("gqa_loop keeps dK/dV in registers over a KV head's query heads (the MHA epilogue): not with "
                       "the GQA sums (is_gqa), the gate (a bias per query head), trace, or the wide kernels")
-        if reason is None and (gate_key_mma or gate_query_mma) and (not has_gate or pingpong):
-            reason = "gate_key_mma / gate_query_mma take the gate's sums by WGMMA: only with has_gate, not pingpong"
+        if reason is None and (gate_key_mma or gate_query_mma) and (not has_gate or pingpong or tile_m not in (64, 128)):
+            reason = ("gate_key_mma / gate_query_mma take the gate's sums by WGMMA: only with has_gate, not pingpong, "
+                      "tile_m 64 or 128")
+        if reason is None and gate_key_mma and gate_query_mma and head_dim == 128:
+            # (ptxas C7512 at 168 registers: both accumulators beside dK/dV serialize every WGMMA, 44 waits)
+            reason = "gate_key_mma and gate_query_mma together serialize every WGMMA at head_dim 128: one of them"
         if reason is None and (gate_key_mma or gate_query_mma) and (
                 FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate)
                 + 8 * (tile_m + tile_n) * dtype.width // 8 + 2048 > _SMEM_CAPACITY):
