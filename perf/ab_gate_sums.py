@@ -3,7 +3,8 @@
     python perf/ab_gate_sums.py [--rounds 3] [--hdims 64 128] [--seqlens 1024 2048 4096 16384]
 
 Issue 24 (gated backward >= 0.9x our plain one): ``configs.BWD_SM90_GATE_KEY_MMA`` / ``BWD_SM90_GATE_QUERY_MMA``
-(``kernels/sm90/bwd_gate.py``): off / key / query / both, with the plain causal backward of the same shape beside
+(``kernels/sm90/bwd_gate.py``): off / key / query / both (at hdim 128 "both" is "query": the two together serialize
+its WGMMAs, so the key builder drops the key half there), with the plain causal backward of the same shape beside
 them, in one process, the settings alternated round by round. bf16, causal, 16k tokens, hidden 2048, MHA; the
 backward of a retained graph (q, k, v and g), do_bench medians, TFLOP/s at 2.5x the forward's causal FLOPs.
 """
