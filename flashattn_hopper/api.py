@@ -476,5 +476,6 @@ def _gated(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     gated_varlen = tuple(varlen[:4]) if varlen is not None else None  # max_seqlen: no kernel reads it
     return gate.attention(q, k, v, log_decay, gated_varlen, float(scale), causal,
-                          validate.check_window(window_size, causal), deterministic, backend, learnable_sink)
+                          validate.check_window(window_size, causal), deterministic, backend, learnable_sink,
+                          max_seqlen_k=varlen[5] if varlen is not None else None)
 

@@ -468,16 +468,19 @@ class ScannedPlan:
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 options: tuple[Any, ...], cu_seqlens: torch.Tensor | None = None) -> ScannedPlan | None:
+                 options: tuple[Any, ...], cu_seqlens: torch.Tensor | None = None,
+                 max_seqlen: Any = None) -> ScannedPlan | None:
     """The ``ScannedPlan`` of a dense call where the sm90 forward runs the gate in its kernel, or (``cu_seqlens``,
-    ``SCAN_KERNEL_VARLEN``) of packed self-attention where the sm90 backward does too; None elsewhere (torch.compile,
-    CPU, sm80, long sequences, ``SCAN_KERNEL`` off, a route the kernels do not take)."""
+    ``SCAN_KERNEL_VARLEN``) of packed self-attention where the sm90 backward does too and the call's ``max_seqlen``
+    (an int) is at most ``SCAN_KERNEL_MAX_SEQLEN``; None elsewhere (torch.compile, CPU, sm80, long or unbounded
+    sequences, ``SCAN_KERNEL`` off, a route the kernels do not take)."""
     if not (SCAN_KERNEL and IN_KERNEL and log_decay.is_cuda) or torch.compiler.is_compiling():
         return None
     if cu_seqlens is None and (log_decay.shape[1] > SCAN_KERNEL_MAX_SEQLEN or log_decay.shape[0] > 65535):
         return None
-    if cu_seqlens is not None and (not SCAN_KERNEL_VARLEN or log_decay.shape[0] > 65535 * 32):
-        return None
+    if cu_seqlens is not None and (not SCAN_KERNEL_VARLEN or log_decay.shape[0] > 65535 * 32
+                                   or type(max_seqlen) is not int or max_seqlen > SCAN_KERNEL_MAX_SEQLEN):
+        return None  # (each CTA sums its sequence's earlier chunk records: bounded lengths, as dense calls)
     from . import ops
 
     route = ops.eager_route(q, k, v, cu_seqlens, cu_seqlens, None, None, options)
@@ -497,16 +500,16 @@ def gate_options(scale: float, causal: bool, window: tuple[int, int], determinis
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
               varlen: tuple[Any, ...] | None, scale: float, causal: bool, window: tuple[int, int],
               deterministic: bool, backend: str | None,
-              sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None), with
-    a learnable sink per query head if ``sink`` is given; the ops run eagerly and under
-    ``torch.compile`` alike."""
+              sink: torch.Tensor | None = None, max_seqlen_k: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None; ``max_seqlen_k``
+    the caller's, read only to bound the varlen scan route), with a learnable sink per query head if ``sink`` is
+    given; the ops run eagerly and under ``torch.compile`` alike."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     options = gate_options(scale, causal, window, deterministic, backend)
     self_packed = varlen is not None and cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]
     scanned = None
     if varlen is None or self_packed:
-        scanned = scanned_gate(q, k, v, log_decay, options, cu_k)
+        scanned = scanned_gate(q, k, v, log_decay, options, cu_k, max_seqlen_k)
     if scanned is not None:  # (g itself: the forward scans it)
         return scanned(q, k, v, log_decay, sink)
     G = cumulative(log_decay, cu_k)
