@@ -305,8 +305,8 @@ class BwdSm90(BwdSm80):
         causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
         (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
         tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
-        bf16 slice) and its backward's dg scan (fp32). (The preprocess and the row-major postprocess are the sm80
-        family's keys.)"""
+        bf16 slice) and its backward's dg scan (fp32), each in its varlen mode too; the opt-in dG sums by WGMMA (d64
+        causal GQA gate, both halves). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -341,6 +341,9 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
+            # (the opt-in dG sums by WGMMA, both halves: configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA)
+            dataclasses.replace(main(arch, "bf16", 64, 64, True, True, gate=True), gate_key_mma=True,
+                                gate_query_mma=True),
             *scan_keys(arch),
         ]
 
