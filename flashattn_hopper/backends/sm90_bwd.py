@@ -142,8 +142,10 @@ class BwdSm90Key(KernelKey):
     # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head); "loop" in display names (120 columns)
     gqa_loop: bool = field(default=False, metadata={"display": "loop"})
     loop_desc: bool = field(default=False, metadata={"display": "desc"})  # (BwdSm90Tile.loop_desc_above)
-    gate_key_mma: bool = False  # the gate's per-key sums by WGMMA (configs.BWD_SM90_GATE_KEY_MMA, opt-in)
-    gate_query_mma: bool = False  # the gate's per-query sums by WGMMA (configs.BWD_SM90_GATE_QUERY_MMA, opt-in)
+    # the gate's per-key / per-query sums by WGMMA (configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA, opt-in; short
+    # display names: progress lines stay within 120 columns)
+    gate_key_mma: bool = field(default=False, metadata={"display": "ksum"})
+    gate_query_mma: bool = field(default=False, metadata={"display": "qsum"})
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
