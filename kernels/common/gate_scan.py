@@ -42,6 +42,19 @@ from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 
+def check_scan_args(fp32: dict[str, cute.Tensor], mSums: cute.Tensor, mCu: cute.Tensor | None,
+                    mChunkSeq: cute.Tensor | None) -> None:
+    """Compile-time checks both scans' launches share: the named fp32 tensors, the fp64 chunk sums, and the
+    varlen pair given together."""
+    for name, t in fp32.items():
+        if t.element_type != Float32:
+            raise TypeError(f"{name} must be Float32")
+    if mSums.element_type != Float64:
+        raise TypeError("the chunk sums must be Float64")
+    if (mCu is None) != (mChunkSeq is None):
+        raise TypeError("mCu and mChunkSeq come together (varlen)")
+
+
 @cute.jit
 def strided_chunk_sum(mSums: cute.Tensor, batch_idx: Int32, head: Int32, begin: Int32, end: Int32, warps: int
                       ) -> Float64:
@@ -126,13 +139,7 @@ class GateScan:
     ):
         if const_expr((mSlice is None) != (self.slice_dtype is None)):
             raise TypeError("mSlice must be given exactly when slice_dtype is")
-        for t in (mg, mG, mBias):
-            if const_expr(t.element_type != Float32):
-                raise TypeError("g, G and bias must be Float32")
-        if const_expr(mSums.element_type != Float64):
-            raise TypeError("the chunk sums must be Float64")
-        if const_expr((mCu is None) != (mChunkSeq is None)):
-            raise TypeError("mCu and mChunkSeq come together (varlen)")
+        check_scan_args({"g": mg, "G": mG, "bias": mBias}, mSums, mCu, mChunkSeq)
         grid = [(mg.shape[2] + 31) // 32, mg.shape[0], (mg.shape[1] + (self.chunk - 1)) // self.chunk]
         block = [32 * self.warps, 1, 1]
         sums_smem = 8 * 32 * self.warps + 128

@@ -31,7 +31,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
-from .gate_scan import next_start, sequence_of, store_chunk_sum, strided_chunk_sum
+from .gate_scan import check_scan_args, next_start, sequence_of, store_chunk_sum, strided_chunk_sum
 
 
 class GateScanGrad:
@@ -58,13 +58,7 @@ class GateScanGrad:
         mChunkSeq: cute.Tensor | None,  # varlen: (chunks,) int32, 1 + the sequence of each chunk's first key
         stream: cuda.CUstream,
     ):
-        for t in (mKey, mQuery):
-            if const_expr(t.element_type != Float32):
-                raise TypeError("the key and query sums must be Float32")
-        if const_expr(mSums.element_type != Float64):
-            raise TypeError("the chunk sums must be Float64")
-        if const_expr((mCu is None) != (mChunkSeq is None)):
-            raise TypeError("mCu and mChunkSeq come together (varlen)")
+        check_scan_args({"the key sums": mKey, "the query sums": mQuery}, mSums, mCu, mChunkSeq)
         grid = [(mKey.shape[1] + 31) // 32, mKey.shape[0], (mKey.shape[2] + (self.chunk - 1)) // self.chunk]
         block = [32 * self.warps, 1, 1]
         # staged chunk (chunk keys x 32 heads, rows padded to 33 words), own and later sums, varlen's end flags,
