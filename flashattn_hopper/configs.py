@@ -129,12 +129,13 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # The gated sm90 backward's per-key dS sums by one more WGMMA beside dK's (dS^T times a tile of ones,
-# kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle. Off: written and compiled (no spills)
-# in session 38 without a GPU; the gate's GPU tests run it with this on (tests/test_gate_scan.py); the next session
-# measures it (perf/NOTES.md session 38's WGMMA design) before turning it on.
-BWD_SM90_GATE_KEY_MMA = False
-# Its per-query sums likewise, beside dQ's WGMMA (dS times a tile of ones, staged whole for the dQ writer). Same status.
-BWD_SM90_GATE_QUERY_MMA = False
+# kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle, and its per-query sums beside dQ's
+# (dS times a tile of ones, staged whole for the dQ writer). The two together serialize every WGMMA at head_dim 128
+# (ptxas C7512), so there the key builder takes the query half only. H100 (perf/NOTES.md session 39, gated causal
+# backward / plain, 1k-16k): hdim 64 0.91 / 0.89 / 0.89 / 0.91 -> 0.94 / 0.94 / 0.92 / 0.97 with both, hdim 128
+# 0.88 / 0.94 / 0.94 / 0.97 -> 0.95 / 0.97 / 1.01 / 1.01 with the query half; the key half alone within the spread.
+BWD_SM90_GATE_KEY_MMA = True
+BWD_SM90_GATE_QUERY_MMA = True
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q

@@ -467,11 +467,11 @@ def test_gate_long_strong_decay(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sums", ["key", "query", "both"])
+@pytest.mark.parametrize("sums", ["off", "key", "query", "both"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_sums_by_wgmma_parity(monkeypatch, sums, head_dim):
-    """``configs.BWD_SM90_GATE_KEY_MMA`` / ``BWD_SM90_GATE_QUERY_MMA`` (opt-in: the gated backward's per-key /
-    per-query dS sums by one more WGMMA beside dK's / dQ's, session 38, not yet measured): the gated main key takes
+    """``configs.BWD_SM90_GATE_KEY_MMA`` / ``BWD_SM90_GATE_QUERY_MMA`` (the gated backward's per-key / per-query dS
+    sums by one more WGMMA beside dK's / dQ's, both on by default; "off": each thread's adds): the gated main key takes
     them (at head_dim 128 "both" takes the query half only: the two together serialize its WGMMAs), and out, lse and
     every gradient (dg from those sums) keep the parity rule."""
     from flashattn_hopper import configs

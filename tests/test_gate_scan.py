@@ -373,7 +373,7 @@ def test_gate_scan_kernels_varlen_restart_per_sequence():
             rows = slice(int(cu[i]), int(cu[i + 1]))
             want = g[rows].double().cumsum(0).t()
             torch.testing.assert_close(G_rows[:, rows].double(), want, rtol=0,
-                                       atol=float(want.abs().max(initial=0)) * 2e-7 + 1e-6)
+                                       atol=float(want.abs().amax()) * 2e-7 + 1e-6 if want.numel() else 1e-6)
             want = total_grad[:, rows].flip(-1).cumsum(-1).flip(-1).t()
             torch.testing.assert_close(dg[rows].double(), want, rtol=1e-6, atol=1e-6)
 

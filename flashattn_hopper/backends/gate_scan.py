@@ -4,7 +4,7 @@ slice, in one launch through TVM-FFI (a few us of host time) instead of torch's 
 and a Triton launch. ``gate.GatedAttnFunc`` runs it for dense calls (``gate.scanned_gate``), its backward
 then taking g's gradient as the reverse cumsum of dG by a second kernel (``kernels/common/gate_scan_grad.py``,
 ``scan_gradient``) from the in-kernel backward's dS sums. Both have a varlen mode for packed self-attention, the sums
-restarting per sequence (``scan_varlen``, ``scan_gradient_varlen``; ``gate.SCAN_KERNEL_VARLEN``, off until run)."""
+restarting per sequence (``scan_varlen``, ``scan_gradient_varlen``; ``gate.SCAN_KERNEL_VARLEN``)."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ class BwdSm90Key(KernelKey):
     # BwdSm90Tile's (with gqa: no fp32 sums, the MHA epilogue per KV head); "loop" in display names (120 columns)
     gqa_loop: bool = field(default=False, metadata={"display": "loop"})
     loop_desc: bool = field(default=False, metadata={"display": "desc"})  # (BwdSm90Tile.loop_desc_above)
-    # the gate's per-key / per-query sums by WGMMA (configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA, opt-in; short
+    # the gate's per-key / per-query sums by WGMMA (configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA; short
     # display names: progress lines stay within 120 columns)
     gate_key_mma: bool = field(default=False, metadata={"display": "ksum"})
     gate_query_mma: bool = field(default=False, metadata={"display": "qsum"})
@@ -303,12 +303,13 @@ class BwdSm90(BwdSm80):
         with ds_packed), d96 causal (K in 32-byte swizzle atoms), d128 varlen causal, window and causal softcap; the
         wide kernel: d256 causal, d256 causal GQA; the 96-key kernel (``bwd_wide96.py``): d256/128 causal GQA (its
         predicated sums, one Q/dO stage), d192/128 deterministic causal GQA (its turns), d192 MHA non-causal (the
-        transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA; d64
-        causal GQA: dV issued after the dG sums there, ``dv_after_sums``); the dQ postprocess of both dQ WGMMA splits
-        (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV postprocess of the
-        tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows only, and with K's
-        bf16 slice) and its backward's dg scan (fp32), each in its varlen mode too; the opt-in dG sums by WGMMA (d64
-        causal GQA gate, both halves). (The preprocess and the row-major postprocess are the sm80 family's keys.)"""
+        transposing epilogue, and at v's 192 its dO ring one stage behind Q's two); the gate (d128 causal GQA: its query
+        dG sums by WGMMA; d64 causal GQA: both halves, dV issued after the dG sums there, ``dv_after_sums``; and d64
+        with the sums by the threads, ``BWD_SM90_GATE_KEY_MMA`` / ``_QUERY_MMA`` off); the dQ postprocess of both dQ
+        WGMMA splits (d128: by columns, d64: by rows) and of d192 (its unswizzled staging tile); the GQA dK/dV
+        postprocess of the tile_n 128 kernel (d128, ``wg_blocks``); the gated forward's G scan (``gate_scan.py``: rows
+        only, and with K's bf16 slice) and its backward's dg scan (fp32), each in its varlen mode too. (The preprocess
+        and the row-major postprocess are the sm80 family's keys.)"""
         if not arch.startswith("sm_90"):
             return []
         main = self._main_key
@@ -343,9 +344,9 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
             main(arch, "bf16", 64, 64, True, True, gate=True),
-            # (the opt-in dG sums by WGMMA, both halves: configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA)
-            dataclasses.replace(main(arch, "bf16", 64, 64, True, True, gate=True), gate_key_mma=True,
-                                gate_query_mma=True),
+            # (the dG sums by the threads: configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA off)
+            dataclasses.replace(main(arch, "bf16", 64, 64, True, True, gate=True), gate_key_mma=False,
+                                gate_query_mma=False),
             *scan_keys(arch),
         ]
 
