@@ -113,22 +113,24 @@ def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool) -> Any:
 
 def _planned(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, signature: tuple[Any, ...], deterministic: bool,
-    log_decay: torch.Tensor | None = None, want_lse: bool = True,
+    log_decay: torch.Tensor | None = None, want_lse: bool = True, cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The cached call of a signature that has a plan; None where it has none (yet) or where TVM-FFI
     turns the inputs down (strides or alignment the kernel cannot take: the general path copies them).
-    A gated call's plan (``gate.ScannedPlan``) launches the scan and the forward itself, through autograd,
-    and adds ``G_i`` to the LSE only where the caller returns it (``want_lse``)."""
+    A gated call's plan (``gate.ScannedPlan``; packed self-attention's with its ``cu_seqlens``) launches the scan
+    and the forward itself, through autograd, and adds ``G_i`` to the LSE only where the caller returns it
+    (``want_lse``)."""
     plan = _PLANS.get(signature)
     if plan is None:
         return None
     try:
         if log_decay is not None:
             # (the one check the signature does not hold: its kept forward plan would fall back to the general
-            # launch on other strides, past the validation's error)
-            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            # launch on other strides, past the validation's error; cu_seqlens as the kernels read it)
+            if (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+                    or cu_seqlens is not None and cu_seqlens.stride(0) != 1):
                 return None
-            return plan(q, k, v, log_decay, None, want_lse)
+            return plan(q, k, v, log_decay, None, want_lse, cu_seqlens)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return PlannedAttnFunc.apply(q, k, v, plan, deterministic)
         return plan(q, k, v)
@@ -148,15 +150,17 @@ def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: 
 
 def _make_gate_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                     softmax_scale: float | None, causal: bool, window_size: Any, deterministic: bool,
-                    backend: str | None, signature: tuple[Any, ...]) -> None:
-    """Keep a validated dense gated call's ``gate.ScannedPlan`` (None where it takes another route) under its
-    signature: later calls skip validation, the route lookups and the key building (a gated call at 1k tokens was
-    host-bound: ~160 us of Python for ~160 us of GPU time on an H100 node, perf/NOTES.md session 38)."""
+                    backend: str | None, signature: tuple[Any, ...], cu_seqlens: torch.Tensor | None = None,
+                    max_seqlen: int | None = None) -> None:
+    """Keep a validated gated call's ``gate.ScannedPlan`` (None where it takes another route) under its
+    signature, dense or (``cu_seqlens``, ``max_seqlen``) packed self-attention: later calls skip validation, the
+    route lookups and the key building (a gated call at 1k tokens was host-bound: ~160 us of Python for ~160 us of
+    GPU time on an H100 node, a packed one ~300 us, perf/NOTES.md sessions 38 and 39)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     options = gate.gate_options(scale, causal, validate.check_window(window_size, causal), deterministic, backend)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[signature] = gate.scanned_gate(q, k, v, log_decay, options)
+    _PLANS[signature] = gate.scanned_gate(q, k, v, log_decay, options, cu_seqlens, max_seqlen)
 
 
 def _attention(
@@ -247,6 +251,38 @@ def _fp8_call(
     return (out, lse) if (return_lse or return_attn_probs) else out
 
 
+def _plain_options(causal: Any, attention_chunk: Any, learnable_sink: Any, deterministic: Any, softcap: Any,
+                   softmax_scale: Any, window_size: Any, return_lse: Any, return_attn_probs: Any, backend: Any) -> bool:
+    """Whether a call's options may key a kept plan: plain types only (a bool and an int, or an int and a float,
+    compare equal as dictionary keys, and the general path must see the others to reject them), no chunk, no
+    sink, not traced by torch.compile."""
+    return (
+        (causal is False or causal is True) and type(attention_chunk) is int and attention_chunk == 0
+        and learnable_sink is None and (deterministic is False or deterministic is True) and type(softcap) is float
+        and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
+        and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+        and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
+        and (backend is None or type(backend) is str) and not torch.compiler.is_compiling()
+    )
+
+
+def _packed_gate_signature(q: Any, k: Any, v: Any, cu_seqlens: Any, log_decay: Any, max_seqlen_q: int,
+                           max_seqlen_k: int, softmax_scale: float | None, causal: bool, window_size: Any,
+                           softcap: float, deterministic: bool, backend: str | None) -> tuple[Any, ...] | None:
+    """The ``_PLANS`` signature of a gated call on packed self-attention (one cu_seqlens tensor for queries and
+    keys, no seqused, int max lengths, plain options: the caller checked), None where an input is not a tensor."""
+    try:
+        if q.shape[0] != k.shape[0]:
+            return None
+        return ("packed", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+                v.get_device(), cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.get_device(), max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, window_size, softcap, backend, settings().backend,
+                "log_decay", log_decay.shape, log_decay.dtype, log_decay.get_device(), deterministic, gate.IN_KERNEL,
+                gate.SCAN_KERNEL, gate.SCAN_KERNEL_VARLEN)
+    except AttributeError:  # not tensors: the general path says which
+        return None
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -286,15 +322,9 @@ def flash_attn_func(
     # Cached calls first: plain option types only (a bool and an int, or an int and a float, compare
     # equal as dictionary keys, and the general path must see the others to reject them).
     signature = None
-    plain_options = (
-        not positional_options and (causal is False or causal is True)
-        and type(attention_chunk) is int and attention_chunk == 0 and learnable_sink is None
-        and (deterministic is False or deterministic is True) and type(softcap) is float
-        and (softmax_scale is None or type(softmax_scale) is float) and type(window_size) is tuple
-        and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
-        and (return_lse is False or return_lse is True) and (return_attn_probs is False or return_attn_probs is True)
-        and (backend is None or type(backend) is str) and not torch.compiler.is_compiling()
-    )
+    plain_options = not positional_options and _plain_options(
+        causal, attention_chunk, learnable_sink, deterministic, softcap, softmax_scale, window_size, return_lse,
+        return_attn_probs, backend)
     if plain_options and not flash_attn_extras:
         try:
             signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
@@ -386,6 +416,20 @@ def flash_attn_varlen_func(
     the segment table's length follows from the shapes (``chunk.varlen_num_segments``), not ``max_seqlen_k``.
     ``learnable_sink``: as in ``flash_attn_func``.
     """
+    want_lse = return_lse or return_attn_probs
+    signature = None
+    if (log_decay is not None and cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not positional_options
+            and not flash_attn_extras and _plain_options(causal, attention_chunk, learnable_sink, deterministic,
+                                                         softcap, softmax_scale, window_size, return_lse,
+                                                         return_attn_probs, backend)):
+        # (a gated call on packed self-attention: its kept plan, as a dense call's)
+        signature = _packed_gate_signature(q, k, v, cu_seqlens_k, log_decay, max_seqlen_q, max_seqlen_k,
+                                           softmax_scale, causal, window_size, softcap, deterministic, backend)
+        if signature is not None:
+            result = _planned(q, k, v, signature, deterministic, log_decay, want_lse, cu_seqlens_k)
+            if result is not None:
+                return result if want_lse else result[0]
     if positional_options:
         raise validate.too_many_positional(
             "flash_attn_varlen_func", "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k",
@@ -417,10 +461,16 @@ def flash_attn_varlen_func(
         )
         max_seqlen_q = max_seqlen_k = chunk_len
     if log_decay is not None:
+        if signature is not None and signature not in _PLANS and q.dtype == signature[3]:  # (not autocast)
+            _make_gate_plan(q, k, v, log_decay, softmax_scale, causal, window_size, deterministic, backend, signature,
+                            cu_seqlens_k, max_seqlen_k)
+            result = _planned(q, k, v, signature, deterministic, log_decay, want_lse, cu_seqlens_k)
+            if result is not None:
+                return result if want_lse else result[0]
         varlen_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
         out, lse = _gated(q, k, v, log_decay, varlen_args, softmax_scale, causal, window_size, deterministic,
-                          backend, learnable_sink)
-        return (out, lse) if (return_lse or return_attn_probs) else out
+                          backend, learnable_sink, want_lse)
+        return (out, lse) if want_lse else out
     if learnable_sink is not None:
         out, lse = sinks.attention(q, k, v, learnable_sink, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                                    softmax_scale, causal, validate.check_window(window_size, causal), softcap,
@@ -468,14 +518,15 @@ def _chunked_dense(
 def _gated(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, varlen: tuple[Any, ...] | None,
     softmax_scale: float | None, causal: bool, window_size: Any, deterministic: bool, backend: str | None,
-    learnable_sink: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    learnable_sink: torch.Tensor | None, want_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A call with ``log_decay`` (``gate.py``): the forward with ``-G_j / scale`` added to the sm90
     kernel's scores (else as three more q/k columns on the plain kernels), the backward on the
-    augmented problem; ``G_i`` added to the LSE (and the sink joined, if given)."""
+    augmented problem; ``G_i`` added to the LSE (and the sink joined, if given); ``want_lse`` False: the scan route
+    skips that add and returns no LSE."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     gated_varlen = tuple(varlen[:4]) if varlen is not None else None  # max_seqlen: no kernel reads it
     return gate.attention(q, k, v, log_decay, gated_varlen, float(scale), causal,
                           validate.check_window(window_size, causal), deterministic, backend, learnable_sink,
-                          max_seqlen_k=varlen[5] if varlen is not None else None)
+                          max_seqlen_k=varlen[5] if varlen is not None else None, want_lse=want_lse)
 

@@ -287,7 +287,7 @@ class GatedAttnFunc(torch.autograd.Function):
             ctx.scan_dtype, ctx.scan_arch, route = G.dtype, scanned.arch, scanned.route
             if varlen:  # (packed self-attention: G's rows (h, total) are the LSE's layout too)
                 G_keys, bias_rows, k_slice, ctx.chunk_seq = gate_scan.scan_varlen(
-                    G, cu_k, options[0], scanned.slice_dtype, scanned.arch)
+                    G, cu_k, options[0], scanned.slice_dtype, scanned.arch, scanned.chunk_starts)
                 G = G_keys.t()
             else:
                 G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
@@ -430,22 +430,43 @@ def _scan_gradient(dG: torch.Tensor, dG_q: torch.Tensor | None, dtype: torch.dty
 
 
 class ScannedPlan:
-    """How a dense gated call runs on the scan route, worked out once per call signature (``api``'s plans keep it;
+    """How a gated call runs on the scan route, worked out once per call signature (``api``'s plans keep it;
     ``scanned_gate`` builds it): the route (``ops.eager_route``'s), the scan's variant (``slice_dtype``: K's k16 slice
-    built too, in q's dtype, or None; ``arch``) and the sm90 forward's kept gated plan (``FwdSm90.gate_plan``; None
-    where the kernel takes the inputs padded). A dense one holds no tensor (``api`` keeps it); a packed one
-    (``SCAN_KERNEL_VARLEN``) is built per call, its route holding the call's cu_seqlens."""
+    built too, in q's dtype, or None; ``arch``) and, dense, the sm90 forward's kept gated plan (``FwdSm90.gate_plan``;
+    None where the kernel takes the inputs padded). Packed self-attention (``SCAN_KERNEL_VARLEN``; ``packed``: the
+    call's ``(max_seqlen_q, max_seqlen_k)``, else None): the forward's key (``fwd_key``) and the scan chunks' first
+    keys (``chunk_starts``), the route's ``VarlenArgs`` made per call around its cu_seqlens (``bound``). A dense plan
+    holds no tensor, a packed one only ``chunk_starts``."""
 
-    __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan")
+    __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan", "fwd_key", "packed", "chunk_starts")
 
     def __init__(self, q: torch.Tensor, route: tuple[Any, ...], options: tuple[Any, ...]) -> None:
-        family, _, p, varlen = route
-        self.route, self.options = route, options
+        family, bwd_family, p, varlen = route
+        self.route, self.options, self.fwd_plan, self.fwd_key, self.packed, self.chunk_starts = (
+            route, options, None, None, None, None)
         if varlen is None:
             self.slice_dtype, self.arch = family.gate_scan_args(p)
             self.fwd_plan = family.kept_gate_plan(q, p)
-        else:  # (packed self-attention, SCAN_KERNEL_VARLEN: the key's fp32 rows, launched by forward_with_gate)
-            self.slice_dtype, self.arch, self.fwd_plan = None, family.gate_key(p, varlen).arch, None
+        else:
+            from .backends import gate_scan
+            from .backends.sm90_fwd import gate_slice_dtype
+
+            self.fwd_key = family.gate_key(p, varlen)
+            self.slice_dtype, self.arch = gate_slice_dtype(self.fwd_key), self.fwd_key.arch
+            self.route, self.packed = (family, bwd_family, p, None), (varlen.max_seqlen_q, varlen.max_seqlen_k)
+            self.chunk_starts = gate_scan.chunk_starts(q.shape[0], q.device)
+
+    def bound(self, cu_seqlens: torch.Tensor) -> ScannedPlan:
+        """A packed plan's copy for one call: its route's ``VarlenArgs`` hold the call's ``cu_seqlens`` (queries and
+        keys alike, no seqused)."""
+        from .backends.common import VarlenArgs
+
+        plan = ScannedPlan.__new__(ScannedPlan)
+        family, bwd_family, p, _ = self.route
+        plan.route = (family, bwd_family, p, VarlenArgs(cu_seqlens, cu_seqlens, None, None, *self.packed))
+        plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key, plan.packed, plan.chunk_starts = (
+            self.options, self.slice_dtype, self.arch, None, self.fwd_key, self.packed, self.chunk_starts)
+        return plan
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
                k_slice: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,14 +478,16 @@ class ScannedPlan:
             except (ValueError, TypeError):
                 pass
         family, _, p, varlen = self.route
-        return family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice)
+        return family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice, self.fwd_key)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 sink: torch.Tensor | None = None, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``; lse None unless ``want_lse`` or a sink)."""
-        varlen = self.route[3]
-        cu = None if varlen is None else varlen.cu_seqlens_k
-        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, cu, cu, None, None, self.options, self, want_lse)
+                 sink: torch.Tensor | None = None, want_lse: bool = True, cu_seqlens: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)`` of the call (autograd through ``GatedAttnFunc``; lse None unless ``want_lse`` or a sink);
+        ``cu_seqlens``: a packed plan's call's."""
+        plan = self if self.packed is None else self.bound(cu_seqlens)
+        return GatedAttnFunc.apply(q, k, v, log_decay, None, sink, cu_seqlens, cu_seqlens, None, None, self.options,
+                                   plan, want_lse)
 
 
 def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -486,8 +509,13 @@ def scanned_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     route = ops.eager_route(q, k, v, cu_seqlens, cu_seqlens, None, None, options)
     if route is None or not hasattr(route[0], "gate_scan_args"):
         return None
-    if cu_seqlens is not None and not (hasattr(route[1], "backward_with_gate") and route[1].can_gate(route[2])):
-        return None  # (the gradient scan reads the in-kernel backward's sums)
+    if cu_seqlens is not None:
+        if not (hasattr(route[1], "backward_with_gate") and route[1].can_gate(route[2])):
+            return None  # (the gradient scan reads the in-kernel backward's sums)
+        from .backends.common import VarlenArgs
+
+        # (the caller's max length: the forward's key takes K's k16 slice from 1k keys, as dense calls')
+        route = (*route[:3], VarlenArgs(cu_seqlens, cu_seqlens, None, None, max_seqlen, max_seqlen))
     return ScannedPlan(q, route, options)
 
 
@@ -500,10 +528,12 @@ def gate_options(scale: float, causal: bool, window: tuple[int, int], determinis
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
               varlen: tuple[Any, ...] | None, scale: float, causal: bool, window: tuple[int, int],
               deterministic: bool, backend: str | None,
-              sink: torch.Tensor | None = None, max_seqlen_k: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+              sink: torch.Tensor | None = None, max_seqlen_k: Any = None, want_lse: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, lse)`` of gated attention (``varlen``: ``(cu_q, cu_k, used_q, used_k)`` or None; ``max_seqlen_k``
     the caller's, read only to bound the varlen scan route), with a learnable sink per query head if ``sink`` is
-    given; the ops run eagerly and under ``torch.compile`` alike."""
+    given; the ops run eagerly and under ``torch.compile`` alike. ``want_lse`` False: the scan route may return no
+    LSE (``ScannedPlan``)."""
     cu_q, cu_k, used_q, used_k = varlen if varlen is not None else (None,) * 4
     options = gate_options(scale, causal, window, deterministic, backend)
     self_packed = varlen is not None and cu_q is cu_k and used_q is None and used_k is None and q.shape[0] == k.shape[0]
@@ -511,7 +541,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torc
     if varlen is None or self_packed:
         scanned = scanned_gate(q, k, v, log_decay, options, cu_k, max_seqlen_k)
     if scanned is not None:  # (g itself: the forward scans it)
-        return scanned(q, k, v, log_decay, sink)
+        return scanned(q, k, v, log_decay, sink, want_lse, cu_k)
     G = cumulative(log_decay, cu_k)
     if varlen is None:
         G_q = at_queries(G, q.shape[1])

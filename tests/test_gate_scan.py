@@ -45,7 +45,7 @@ class _EmulatedGateFamily:
     def __init__(self, scale):
         self.scale = scale
 
-    def forward_with_gate(self, q, k, v, p, varlen, bias_rows, k_slice=None):
+    def forward_with_gate(self, q, k, v, p, varlen, bias_rows, k_slice=None, key=None):
         """Packed calls (the dense route launches through its plan): each sequence on its own."""
         assert varlen is not None, "the dense scanned route launches through its plan"
         cu = varlen.cu_seqlens_k.tolist()
@@ -112,7 +112,7 @@ def test_scanned_route_autograd_with_emulated_kernels(monkeypatch, want_lse):
     plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
     options = gate.gate_options(scale, True, (-1, 0), False, None)
     plan.route, plan.options, plan.slice_dtype, plan.arch = (family, family, None, None), options, None, "sm_90a"
-    plan.fwd_plan = None
+    plan.fwd_plan = plan.fwd_key = plan.packed = plan.chunk_starts = None
     monkeypatch.setattr(gate.ScannedPlan, "launch", lambda self, *a: family.launch(*a))
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 19, 3, 8, generator=gen) for _ in range(4))
@@ -379,11 +379,13 @@ def test_gate_scan_kernels_varlen_restart_per_sequence():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[300, 0, 517, 1, 64], [1100, 0, 517, 1, 64]], ids=["rows", "slice"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gate_varlen_scan_route_parity(monkeypatch, head_dim):
+def test_gate_varlen_scan_route_parity(monkeypatch, head_dim, lens):
     """Packed self-attention (one cu_seqlens, no seqused) on the scan route (``gate.SCAN_KERNEL_VARLEN`` forced on):
-    the route is taken (one varlen scan per call), and out, lse and dq/dk/dv/dg match the fp32 definition per
-    sequence (2x PyTorch's error in bf16); zero-length and one-key sequences, GQA, causal."""
+    the route is taken (one varlen scan per call; K's k16 slice built by the scan from a max length of 1k keys, as
+    dense calls), and out, lse and dq/dk/dv/dg match the fp32 definition per sequence (2x PyTorch's error in bf16);
+    zero-length and one-key sequences, GQA, causal."""
     import itertools
 
     from flashattn_hopper import flash_attn_varlen_func
@@ -394,8 +396,7 @@ def test_gate_varlen_scan_route_parity(monkeypatch, head_dim):
         pytest.skip("needs a Hopper GPU and the sm90 backend: only the sm90 kernels take the scan route")
     monkeypatch.setattr(gate, "SCAN_KERNEL_VARLEN", True)
     scans, scan_varlen = [], gate_scan.scan_varlen
-    monkeypatch.setattr(gate_scan, "scan_varlen", lambda *a: scans.append(1) or scan_varlen(*a))
-    lens = [300, 0, 517, 1, 64]
+    monkeypatch.setattr(gate_scan, "scan_varlen", lambda *a: scans.append(a[3]) or scan_varlen(*a))
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(4)
     h, h_k = 4, 2
@@ -405,7 +406,7 @@ def test_gate_varlen_scan_route_parity(monkeypatch, head_dim):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
     out, lse = flash_attn_varlen_func(leaves[0], leaves[1], leaves[2], cu, cu, max(lens), max(lens), causal=True,
                                       log_decay=leaves[3], return_lse=True)
-    assert scans == [1]
+    assert scans == [torch.bfloat16 if max(lens) >= 1024 else None]
     grads = torch.autograd.grad(out, leaves, dout)
     refs = {}
     for upcast in (True, False):
@@ -427,6 +428,44 @@ def test_gate_varlen_scan_route_parity(monkeypatch, head_dim):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
 
 
+@pytest.mark.gpu
+def test_repeated_packed_gated_call_runs_its_kept_plan():
+    """A gated call on packed self-attention keeps its plan (``gate.ScannedPlan`` with ``packed``, in ``api._PLANS``)
+    and a later call of the same shapes runs it with its own cu_seqlens (another packing of as many tokens): out,
+    lse and dq/dk/dv/dg bit for bit those of that packing's first call with no plan kept (the forward) and within the
+    backward's atomic dQ rounding (the gradients); without ``return_lse`` the same out."""
+    from flashattn_hopper import api, flash_attn_varlen_func
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: only the sm90 kernels take the scan route")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    total = 1500
+    q, dout = (torch.randn(total, 4, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(total, 2, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(total, 4, device="cuda", generator=gen) * 2 + 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    packings = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in ([0, 700, 1500], [0, 64, 65, 800, 1500])]
+
+    def call(cu, want_lse=True):
+        result = flash_attn_varlen_func(*leaves[:3], cu, cu, 800, 800, causal=True, log_decay=leaves[3],
+                                        return_lse=want_lse)
+        out = result[0] if want_lse else result
+        return (*(result if want_lse else (out,)), *torch.autograd.grad(out, leaves, dout))
+
+    api.clear_plans()
+    fresh = call(packings[1])  # (its first call: validated, the plan made and run)
+    api.clear_plans()
+    call(packings[0])
+    plans = [plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]
+    assert len(plans) == 1 and plans[0].packed == (800, 800)
+    kept = call(packings[1])
+    assert torch.equal(fresh[0], kept[0]) and torch.equal(fresh[1], kept[1])
+    for first, second in zip(fresh[2:], kept[2:]):
+        torch.testing.assert_close(first, second)
+    assert torch.equal(call(packings[1], want_lse=False)[0], fresh[0])
+    assert len([plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]) == 1
+
+
 def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
     """``GatedAttnFunc`` on the packed scan route (``gate.SCAN_KERNEL_VARLEN``: ``scan_varlen``, the in-kernel
     forward and backward per sequence, ``scan_gradient_varlen``), its kernels replaced by torch stand-ins: out, the
@@ -434,8 +473,6 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
     import itertools
 
     from flashattn_hopper.backends import gate_scan
-    from flashattn_hopper.backends.common import VarlenArgs
-
     scale = 0.3
     family = _EmulatedGateFamily(scale)
     lens = [7, 0, 12, 1, 5]
@@ -448,8 +485,8 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
             out[..., a:b] = part.flip(-1).cumsum(-1).flip(-1) if reverse else part.cumsum(-1)
         return out
 
-    def scan_varlen(g, cu_, scale_, slice_dtype, arch):
-        assert cu_ is cu
+    def scan_varlen(g, cu_, scale_, slice_dtype, arch, starts):
+        assert cu_ is cu and starts == "starts"
         G_rows = per_sequence(g.t(), False).float()
         return G_rows, G_rows / -scale_, None, "chunk_seq"
 
@@ -460,14 +497,14 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
     monkeypatch.setattr(gate_scan, "scan_varlen", scan_varlen)
     monkeypatch.setattr(gate_scan, "scan_gradient_varlen", scan_gradient_varlen)
     plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
-    plan.route = (family, family, None, VarlenArgs(cu, cu, None, None, None, None))
-    plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan = gate.gate_options(scale, True, (-1, 0), False, None), \
-        None, "sm_90a", None
+    plan.route, plan.packed, plan.chunk_starts = (family, family, None, None), (None, None), "starts"
+    plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key = (
+        gate.gate_options(scale, True, (-1, 0), False, None), None, "sm_90a", None, None)
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(sum(lens), 3, 8, generator=gen) for _ in range(4))
     g = torch.nn.functional.logsigmoid(torch.randn(sum(lens), 3, generator=gen) + 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
-    out, lse = plan(*leaves)
+    out, lse = plan(*leaves, None, True, cu)
     grads = torch.autograd.grad(out, leaves, dout)
     ref = [t.clone().requires_grad_() for t in (q, k, v, g)]
     outs, lses = [], []

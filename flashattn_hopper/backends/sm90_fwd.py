@@ -361,15 +361,17 @@ class FwdSm90(FwdLauncher):
 
     def forward_with_gate(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
-        bias: torch.Tensor, k_slice: torch.Tensor | None = None,
+        bias: torch.Tensor, k_slice: torch.Tensor | None = None, key: FwdSm90Key | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` with ``bias`` added to every score of its (query head, key) before the
         softmax (``flashattn_hopper/gate.py``: ``-G_j``); ``bias`` fp32 in the scores' units, dense
         ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``; the kernel takes it as K's extra
         k16 slice (``gate_k_slice``) where the key's kernel takes it (``gate_slice``), else as fp32 rows a
-        TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key``. ``k_slice``: the
-        slice already built from ``bias`` (``backends/gate_scan.py``), where the key takes one."""
-        key = self.gate_key(p, varlen)
+        TMA reads (``aligned_rows``). No softcap; a non-empty problem; the key: ``gate_key`` (``key``: that key,
+        kept by the caller). ``k_slice``: the slice already built from ``bias`` (``backends/gate_scan.py``), where the
+        key takes one."""
+        if key is None:
+            key = self.gate_key(p, varlen)
         bias = bias.to(device=q.device)
         if gate_slice(key):
             gate = k_slice if k_slice is not None else gate_k_slice(bias, q.dtype, varlen is not None)
@@ -392,7 +394,7 @@ class FwdSm90(FwdLauncher):
         args = _GATE_SCAN_ARGS.get(p)
         if args is None:
             key = self.gate_key(p, None)
-            args = (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None, key.arch
+            args = gate_slice_dtype(key), key.arch
             if len(_GATE_SCAN_ARGS) >= 1024:
                 _GATE_SCAN_ARGS.clear()
             _GATE_SCAN_ARGS[p] = args
@@ -450,6 +452,11 @@ class FwdSm90(FwdLauncher):
 
 
 @functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
+def gate_slice_dtype(key: FwdSm90Key) -> torch.dtype | None:
+    """The dtype of K's k16 slice where ``key``'s gated kernel takes one (``gate_slice``: q's), else None."""
+    return (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None
+
+
 def gate_slice(key: FwdSm90Key) -> bool:
     """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
     where the key asks for it (``gate_slice``: long keys) and it fits, ``fwd_budget.gate_in_gemm`` with the
