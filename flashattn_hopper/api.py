@@ -270,12 +270,13 @@ def _packed_gate_signature(q: Any, k: Any, v: Any, cu_seqlens: Any, log_decay: A
                            max_seqlen_k: int, softmax_scale: float | None, causal: bool, window_size: Any,
                            softcap: float, deterministic: bool, backend: str | None) -> tuple[Any, ...] | None:
     """The ``_PLANS`` signature of a gated call on packed self-attention (one cu_seqlens tensor for queries and
-    keys, no seqused, int max lengths, plain options: the caller checked), None where an input is not a tensor."""
+    keys, no seqused, int max lengths, plain options: the caller checked), None where an input is not a tensor.
+    Its first entries are a dense signature's (q's dtype fourth: the autocast check reads it there)."""
     try:
         if q.shape[0] != k.shape[0]:
             return None
-        return ("packed", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
-                v.get_device(), cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.get_device(), max_seqlen_q,
+        return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+                v.get_device(), "packed", cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.get_device(), max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_size, softcap, backend, settings().backend,
                 "log_decay", log_decay.shape, log_decay.dtype, log_decay.get_device(), deterministic, gate.IN_KERNEL,
                 gate.SCAN_KERNEL, gate.SCAN_KERNEL_VARLEN)

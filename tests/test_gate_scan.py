@@ -428,6 +428,36 @@ def test_gate_varlen_scan_route_parity(monkeypatch, head_dim, lens):
         assert_close_to_ref(name, gr, r.to(gr.dtype), pt.to(gr.dtype), atol=rounding_atol(r, torch.bfloat16))
 
 
+def test_packed_gated_call_keeps_its_plan(monkeypatch):
+    """``api``'s kept plan of a gated call on packed self-attention (CPU, a stand-in plan): made once, after the
+    validation, from the call's cu_seqlens and max length; a later call of the same shapes runs it with its own
+    cu_seqlens and ``return_lse``, with no validation; another max length keys another plan."""
+    from flashattn_hopper import api, flash_attn_varlen_func, validate
+
+    made, calls = [], []
+
+    def stand_in(q, k, v, g, options, cu_seqlens, max_seqlen):
+        made.append((cu_seqlens, max_seqlen))
+        return lambda q, k, v, g, sink, want_lse, cu: calls.append((cu, want_lse)) or (q + 1, None)
+
+    monkeypatch.setattr(gate, "scanned_gate", stand_in)
+    monkeypatch.setattr(validate, "_check_devices", lambda *a: None)  # (CPU tensors: the validation's other checks)
+    api.clear_plans()
+    q, k, v = (torch.randn(10, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(10, 2))
+    cu, cu2 = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 7, 10], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True, log_decay=g)
+    assert torch.equal(out, q + 1) and len(made) == 1 and made[0][0] is cu and made[0][1] == 6
+    validations, validate_varlen = [], validate.validate_varlen
+    monkeypatch.setattr(validate, "validate_varlen", lambda *a, **kw: validations.append(1))
+    flash_attn_varlen_func(q, k, v, cu2, cu2, 6, 6, causal=True, log_decay=g, return_lse=True)
+    assert len(made) == 1 and calls[-1][0] is cu2 and calls[-1][1] is True and not validations
+    monkeypatch.setattr(validate, "validate_varlen", validate_varlen)
+    flash_attn_varlen_func(q, k, v, cu2, cu2, 7, 7, causal=True, log_decay=g)
+    assert len(made) == 2 and made[1][1] == 7
+    api.clear_plans()
+
+
 @pytest.mark.gpu
 def test_repeated_packed_gated_call_runs_its_kept_plan():
     """A gated call on packed self-attention keeps its plan (``gate.ScannedPlan`` with ``packed``, in ``api._PLANS``)
