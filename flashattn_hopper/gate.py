@@ -432,7 +432,7 @@ def _scan_gradient(dG: torch.Tensor, dG_q: torch.Tensor | None, dtype: torch.dty
 class ScannedPlan:
     """How a gated call runs on the scan route, worked out once per call signature (``api``'s plans keep it;
     ``scanned_gate`` builds it): the route (``ops.eager_route``'s), the scan's variant (``slice_dtype``: K's k16 slice
-    built too, in q's dtype, or None; ``arch``) and, dense, the sm90 forward's kept gated plan (``FwdSm90.gate_plan``;
+    built too, in q's dtype, or None; ``arch``) and the sm90 forward's kept gated plan (``FwdSm90.gate_plan``;
     None where the kernel takes the inputs padded). Packed self-attention (``SCAN_KERNEL_VARLEN``; ``packed``: the
     call's ``(max_seqlen_q, max_seqlen_k)``, else None): the forward's key (``fwd_key``) and the scan chunks' first
     keys (``chunk_starts``), the route's ``VarlenArgs`` made per call around its cu_seqlens (``bound``). A dense plan
@@ -453,6 +453,7 @@ class ScannedPlan:
 
             self.fwd_key = family.gate_key(p, varlen)
             self.slice_dtype, self.arch = gate_slice_dtype(self.fwd_key), self.fwd_key.arch
+            self.fwd_plan = family.kept_gate_plan(q, p, self.fwd_key)
             self.route, self.packed = (family, bwd_family, p, None), (varlen.max_seqlen_q, varlen.max_seqlen_k)
             self.chunk_starts = gate_scan.chunk_starts(q.shape[0], q.device)
 
@@ -465,19 +466,22 @@ class ScannedPlan:
         family, bwd_family, p, _ = self.route
         plan.route = (family, bwd_family, p, VarlenArgs(cu_seqlens, cu_seqlens, None, None, *self.packed))
         plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key, plan.packed, plan.chunk_starts = (
-            self.options, self.slice_dtype, self.arch, None, self.fwd_key, self.packed, self.chunk_starts)
+            self.options, self.slice_dtype, self.arch, self.fwd_plan, self.fwd_key, self.packed, self.chunk_starts)
         return plan
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,
                k_slice: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse less G_i)`` of the gated forward on the scan's bias rows and K's slice (the kept plan; else,
         or where TVM-FFI turns the inputs' strides down, ``forward_with_gate``'s general launch)."""
+        family, _, p, varlen = self.route
         if self.fwd_plan is not None:
             try:
-                return self.fwd_plan(q, k, v, bias_rows if k_slice is None else k_slice)
+                gate = bias_rows if k_slice is None else k_slice
+                if varlen is None:
+                    return self.fwd_plan(q, k, v, gate)
+                return self.fwd_plan(q, k, v, gate, varlen.cu_seqlens_k)
             except (ValueError, TypeError):
                 pass
-        family, _, p, varlen = self.route
         return family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice, self.fwd_key)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

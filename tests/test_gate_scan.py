@@ -461,9 +461,9 @@ def test_packed_gated_call_keeps_its_plan(monkeypatch):
 @pytest.mark.gpu
 def test_repeated_packed_gated_call_runs_its_kept_plan():
     """A gated call on packed self-attention keeps its plan (``gate.ScannedPlan`` with ``packed``, in ``api._PLANS``)
-    and a later call of the same shapes runs it with its own cu_seqlens (another packing of as many tokens): out,
-    lse and dq/dk/dv/dg bit for bit those of that packing's first call with no plan kept (the forward) and within the
-    backward's atomic dQ rounding (the gradients); without ``return_lse`` the same out."""
+    and a later call of the same shapes runs it with its own cu_seqlens (another packing of as many tokens and
+    sequences), through the forward's kept ``PackedGatePlan``: out and lse bit for bit those of a plan made for that
+    packing, dq/dk/dv/dg within the backward's atomic dQ rounding; without ``return_lse`` the same out."""
     from flashattn_hopper import api, flash_attn_varlen_func
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
@@ -474,7 +474,7 @@ def test_repeated_packed_gated_call_runs_its_kept_plan():
     k, v = (torch.randn(total, 2, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
     g = torch.nn.functional.logsigmoid(torch.randn(total, 4, device="cuda", generator=gen) * 2 + 3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
-    packings = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in ([0, 700, 1500], [0, 64, 65, 800, 1500])]
+    packings = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in ([0, 700, 1400, 1500], [0, 64, 800, 1500])]
 
     def call(cu, want_lse=True):
         result = flash_attn_varlen_func(*leaves[:3], cu, cu, 800, 800, causal=True, log_decay=leaves[3],
@@ -487,7 +487,7 @@ def test_repeated_packed_gated_call_runs_its_kept_plan():
     api.clear_plans()
     call(packings[0])
     plans = [plan for plan in api._PLANS.values() if isinstance(plan, gate.ScannedPlan)]
-    assert len(plans) == 1 and plans[0].packed == (800, 800)
+    assert len(plans) == 1 and plans[0].packed == (800, 800) and plans[0].fwd_plan is not None
     kept = call(packings[1])
     assert torch.equal(fresh[0], kept[0]) and torch.equal(fresh[1], kept[1])
     for first, second in zip(fresh[2:], kept[2:]):

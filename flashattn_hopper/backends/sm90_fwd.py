@@ -400,18 +400,22 @@ class FwdSm90(FwdLauncher):
             _GATE_SCAN_ARGS[p] = args
         return args
 
-    def kept_gate_plan(self, q: torch.Tensor, p: AttnProblem) -> GatePlan | None:
-        """The dense gated call's kept ``GatePlan`` (``_GATE_PLANS``, as ``forward_with_gate`` keeps it)."""
-        key = self.gate_key(p, None)
+    def kept_gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key | None = None) -> GatePlan | None:
+        """The gated call's kept ``GatePlan`` (``_GATE_PLANS``, as ``forward_with_gate`` keeps it); ``key``: a
+        packed call's ``gate_key`` (its varlen arguments' max length chose it)."""
+        if key is None:
+            key = self.gate_key(p, None)
         return kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key))
 
     def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
-        """A ``GatePlan`` of the dense gated ``key`` (``gate_key``) for ``p``, None where the kernel takes the
-        inputs padded (launch_forward's way)."""
-        if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+        """A ``GatePlan`` of the gated ``key`` (``gate_key``) for ``p`` (a varlen problem: ``PackedGatePlan``, for
+        packed self-attention), None where the kernel takes the inputs padded (launch_forward's way)."""
+        if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v or key.softcap:  # (no softcap with a gate)
             return None
+        if p.is_varlen:
+            return PackedGatePlan(*self._plan_parts(q, p, key)) if not key.seqused_q else None
         return GatePlan(*self._plan_parts(q, p, key))
 
     def _plan_parts(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> tuple[Any, ...]:
@@ -576,6 +580,27 @@ class GatePlan(FwdPlan):
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
         self.fn(q, k, v, out, lse, *self.head, counter, gate, None, None, None, None, None)
+        return out, lse
+
+
+class PackedGatePlan(GatePlan):
+    """``GatePlan`` of a gated call on packed self-attention (``FwdSm90.gate_plan`` of a varlen problem: out
+    ``(total, nheads, head_dim_v)``, the LSE ``(nheads, total)``); the call's cu_seqlens (int32, contiguous: the
+    caller checked) go in for queries and keys alike, no seqused."""
+
+    __slots__ = ()
+
+    def __init__(self, *parts: Any) -> None:
+        super().__init__(*parts)
+        p = self.problem
+        self.out_shape, self.lse_shape = (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 gate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        counter = None if self.counter_device is None else tile_counter(self.counter_device)
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, cu_seqlens, cu_seqlens, None, None)
         return out, lse
 
 
