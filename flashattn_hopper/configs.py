@@ -128,6 +128,11 @@ FWD_SM90_Q_RING_MAX_SEQLEN = 2048
 # 0.88); built by six torch ops (``_TORCH``) only from 4k (session 26: +9 % at hdim 64 1k).
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
+# The gated sm90 forward skips the P.V GEMM of a key block whose P underflowed to 0 in a whole MMA warpgroup (keys
+# decayed past 2**-126 of the row's max: exp2 flushes them to 0, so the skipped product is exactly 0); each block
+# then costs one bar.red vote per warpgroup. Off: written in session 39 without a GPU (compiles, SASS checked); the
+# next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
+FWD_SM90_GATE_SKIP_ZERO_PV = False
 # The gated sm90 backward's per-key dS sums by one more WGMMA beside dK's (dS^T times a tile of ones,
 # kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle, and its per-query sums beside dQ's
 # (dS times a tile of ones, staged whole for the dQ writer). The two together serialize every WGMMA at head_dim 128

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
 
     times: dict[tuple, list[float]] = {}
     names = list(SETTINGS)
+    defaults = configs.BWD_SM90_GATE_KEY_MMA, configs.BWD_SM90_GATE_QUERY_MMA
     for r in range(args.rounds):
         for cell, (leaves, dout, _) in cells.items():
             times.setdefault((cell, "plain"), []).append(backward_ms(leaves, dout, False))
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
             api.clear_plans()
             for cell, (leaves, dout, _) in cells.items():
                 times.setdefault((cell, name), []).append(backward_ms(leaves, dout, True))
-    configs.BWD_SM90_GATE_KEY_MMA = configs.BWD_SM90_GATE_QUERY_MMA = False
+    configs.BWD_SM90_GATE_KEY_MMA, configs.BWD_SM90_GATE_QUERY_MMA = defaults
     print(f"# gated causal backward, dG sums by the threads (off) or by WGMMA (key / query / both), "
           f"{torch.cuda.get_device_name()}, rounds={args.rounds}; TFLOP/s (gated / plain)\n")
     print("| hdim | seqlen | plain | " + " | ".join(names) + " |\n|---|---|---|" + "---|" * len(names))

@@ -467,6 +467,47 @@ def test_gate_long_strong_decay(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
+    """``configs.FWD_SM90_GATE_SKIP_ZERO_PV`` (opt-in, session 39: the gated forward skips the P.V of a key block
+    whose P underflowed to 0 in a whole warpgroup): the gated key takes it, and out and lse are bit for bit those of
+    the kernel without it, with gates that decay most key blocks to 0 (4k keys, ``g`` ~ -0.3 per step: the skip
+    taken) and with gates near 0 (no block skipped); odd lengths, GQA, causal and not."""
+    from flashattn_hopper import api, configs
+    from flashattn_hopper.backends import sm90_fwd
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: the skip is the sm90 gated forward's")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    seqlen = 4093
+    q = torch.randn(2, seqlen, 4, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k, v = (torch.randn(2, seqlen, 2, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    keys = []
+    gate_key = sm90_fwd.FwdSm90.gate_key
+    monkeypatch.setattr(sm90_fwd.FwdSm90, "gate_key", lambda self, *a: keys.append(gate_key(self, *a)) or keys[-1])
+    for shift in (-1.0, 6.0):  # (logsigmoid(-1) ~ -1.3 per step: most blocks decay to 0; logsigmoid(6) ~ -0.0025)
+        g = torch.nn.functional.logsigmoid(torch.randn(2, seqlen, 4, device="cuda", generator=gen) + shift)
+        for causal in (True, False):
+            results = []
+            for skip in (False, True):
+                monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_ZERO_PV", skip)
+                api.clear_plans()
+                if varlen:
+                    cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32, device="cuda")
+                    out, lse = flash_attn_varlen_func(
+                        *(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen, causal=causal,
+                        log_decay=g.flatten(0, 1), return_lse=True)
+                else:
+                    out, lse = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
+                assert keys[-1].gate_skip_pv == skip
+                results.append((out, lse))
+            assert torch.equal(results[0][0], results[1][0]), (shift, causal)
+            assert torch.equal(results[0][1], results[1][1]), (shift, causal)
+    api.clear_plans()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sums", ["off", "key", "query", "both"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_sums_by_wgmma_parity(monkeypatch, sums, head_dim):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +67,9 @@ class FwdSm90Key(KernelKey):
     # the gate's bias as the QK^T GEMM's extra k16 slice where it fits (``gate_slice``), else fp32 rows
     # added per score; long keys only (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K)
     gate_slice: bool = False
+    # the gated kernel skips the P.V of a key block whose P underflowed to 0 in a whole warpgroup (an exact skip:
+    # configs.FWD_SM90_GATE_SKIP_ZERO_PV); short display name (progress lines within 120 columns)
+    gate_skip_pv: bool = field(default=False, metadata={"display": "zskip"})
     # FP8 (dtype e4m3) with per-block descales (q per tile of rows, k/v per key block; pack_gqa 1)
     fp8_block_scales: bool = False
     # FP8 with v's keys contiguous (``validate.keys_contiguous``): V^T loaded by TMA as the P.V WGMMA reads it,
@@ -308,7 +311,7 @@ class FwdSm90(FwdLauncher):
             persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
             span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
-            has_gate=key.gate, gate_slice=key.gate_slice,
+            has_gate=key.gate, gate_slice=key.gate_slice, skip_zero_pv=key.gate_skip_pv,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -437,14 +440,14 @@ class FwdSm90(FwdLauncher):
         Dense calls' keys are kept per problem (``_GATE_KEYS``)."""
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
-        memo = (p, min_keys, target_arch())
+        memo = (p, min_keys, target_arch(), configs.FWD_SM90_GATE_SKIP_ZERO_PV)
         key = _GATE_KEYS.get(memo) if varlen is None else None
         if key is not None:
             return key
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
         key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
-                               cluster_m=1)[1]
+                               cluster_m=1, **({"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}))[1]
         if long_keys and key.q_stages > 1 and not gate_slice(key):
             one_stage = dataclasses.replace(key, q_stages=1)
             key = one_stage if gate_slice(one_stage) else key
@@ -608,7 +611,8 @@ _GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem,
 # problem -> gate_scan_args (a stale entry after a threshold change costs only a slice built or dropped again:
 # forward_with_gate decides from its own key)
 _GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}
-_GATE_KEYS: dict[tuple[AttnProblem, int, str], FwdSm90Key] = {}  # (dense problem, slice threshold, arch) -> gate_key
+# (dense problem, slice threshold, arch, FWD_SM90_GATE_SKIP_ZERO_PV) -> gate_key
+_GATE_KEYS: dict[tuple[AttnProblem, int, str, bool], FwdSm90Key] = {}
 
 
 class Fp8Plan(FwdPlan):

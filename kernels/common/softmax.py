@@ -79,7 +79,7 @@ class OnlineSoftmax:
 
     def __init__(
         self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None, max_offset: float = 0.0,
-        block_scales: bool = False,
+        block_scales: bool = False, track_zero_blocks: bool = False,
     ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
@@ -95,6 +95,11 @@ class OnlineSoftmax:
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+        # ``track_zero_blocks``: each ``update`` leaves in ``block_sum[0]`` the largest of this thread's row sums of
+        # the block's P (0: every P of the thread's part of the block underflowed to 0; the gated forward then
+        # skips the block's P.V, whose product would be exactly 0).
+        self.track_zero_blocks = track_zero_blocks
+        self.block_sum = cute.make_rmem_tensor(1, Float32) if track_zero_blocks else None
 
     @cute.jit
     def update(
@@ -109,6 +114,8 @@ class OnlineSoftmax:
         """
         acc_S_mn = acc_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        if cutlass.const_expr(self.track_zero_blocks):
+            self.block_sum[0] = Float32(0.0)
         scaled = self.block_scales
         scale_log2 = block_scale_log2 if cutlass.const_expr(scaled) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
@@ -138,6 +145,8 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(cute.size(row)):
                 row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
             row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
+            if cutlass.const_expr(self.track_zero_blocks):
+                self.block_sum[0] = cute.arch.fmax(self.block_sum[0], row_sum_cur)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = row_sum_cur

@@ -18,7 +18,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Uint32
+from cutlass import Boolean, Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -174,6 +174,21 @@ def _asm_b32(ptx: str, operands: list, constraints: str) -> Uint32:
     out = llvm.inline_asm(T.i32(), operands, ptx, constraints, has_side_effects=False, is_align_stack=False,
                           asm_dialect=llvm.AsmDialect.AD_ATT)
     return Uint32(out)
+
+
+@dsl_user_op
+def warpgroup_any_positive(value: Float32, barrier_id: Int32, *, loc=None, ip=None) -> Int32:
+    """1 in every thread of the calling warpgroup where any of its 128 threads has ``value > 0``, else 0: one
+    ``bar.red.or.pred`` on the named barrier ``barrier_id`` (all 128 threads must reach it, converged; a NaN is
+    not positive)."""
+    out = llvm.inline_asm(
+        T.i32(),
+        [Float32(value).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred any_in, any_out;\nsetp.gt.f32 any_in, $1, 0f00000000;\n"
+        "bar.red.or.pred any_out, $2, 128, any_in;\nselp.u32 $0, 1, 0, any_out;\n}",
+        "=r,f,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return Int32(out)
 
 
 @dsl_user_op

@@ -170,7 +170,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         has_sink: bool = False,
         has_gate: bool = False,
         gate_slice: bool = False,
+        skip_zero_pv: bool = False,
     ):
+        if skip_zero_pv and not has_gate:
+            raise ValueError("FlashFwdSm90 cannot implement this config: skip_zero_pv needs has_gate")
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
             cluster_m, span_heads, has_sink, has_gate, has_softcap, gate_slice, **self._implement_options(),
@@ -199,6 +202,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # aligned: TMA boxes of each K block's keys land in K's stage, sGate; varlen boxes start at the
         # 16-byte boundary before the block, fwd_load ``_gate_view``), added per score.
         self.has_gate = has_gate
+        # With the gate, a whole key block's P can underflow to 0 (keys decayed by > 2**126 against the row's max):
+        # each MMA warpgroup then votes (fwd_steps ``_note_zero_block``) and skips that block's P.V, whose product
+        # would add exactly 0 to O (the QK^T GEMM and the softmax still run: they find out).
+        self.skip_zero_pv = skip_zero_pv
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -708,7 +715,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 softmax = OnlineSoftmax(
                     tile_scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
                     rescale_threshold=self.rescale_threshold, max_offset=self.p_max_offset,
-                    block_scales=self.block_scales,
+                    block_scales=self.block_scales, track_zero_blocks=self.skip_zero_pv,
                 )
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,

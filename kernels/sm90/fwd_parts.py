@@ -27,7 +27,9 @@ class NamedBarrierFwd(enum.IntEnum):
     WARP_SCHEDULER_WG1 = 2  # ping-pong: MMA warpgroup k waits on id WARP_SCHEDULER_WG1 + k
     WARP_SCHEDULER_WG2 = 3
     WARP_SCHEDULER_WG3 = 4
-    # (5-10 are free: the dynamic scheduler's tile handoff uses mbarriers, tile_scheduler.py)
+    # skip_zero_pv: MMA warpgroup k's vote on its block's P (bar.red.or) on id ZERO_BLOCK_WG1 + k (5, 6, 7)
+    ZERO_BLOCK_WG1 = 5
+    # (8-10 are free: the dynamic scheduler's tile handoff uses mbarriers, tile_scheduler.py)
     # Warpgroup-local epilogue, warpgroup k on id + k: its rows of sO are free / written (11, 12, 13)
     EPILOGUE_WG1 = 11
 

@@ -15,7 +15,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import acc_to_frag_a_sm90, wgmma
-from ..common.utils import convert_to_16bit, transpose_view
+from ..common.utils import convert_to_16bit, transpose_view, warpgroup_any_positive
 from .fwd_parts import WG_THREADS as _WG_THREADS, BlockStep, MmaParts, NamedBarrierFwd
 
 
@@ -37,6 +37,7 @@ class FwdSm90Steps:
         self._pass_other_ring(step, step.pipeline_k, kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
         step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block))
+        self._note_zero_block(step)
         self._store_p(mma, acc_S)
         return kv_state
 
@@ -44,7 +45,13 @@ class FwdSm90Steps:
     def last_half_block(self, step: BlockStep, kv_state):
         """Intra-WG overlap epilogue: O += P V of the last block visited."""
         v_state = step.kv(kv_state)
-        self._pv_gemm(step, v_state, wg_wait=0)
+        if const_expr(self.skip_zero_pv):
+            if step.softmax.block_sum[0] > Float32(0.0):
+                self._pv_gemm(step, v_state, wg_wait=0)
+            else:
+                self._wait_v(step, v_state)
+        else:
+            self._pv_gemm(step, v_state, wg_wait=0)
         self._release_v(step, v_state, kv_state)
         kv_state.advance()
         return kv_state
@@ -71,9 +78,20 @@ class FwdSm90Steps:
             step.pipeline_k.consumer_wait(k_state, step.pipeline_k.consumer_try_wait(k_state))
             self._scheduler_sync(step.wg_idx)
             acc_S = self._qk_gemm(step, k_state.index, wg_wait=-1)
-            self._pv_gemm(step, v_state, wg_wait=-1)
-            self._scheduler_arrive(step.wg_idx)
-            warpgroup.wait_group(1)  # S_j has landed; P.V may still run
+            if const_expr(self.skip_zero_pv):
+                # (the previous block's P, all zeros where its flag is 0: no P.V, so only S_j is in flight)
+                if step.softmax.block_sum[0] > Float32(0.0):
+                    self._pv_gemm(step, v_state, wg_wait=-1)
+                    self._scheduler_arrive(step.wg_idx)
+                    warpgroup.wait_group(1)
+                else:
+                    self._wait_v(step, v_state)
+                    self._scheduler_arrive(step.wg_idx)
+                    warpgroup.wait_group(0)
+            else:
+                self._pv_gemm(step, v_state, wg_wait=-1)
+                self._scheduler_arrive(step.wg_idx)
+                warpgroup.wait_group(1)  # S_j has landed; P.V may still run
             self._add_gate(step, acc_S, k_state.index)
             step.pipeline_k.consumer_release(k_state)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
@@ -87,6 +105,7 @@ class FwdSm90Steps:
                     row_scale[r] = row_scale[r] * ratio
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
             self._release_v(step, v_state, v_local)
+            self._note_zero_block(step)  # (after the flag's last read: it now names block n_block)
             self._store_p(mma, acc_S)
             step.softmax.rescale_O(mma.acc_O, row_scale)
         else:
@@ -98,10 +117,17 @@ class FwdSm90Steps:
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
             row_scale = step.softmax.update(acc_S, is_first=is_first)
+            self._note_zero_block(step)
             self._store_p(mma, acc_S)
             if const_expr(not is_first):
                 step.softmax.rescale_O(mma.acc_O, row_scale)
-            self._pv_gemm(step, kv_cur, wg_wait=0)
+            if const_expr(self.skip_zero_pv):
+                if step.softmax.block_sum[0] > Float32(0.0):
+                    self._pv_gemm(step, kv_cur, wg_wait=0)
+                else:
+                    self._wait_v(step, kv_cur)
+            else:
+                self._pv_gemm(step, kv_cur, wg_wait=0)
             self._release_v(step, kv_cur, kv_state)
             kv_state.advance()
         return kv_state
@@ -115,6 +141,21 @@ class FwdSm90Steps:
             mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
             zero_init=False, wg_wait=wg_wait,
         )
+
+    @cute.jit
+    def _wait_v(self, step: BlockStep, v_state) -> None:
+        """V's stage ``v_state`` filled, its P.V skipped (``skip_zero_pv``): waited for all the same, so that its
+        release follows the TMA's write and the stage's phases stay in step."""
+        step.pipeline_v.consumer_wait(v_state, step.pipeline_v.consumer_try_wait(v_state))
+
+    @cute.jit
+    def _note_zero_block(self, step: BlockStep) -> None:
+        """``skip_zero_pv``: after ``softmax.update``, the block's P sums of the whole warpgroup in ``block_sum[0]``:
+        positive where any thread's P has a nonzero, else 0 (one ``bar.red.or`` on the warpgroup's own named
+        barrier), the same in all 128 threads, so its P.V WGMMA is issued or skipped by the warpgroup as one."""
+        if const_expr(self.skip_zero_pv):
+            live = warpgroup_any_positive(step.softmax.block_sum[0], int(NamedBarrierFwd.ZERO_BLOCK_WG1) + step.wg_idx)
+            step.softmax.block_sum[0] = Float32(live)
 
     @cute.jit
     def _release_v(self, step: BlockStep, v_state, ring_state) -> None:
@@ -139,6 +180,7 @@ class FwdSm90Steps:
     p_max_offset = 0.0
     block_scales = False
     kv_scale_ratio = 1  # (FP8 block scales: key blocks per k/v descale)
+    skip_zero_pv = False  # (the gated kernel's option: FlashFwdSm90 sets it)
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
