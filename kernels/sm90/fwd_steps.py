@@ -45,13 +45,7 @@ class FwdSm90Steps:
     def last_half_block(self, step: BlockStep, kv_state):
         """Intra-WG overlap epilogue: O += P V of the last block visited."""
         v_state = step.kv(kv_state)
-        if const_expr(self.skip_zero_pv):
-            if step.softmax.block_sum[0] > Float32(0.0):
-                self._pv_gemm(step, v_state, wg_wait=0)
-            else:
-                self._wait_v(step, v_state)
-        else:
-            self._pv_gemm(step, v_state, wg_wait=0)
+        self._pv_gemm_unless_zero(step, v_state, wg_wait=0)
         self._release_v(step, v_state, kv_state)
         kv_state.advance()
         return kv_state
@@ -121,13 +115,7 @@ class FwdSm90Steps:
             self._store_p(mma, acc_S)
             if const_expr(not is_first):
                 step.softmax.rescale_O(mma.acc_O, row_scale)
-            if const_expr(self.skip_zero_pv):
-                if step.softmax.block_sum[0] > Float32(0.0):
-                    self._pv_gemm(step, kv_cur, wg_wait=0)
-                else:
-                    self._wait_v(step, kv_cur)
-            else:
-                self._pv_gemm(step, kv_cur, wg_wait=0)
+            self._pv_gemm_unless_zero(step, kv_cur, wg_wait=0)
             self._release_v(step, kv_cur, kv_state)
             kv_state.advance()
         return kv_state
@@ -141,6 +129,18 @@ class FwdSm90Steps:
             mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_state.index],
             zero_init=False, wg_wait=wg_wait,
         )
+
+    @cute.jit
+    def _pv_gemm_unless_zero(self, step: BlockStep, v_state, wg_wait: cutlass.Constexpr[int]) -> None:
+        """``_pv_gemm``; with ``skip_zero_pv`` only where the block's vote (``_note_zero_block``) found a nonzero P,
+        else just the wait for V's stage (``_wait_v``)."""
+        if const_expr(self.skip_zero_pv):
+            if step.softmax.block_sum[0] > Float32(0.0):
+                self._pv_gemm(step, v_state, wg_wait)
+            else:
+                self._wait_v(step, v_state)
+        else:
+            self._pv_gemm(step, v_state, wg_wait)
 
     @cute.jit
     def _wait_v(self, step: BlockStep, v_state) -> None:
