@@ -27,11 +27,12 @@ _MAX_PLANS = 4096  # signatures kept (then the table starts over): shapes that v
 
 
 def clear_plans() -> None:
-    """Forget the cached call plans, the gated and sinked forwards' too (they hold no tensors, only the
-    compiled functions' references)."""
-    from .backends import common, sm90_fwd
+    """Forget the cached call plans, the gated and sinked forwards' and the backward families' too (they hold no
+    tensors, only the compiled functions' references)."""
+    from .backends import common, sm80_bwd, sm90_fwd
 
     _PLANS.clear()
+    sm80_bwd._PLAN_MEMO.clear()
     sm90_fwd._GATE_PLANS.clear()
     sm90_fwd._GATE_KEYS.clear()
     common._SINK_PLANS.clear()

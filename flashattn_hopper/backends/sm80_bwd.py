@@ -432,15 +432,18 @@ class BwdSm80:
                 return dq.zero_(), dk.zero_(), dv.zero_()
             dk_zero = torch.zeros_like(k, dtype=torch.float32 if dk_fp32 else k.dtype)
             return torch.zeros_like(q), dk_zero, torch.zeros_like(v)
-        plan = self.plan(p, varlen, deterministic, q.device, dk_fp32)
+        # (kept per problem: the keys and the compile-cache lookups were most of a packed call's backward host time)
+        plan = self.plan(p, varlen, deterministic, q.device, dk_fp32) if dk_fp32 else self.cached_plan(
+            p, varlen, deterministic, q.device)
         return plan(dout, q, k, v, out, lse, varlen, dq, dk, dv)
 
     def cached_plan(self, p: AttnProblem, varlen: VarlenArgs | None, deterministic: bool, device: torch.device,
                     gate: bool = False, sink: bool = False) -> BwdPlan:
         """``plan``, kept per (family, problem, varlen flags, deterministic, device, gate, sink): a
-        ``BwdPlan`` holds only what those fix (no tensors). For the gated and sinked routes, which made
-        one per call."""
-        memo = (self.kind, p, varlen_flags(varlen), deterministic, device, gate, sink)
+        ``BwdPlan`` holds only what those fix (no tensors). For ``backward`` and the gated and sinked routes,
+        which made one per call. The family object itself keys it (a benchmark's family with other tiles
+        has its own plans); ``api.clear_plans`` forgets them."""
+        memo = (self, p, varlen_flags(varlen), deterministic, device, gate, sink)
         plan = _PLAN_MEMO.get(memo)
         if plan is None:
             if len(_PLAN_MEMO) >= _MAX_PLAN_MEMO:
