@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import chunk, dispatch, fp8, gate, ops, sinks, validate
+from . import chunk, configs, dispatch, fp8, gate, ops, sinks, validate
 from .backends.common import FwdPlan, VarlenArgs, keys_contiguous_ready
 from .env import settings
 from .validate import AttnProblem
@@ -81,46 +81,48 @@ class PlannedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FwdPlan,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = plan(q, k, v)
+                deterministic: bool, varlen: VarlenArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = plan(q, k, v) if varlen is None else plan(q, k, v, varlen)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (no zero-filled dLSE allocated and passed per backward)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.deterministic = plan, deterministic
+        ctx.plan, ctx.deterministic, ctx.varlen = plan, deterministic, varlen
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if dout is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        plan, deterministic = ctx.plan, ctx.deterministic
+        plan, deterministic, varlen = ctx.plan, ctx.deterministic, ctx.varlen
         bwd = plan.bwd.get(deterministic)
         if bwd is None:
-            bwd = plan.bwd[deterministic] = _bwd_plan(plan, q.device, deterministic)
-        dq, dk, dv = bwd(dout, q, k, v, out, lse)
-        return dq, dk, dv, None, None
+            bwd = plan.bwd[deterministic] = _bwd_plan(plan, q.device, deterministic, varlen)
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, varlen)
+        return dq, dk, dv, None, None, None
 
 
-def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool) -> Any:
-    """A callable ``(dout, q, k, v, out, lse) -> (dq, dk, dv)`` for a planned problem: the backward
-    family's own plan where it has one, else its ``backward``."""
+def _bwd_plan(plan: FwdPlan, device: torch.device, deterministic: bool, varlen: VarlenArgs | None = None) -> Any:
+    """A callable ``(dout, q, k, v, out, lse, varlen) -> (dq, dk, dv)`` for a planned problem (``varlen``: a
+    packed plan's first call's, whose given tensors the backward's keys follow; each call passes its own): the
+    backward family's own plan where it has one, else its ``backward``."""
     p = plan.problem
     family = dispatch.bwd_kernel_for(device, plan.backend, p, deterministic)
     if hasattr(family, "plan"):
-        return family.plan(p, None, deterministic, device)
-    return lambda dout, q, k, v, out, lse: family.backward(dout, q, k, v, out, lse, p, None, deterministic)
+        return family.plan(p, varlen, deterministic, device)
+    return lambda dout, q, k, v, out, lse, varlen: family.backward(dout, q, k, v, out, lse, p, varlen, deterministic)
 
 
 def _planned(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, signature: tuple[Any, ...], deterministic: bool,
     log_decay: torch.Tensor | None = None, want_lse: bool = True, cu_seqlens: torch.Tensor | None = None,
+    varlen: VarlenArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The cached call of a signature that has a plan; None where it has none (yet) or where TVM-FFI
     turns the inputs down (strides or alignment the kernel cannot take: the general path copies them).
     A gated call's plan (``gate.ScannedPlan``; packed self-attention's with its ``cu_seqlens``) launches the scan
     and the forward itself, through autograd, and adds ``G_i`` to the LSE only where the caller returns it
-    (``want_lse``)."""
+    (``want_lse``). A plain varlen call's (``PackedFwdPlan``) takes the call's ``varlen``."""
     plan = _PLANS.get(signature)
     if plan is None:
         return None
@@ -132,16 +134,20 @@ def _planned(
                     or cu_seqlens is not None and cu_seqlens.stride(0) != 1):
                 return None
             return plan(q, k, v, log_decay, None, want_lse, cu_seqlens)
+        if varlen is not None and any(t is not None and t.stride(0) != 1 for t in (
+                varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)):
+            return None  # (the kernels read them contiguous: the general path makes them so)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return PlannedAttnFunc.apply(q, k, v, plan, deterministic)
-        return plan(q, k, v)
+            return PlannedAttnFunc.apply(q, k, v, plan, deterministic, varlen)
+        return plan(q, k, v) if varlen is None else plan(q, k, v, varlen)
     except (ValueError, TypeError):
         return None
 
 
-def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: tuple[Any, ...]) -> None:
+def _make_plan(q: torch.Tensor, p: AttnProblem, backend: str | None, signature: tuple[Any, ...],
+               varlen: VarlenArgs | None = None) -> None:
     family = dispatch.fwd_kernel_for(q.device, backend, p)
-    plan = family.plan(q, p) if hasattr(family, "plan") else None
+    plan = family.plan(q, p, varlen=varlen) if hasattr(family, "plan") else None
     if plan is not None:
         plan.backend = backend
     if len(_PLANS) >= _MAX_PLANS:
@@ -282,6 +288,21 @@ def _packed_gate_signature(q: Any, k: Any, v: Any, cu_seqlens: Any, log_decay: A
                 "log_decay", log_decay.shape, log_decay.dtype, log_decay.get_device(), deterministic, gate.IN_KERNEL,
                 gate.SCAN_KERNEL, gate.SCAN_KERNEL_VARLEN)
     except AttributeError:  # not tensors: the general path says which
+        return None
+
+
+def _varlen_signature(q: Any, k: Any, v: Any, varlen_tensors: tuple[Any, ...], max_seqlen_q: Any, max_seqlen_k: Any,
+                      softmax_scale: float | None, causal: bool, window_size: Any, softcap: float,
+                      backend: str | None) -> tuple[Any, ...] | None:
+    """The ``_PLANS`` signature of a plain varlen call (plain options: the caller checked): a dense signature's
+    entries, the varlen tensors' shapes, dtypes and devices (None where not given) and the max lengths (an int's
+    value, a tensor's dim and dtype: what the validation reads); None where an input is not a tensor."""
+    try:
+        sides = tuple(None if t is None else (t.shape, t.dtype, t.get_device()) for t in varlen_tensors)
+        maxes = tuple(m if m is None or type(m) is int else (m.dim(), m.dtype) for m in (max_seqlen_q, max_seqlen_k))
+        return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
+                "varlen", sides, maxes, softmax_scale, causal, window_size, softcap, backend, settings().backend)
+    except AttributeError:  # not tensors (or a max length neither an int nor a tensor): the general path says which
         return None
 
 
@@ -432,6 +453,17 @@ def flash_attn_varlen_func(
             result = _planned(q, k, v, signature, deterministic, log_decay, want_lse, cu_seqlens_k)
             if result is not None:
                 return result if want_lse else result[0]
+    elif (configs.VARLEN_PLANS and log_decay is None and not positional_options and not flash_attn_extras
+          and _plain_options(causal, attention_chunk, learnable_sink, deterministic, softcap, softmax_scale,
+                             window_size, return_lse, return_attn_probs, backend)):
+        # (a plain varlen call: its kept plan, as a dense call's; the varlen tensors go in per call)
+        signature = _varlen_signature(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, causal, window_size, softcap, backend)
+        if signature is not None and signature in _PLANS:
+            varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+            result = _planned(q, k, v, signature, deterministic, varlen=varlen)
+            if result is not None:
+                return result if want_lse else result[0]
     if positional_options:
         raise validate.too_many_positional(
             "flash_attn_varlen_func", "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k",
@@ -489,8 +521,14 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, softcap,
     )
     varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    if signature is not None and signature[9] == "varlen" and signature not in _PLANS and q.dtype == signature[3]:
+        # (not autocast)
+        _make_plan(q, p, backend, signature, varlen)
+        result = _planned(q, k, v, signature, deterministic, varlen=varlen)
+        if result is not None:
+            return result if want_lse else result[0]
     out, lse = _attention(q, k, v, p, backend, deterministic, varlen)
-    return (out, lse) if (return_lse or return_attn_probs) else out
+    return (out, lse) if want_lse else out
 
 
 def _chunked_dense(

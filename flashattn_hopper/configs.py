@@ -133,6 +133,11 @@ FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # then costs one bar.red vote per warpgroup. Off: written in session 39 without a GPU (compiles, SASS checked); the
 # next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
 FWD_SM90_GATE_SKIP_ZERO_PV = False
+# Plain varlen calls keep a plan per signature (api: ``PackedFwdPlan``, the backward's plan kept on it), as dense
+# calls do: a repeated call skips validation, dispatch and key building. Off: written in session 39 without a GPU
+# (CPU tests with stand-ins); the next session runs the varlen tiers and perf/call_overhead-style host times with
+# it on before turning it on.
+VARLEN_PLANS = False
 # The gated sm90 backward's per-key dS sums by one more WGMMA beside dK's (dS^T times a tile of ones,
 # kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle, and its per-query sums beside dQ's
 # (dS times a tile of ones, staged whole for the dQ writer). The two together serialize every WGMMA at head_dim 128

@@ -556,3 +556,37 @@ def test_sm90_gqa_loop_keys(monkeypatch):
     assert family.keys(problem(**{**short, "nheads_k": 1, "causal": False}), "sm_90a", sms=132)[1].gqa_loop
     varlen = VarlenArgs(None, None, None, None, None, None)
     assert not family.keys(problem(**short, is_varlen=True), "sm_90a", varlen=varlen, sms=132)[1].gqa_loop
+
+
+def test_varlen_plans_are_kept_and_take_each_calls_tensors(monkeypatch):
+    """``configs.VARLEN_PLANS`` (opt-in; CPU, a stand-in family): a plain varlen call's plan is made once, after the
+    validation, from the call's varlen tensors (which are given: the keys' flags); a later call of the same shapes
+    runs it with its own cu_seqlens and no validation; a seqused given keys another plan, which gets it per call."""
+    from flashattn_hopper import api, configs, dispatch, flash_attn_varlen_func, validate
+
+    made, calls = [], []
+
+    class Family:
+        def plan(self, q, p, key=None, varlen=None):
+            made.append(varlen)
+            return lambda q, k, v, varlen: calls.append(varlen) or (q + 1, q.new_zeros(p.nheads, p.seqlen_q))
+
+    monkeypatch.setattr(configs, "VARLEN_PLANS", True)
+    monkeypatch.setattr(validate, "_check_devices", lambda *a: None)  # (CPU tensors: the validation's other checks)
+    monkeypatch.setattr(dispatch, "fwd_kernel_for", lambda *a: Family())
+    api.clear_plans()
+    q, k, v = (torch.randn(10, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    cu, cu2 = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 7, 10], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+    assert torch.equal(out, q + 1) and len(made) == 1 and made[0].cu_seqlens_q is cu and calls[-1] is made[0]
+    validations, validate_varlen = [], validate.validate_varlen
+    monkeypatch.setattr(validate, "validate_varlen", lambda *a, **kw: validations.append(1))
+    out, lse = flash_attn_varlen_func(q, k, v, cu2, cu2, 6, 6, causal=True, return_lse=True)
+    assert len(made) == 1 and calls[-1].cu_seqlens_k is cu2 and not validations and lse.shape == (2, 10)
+    monkeypatch.setattr(validate, "validate_varlen", validate_varlen)
+    used = torch.tensor([3, 5], dtype=torch.int32)
+    flash_attn_varlen_func(q, k, v, cu2, cu2, 6, 6, causal=True, seqused_k=used)
+    assert len(made) == 2 and made[1].seqused_k is used and calls[-1].seqused_k is used
+    with pytest.raises(ValueError, match="cu_seqlens_k must have length 3"):  # (another shape: validated again)
+        flash_attn_varlen_func(q, k, v, cu2, cu2[:2], 6, 6, causal=True)
+    api.clear_plans()

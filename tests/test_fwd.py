@@ -162,6 +162,39 @@ def test_cached_calls_take_their_plan(monkeypatch, backend, causal):
             assert torch.isfinite(dq).all()
 
 
+@pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
+@pytest.mark.parametrize("seqused", [False, True], ids=["cu", "seqused"])
+def test_varlen_calls_take_their_plan(monkeypatch, backend, seqused):
+    """``configs.VARLEN_PLANS`` (opt-in, session 39): a repeated plain varlen call runs its signature's plan
+    (``PackedFwdPlan``, the backward's plan kept on it) with its own cu_seqlens and seqused, never the general
+    path: out and lse bit for bit, and the gradients within the atomic dQ rounding, of the general path's on the
+    same packing (another packing of as many tokens and sequences than the plan's first call's), GQA, causal."""
+    from flashattn_hopper import api, configs, flash_attn_varlen_func
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (torch.randn(700, 4, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(700, 2, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    packings = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in ([0, 300, 650, 700], [0, 17, 400, 700])]
+    used = torch.tensor([10, 300, 50], dtype=torch.int32, device="cuda") if seqused else None
+
+    def call(cu):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attn_varlen_func(*leaves, cu, cu, 400, 400, causal=True, seqused_q=used, seqused_k=used,
+                                          return_lse=True, backend=backend)
+        return out, lse, *torch.autograd.grad(out, leaves, dout), type(out.grad_fn).__name__
+
+    want = call(packings[1])  # (the general path: no varlen plans)
+    monkeypatch.setattr(configs, "VARLEN_PLANS", True)
+    call(packings[0])  # (makes the plan)
+    general, attention = [], api._attention
+    monkeypatch.setattr(api, "_attention", lambda *a, **kw: general.append(1) or attention(*a, **kw))
+    got = call(packings[1])
+    assert not general and got[-1] == "PlannedAttnFuncBackward"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, a, b in zip(("dq", "dk", "dv"), got[2:5], want[2:5]):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_mixed_devices_named():
     q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="k must be on the same device as q"):

@@ -453,6 +453,34 @@ class FwdPlan:
         return out, lse
 
 
+class PackedFwdPlan(FwdPlan):
+    """``FwdPlan`` of a varlen problem (``FwdLauncher.plan`` with its ``varlen``): out ``(total_q, nheads,
+    head_dim_v)``, the LSE ``(nheads, total_q)``; a call passes its own ``VarlenArgs`` (int32 and contiguous:
+    the caller checked), and with ``seqused_q`` zeroes out and fills the LSE with -inf first (the kernels write only
+    the used rows), as ``launch_forward``."""
+
+    __slots__ = ()
+
+    def __init__(self, *parts: Any) -> None:
+        super().__init__(*parts)
+        p = self.problem
+        self.out_shape, self.lse_shape = (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 varlen: VarlenArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ints = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        if self.key.seqused_q:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        if self.counter_device is None:
+            self.fn(q, k, v, out, lse, *self.head, *ints)
+        else:
+            self.fn(q, k, v, out, lse, *self.head, tile_counter(self.counter_device), *self.tail, *ints)
+        return out, lse
+
+
 class FwdLauncher:
     """The ``forward`` both forward families share: empty problems need no launch; otherwise key,
     compile-or-cache, launch. Subclasses provide ``key(problem, arch, varlen)`` and ``compile``."""
@@ -519,13 +547,15 @@ class FwdLauncher:
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, lse, extra)
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
-    def plan(self, q: torch.Tensor, p: AttnProblem, key: Any = None) -> FwdPlan | None:
-        """A ``FwdPlan`` for a dense problem the kernel takes without padding, else None; ``key``: a
-        variant of the problem's key (``variant_key``) instead of its own."""
-        if p.is_varlen or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
+    def plan(self, q: torch.Tensor, p: AttnProblem, key: Any = None, varlen: VarlenArgs | None = None
+             ) -> FwdPlan | None:
+        """A ``FwdPlan`` for a problem the kernel takes without padding, else None; ``key``: a variant of the
+        problem's key (``variant_key``) instead of its own; a varlen problem with its ``varlen`` (which of its
+        tensors are given: the key's flags) gets a ``PackedFwdPlan``."""
+        if p.is_varlen != (varlen is not None) or p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0:
             return None
         if key is None:
-            key = self.key(p, target_arch(), None)  # type: ignore[attr-defined]
+            key = self.key(p, target_arch(), varlen)  # type: ignore[attr-defined]
         if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
             return None
         fn = compile_cache.get(key, self.compile)  # type: ignore[attr-defined]
@@ -534,12 +564,13 @@ class FwdLauncher:
         window_left, window_right = window_args(p) if key.local else (0, 0)
         softcap = float(p.softcap) if key.softcap else 1.0
         head = (float(p.softmax_scale), window_left, window_right, softcap)
+        plan_type = FwdPlan if varlen is None else PackedFwdPlan
         if extra:  # (max_ctas, tile counter or None, ...): the counter is per stream, fetched per call
             rest = extra[2:]  # (sm90: the gate's and FP8 descales' slots, None for every planned key)
             if extra[1] is None:  # (no dynamic schedule: the counter argument stays None)
-                return FwdPlan(fn, key, p, self, (*head, extra[0], None, *rest), None)
-            return FwdPlan(fn, key, p, self, (*head, extra[0]), index, rest)
-        return FwdPlan(fn, key, p, self, head, None)
+                return plan_type(fn, key, p, self, (*head, extra[0], None, *rest), None)
+            return plan_type(fn, key, p, self, (*head, extra[0]), index, rest)
+        return plan_type(fn, key, p, self, head, None)
 
     def extra_args(self, key: Any, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """A family's own call-time kernel arguments (see ``compile_forward``) for a launch on the
