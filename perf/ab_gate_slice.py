@@ -5,10 +5,12 @@
 
 Issue 24: times ``flash_attn_func(..., causal=True, log_decay=g)`` (no grad unless ``--grad``; bf16, 16k tokens, hidden 2048,
 ``logsigmoid`` of N(4, 2) gates as ``bench_gate.py``) under three settings, interleaved round by round in one
-process so the power cap's drift reaches all alike: ``torch_4k`` (the slice built by six torch ops, from
-4096 keys: the setting before Triton), ``triton_4k`` (one Triton kernel, ``kernels/triton/gate_slice.py``),
-``triton_1k`` (Triton, slice from 1024 keys), beside the plain causal call. The settings are switched by
-patching ``sm90_fwd._has_triton`` and ``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` (both read per call).
+process so the power cap's drift reaches all alike: ``rows`` (no slice at any length: the fp32 bias rows added per
+score), ``slice_4k`` (K's k16 slice from 4096 keys), ``slice_1k`` (from 1024 keys, the default), beside the plain
+causal call. Where the scan kernel serves the call (``gate.SCAN_KERNEL``) it builds the slice; else Triton or torch
+ops do (``sm90_fwd._has_triton``, patched on here). The settings are switched by patching
+``configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K`` and forgetting the kept plans and the problem memos that hold the
+gated keys and the scan's variant (``api.clear_plans``, ``sm90_fwd._GATE_SCAN_ARGS``).
 ``--grad``: forward + backward (``autograd.grad`` to q,
 k, v and g; the plain call's to q, k, v), not the forward alone.
 Prints a Markdown table of do_bench medians (us) and each setting's ratio to the plain call.
@@ -24,7 +26,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-SETTINGS = {"torch_4k": (False, 4096), "triton_4k": (True, 4096), "triton_1k": (True, 1024)}
+SETTINGS = {"rows": (True, 1 << 30), "slice_4k": (True, 4096), "slice_1k": (True, 1024)}
 
 
 def main(argv: list[str]) -> int:
@@ -36,13 +38,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--grad", action="store_true")
     args = ap.parse_args(argv)
 
-    from flashattn_hopper import configs, flash_attn_func
+    from flashattn_hopper import api, configs, flash_attn_func
     from flashattn_hopper.backends import sm90_fwd
 
     def use(setting: str) -> None:
         triton_on, min_keys = SETTINGS[setting]
         sm90_fwd._has_triton = (lambda: True) if triton_on else (lambda: False)
         configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = min_keys
+        api.clear_plans()  # (the kept plans hold the gated keys, _GATE_SCAN_ARGS the scan's slice choice per problem)
+        sm90_fwd._GATE_SCAN_ARGS.clear()
 
     if not args.compile_only:
         print(f"# gated forward's slice settings, {torch.cuda.get_device_name()}, rounds={args.rounds}\n")
