@@ -287,7 +287,7 @@ class GatedAttnFunc(torch.autograd.Function):
             ctx.scan_dtype, ctx.scan_arch, route = G.dtype, scanned.arch, scanned.route
             if varlen:  # (packed self-attention: G's rows (h, total) are the LSE's layout too)
                 G_keys, bias_rows, k_slice, ctx.chunk_seq = gate_scan.scan_varlen(
-                    G, cu_k, options[0], scanned.slice_dtype, scanned.arch, scanned.chunk_starts)
+                    G, cu_k, options[0], scanned.slice_dtype, scanned.arch)
                 G = G_keys.t()
             else:
                 G_keys, bias_rows, k_slice = gate_scan.scan(G, options[0], scanned.slice_dtype, scanned.arch)
@@ -434,28 +434,25 @@ class ScannedPlan:
     ``scanned_gate`` builds it): the route (``ops.eager_route``'s), the scan's variant (``slice_dtype``: K's k16 slice
     built too, in q's dtype, or None; ``arch``) and the sm90 forward's kept gated plan (``FwdSm90.gate_plan``;
     None where the kernel takes the inputs padded). Packed self-attention (``SCAN_KERNEL_VARLEN``; ``packed``: the
-    call's ``(max_seqlen_q, max_seqlen_k)``, else None): the forward's key (``fwd_key``) and the scan chunks' first
-    keys (``chunk_starts``), the route's ``VarlenArgs`` made per call around its cu_seqlens (``bound``). A dense plan
-    holds no tensor, a packed one only ``chunk_starts``."""
+    call's ``(max_seqlen_q, max_seqlen_k)``, else None): the forward's key (``fwd_key``), the route's ``VarlenArgs``
+    made per call around its cu_seqlens (``bound``). A plan holds no tensor (a CUDA graph that captured a call must
+    not read one that an evicted plan frees)."""
 
-    __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan", "fwd_key", "packed", "chunk_starts")
+    __slots__ = ("route", "options", "slice_dtype", "arch", "fwd_plan", "fwd_key", "packed")
 
     def __init__(self, q: torch.Tensor, route: tuple[Any, ...], options: tuple[Any, ...]) -> None:
         family, bwd_family, p, varlen = route
-        self.route, self.options, self.fwd_plan, self.fwd_key, self.packed, self.chunk_starts = (
-            route, options, None, None, None, None)
+        self.route, self.options, self.fwd_plan, self.fwd_key, self.packed = route, options, None, None, None
         if varlen is None:
             self.slice_dtype, self.arch = family.gate_scan_args(p)
             self.fwd_plan = family.kept_gate_plan(q, p)
         else:
-            from .backends import gate_scan
             from .backends.sm90_fwd import gate_slice_dtype
 
             self.fwd_key = family.gate_key(p, varlen)
             self.slice_dtype, self.arch = gate_slice_dtype(self.fwd_key), self.fwd_key.arch
             self.fwd_plan = family.kept_gate_plan(q, p, self.fwd_key)
             self.route, self.packed = (family, bwd_family, p, None), (varlen.max_seqlen_q, varlen.max_seqlen_k)
-            self.chunk_starts = gate_scan.chunk_starts(q.shape[0], q.device)
 
     def bound(self, cu_seqlens: torch.Tensor) -> ScannedPlan:
         """A packed plan's copy for one call: its route's ``VarlenArgs`` hold the call's ``cu_seqlens`` (queries and
@@ -465,8 +462,8 @@ class ScannedPlan:
         plan = ScannedPlan.__new__(ScannedPlan)
         family, bwd_family, p, _ = self.route
         plan.route = (family, bwd_family, p, VarlenArgs(cu_seqlens, cu_seqlens, None, None, *self.packed))
-        plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key, plan.packed, plan.chunk_starts = (
-            self.options, self.slice_dtype, self.arch, self.fwd_plan, self.fwd_key, self.packed, self.chunk_starts)
+        plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key, plan.packed = (
+            self.options, self.slice_dtype, self.arch, self.fwd_plan, self.fwd_key, self.packed)
         return plan
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_rows: torch.Tensor,

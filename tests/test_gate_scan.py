@@ -112,7 +112,7 @@ def test_scanned_route_autograd_with_emulated_kernels(monkeypatch, want_lse):
     plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
     options = gate.gate_options(scale, True, (-1, 0), False, None)
     plan.route, plan.options, plan.slice_dtype, plan.arch = (family, family, None, None), options, None, "sm_90a"
-    plan.fwd_plan = plan.fwd_key = plan.packed = plan.chunk_starts = None
+    plan.fwd_plan = plan.fwd_key = plan.packed = None
     monkeypatch.setattr(gate.ScannedPlan, "launch", lambda self, *a: family.launch(*a))
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 19, 3, 8, generator=gen) for _ in range(4))
@@ -515,8 +515,8 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
             out[..., a:b] = part.flip(-1).cumsum(-1).flip(-1) if reverse else part.cumsum(-1)
         return out
 
-    def scan_varlen(g, cu_, scale_, slice_dtype, arch, starts):
-        assert cu_ is cu and starts == "starts"
+    def scan_varlen(g, cu_, scale_, slice_dtype, arch):
+        assert cu_ is cu
         G_rows = per_sequence(g.t(), False).float()
         return G_rows, G_rows / -scale_, None, "chunk_seq"
 
@@ -527,7 +527,7 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
     monkeypatch.setattr(gate_scan, "scan_varlen", scan_varlen)
     monkeypatch.setattr(gate_scan, "scan_gradient_varlen", scan_gradient_varlen)
     plan = gate.ScannedPlan.__new__(gate.ScannedPlan)
-    plan.route, plan.packed, plan.chunk_starts = (family, family, None, None), (None, None), "starts"
+    plan.route, plan.packed = (family, family, None, None), (None, None)
     plan.options, plan.slice_dtype, plan.arch, plan.fwd_plan, plan.fwd_key = (
         gate.gate_options(scale, True, (-1, 0), False, None), None, "sm_90a", None, None)
     gen = torch.Generator().manual_seed(5)

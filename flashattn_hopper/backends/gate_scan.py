@@ -148,29 +148,20 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     return G_rows, bias_rows, k_slice
 
 
-def chunk_starts(total: int, device: torch.device) -> torch.Tensor:
-    """The first packed key of each ``SCAN_CHUNK`` of ``total`` (int32; a packed plan keeps it for its calls)."""
-    return torch.arange(0, total, SCAN_CHUNK, dtype=torch.int32, device=device)
-
-
-def chunk_sequences(cu_seqlens: torch.Tensor, total: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_sequences(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """The varlen scans' ``chunk_seq``: 1 + the sequence holding each chunk's first key (one searchsorted: the
-    kernels walk on from there, a binary search per CTA would be ~17 dependent loads); ``starts``: the kept
-    ``chunk_starts`` of ``total``."""
-    if starts is None:
-        starts = chunk_starts(total, cu_seqlens.device)
+    kernels walk on from there, a binary search per CTA would be ~17 dependent loads)."""
+    starts = torch.arange(0, total, SCAN_CHUNK, dtype=torch.int32, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens, starts, right=True, out_int32=True)
 
 
 def scan_varlen(log_decay: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
-                arch: str, starts: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``scan`` of packed ``log_decay`` ``(total_k, nheads)`` with the cumsum restarting at each ``cu_seqlens`` start
     (int32, CUDA): ``(G_rows, bias_rows, k_slice, chunk_seq)``, the rows ``(nheads, total_k)`` fp32 (16-byte aligned),
-    K's slice ``(total_k, nheads, GATE_K)`` or None, and ``chunk_sequences`` (for ``scan_gradient_varlen``;
-    ``starts``: the kept ``chunk_starts``)."""
+    K's slice ``(total_k, nheads, GATE_K)`` or None, and ``chunk_sequences`` (for ``scan_gradient_varlen``)."""
     total, nheads = log_decay.shape
-    chunk_seq = chunk_sequences(cu_seqlens, total, starts)
+    chunk_seq = chunk_sequences(cu_seqlens, total)
     G_rows, bias_rows, k_slice = scan(log_decay[None], scale, slice_dtype, arch, (cu_seqlens, chunk_seq))
     return G_rows[0], bias_rows[0], None if k_slice is None else k_slice[0], chunk_seq
 
