@@ -458,12 +458,12 @@ class FwdSm90(FwdLauncher):
         return key
 
 
-@functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
 def gate_slice_dtype(key: FwdSm90Key) -> torch.dtype | None:
     """The dtype of K's k16 slice where ``key``'s gated kernel takes one (``gate_slice``: q's), else None."""
     return (torch.float16 if key.dtype == "fp16" else torch.bfloat16) if gate_slice(key) else None
 
 
+@functools.lru_cache(maxsize=1024)  # (a pure function of the key, asked on every gated call)
 def gate_slice(key: FwdSm90Key) -> bool:
     """Whether ``key``'s gated kernel takes the bias as the QK^T GEMM's extra k16 slice (else fp32 rows):
     where the key asks for it (``gate_slice``: long keys) and it fits, ``fwd_budget.gate_in_gemm`` with the
