@@ -453,6 +453,11 @@ class FwdPlan:
         return out, lse
 
 
+def varlen_out_shapes(p: AttnProblem) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """The out and LSE shapes of a varlen problem: ``(total_q, nheads, head_dim_v)``, ``(nheads, total_q)``."""
+    return (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+
+
 class PackedFwdPlan(FwdPlan):
     """``FwdPlan`` of a varlen problem (``FwdLauncher.plan`` with its ``varlen``): out ``(total_q, nheads,
     head_dim_v)``, the LSE ``(nheads, total_q)``; a call passes its own ``VarlenArgs`` (int32 and contiguous:
@@ -463,8 +468,7 @@ class PackedFwdPlan(FwdPlan):
 
     def __init__(self, *parts: Any) -> None:
         super().__init__(*parts)
-        p = self.problem
-        self.out_shape, self.lse_shape = (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+        self.out_shape, self.lse_shape = varlen_out_shapes(self.problem)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  varlen: VarlenArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@ from ..validate import AttnProblem, keys_contiguous
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, keys_contiguous_ready,
-    kept_plan, launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, window_args,
+    kept_plan, launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, varlen_out_shapes,
+    window_args,
 )
 
 
@@ -595,8 +596,7 @@ class PackedGatePlan(GatePlan):
 
     def __init__(self, *parts: Any) -> None:
         super().__init__(*parts)
-        p = self.problem
-        self.out_shape, self.lse_shape = (p.seqlen_q, p.nheads, p.head_dim_v), (p.nheads, p.seqlen_q)
+        self.out_shape, self.lse_shape = varlen_out_shapes(self.problem)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  gate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
