@@ -8,7 +8,8 @@ which is the host's time per call whenever it exceeds the kernel's (a few us her
 and forward + backward (``torch.autograd.grad``). Systems: ours (default backend), ours
 ``backend="sm80"``, and PyTorch SDPA with each backend it has (flash, cuDNN, efficient); on Hopper,
 ours on e4m3 inputs with per-tensor descales (forward only), cached and through the general route
-(``fp8.attention``, what every FP8 call did before its plans). Also: the
+(``fp8.attention``, what every FP8 call did before its plans); packed varlen calls of the same tokens as two
+64-token sequences (``flash_attn_varlen_func``: plain, plain with ``configs.VARLEN_PLANS`` on, gated). Also: the
 time ``import flashattn_hopper`` adds to ``import torch``, and a new process's time from start to
 its first result with a warm disk cache.
 """
@@ -60,9 +61,31 @@ def systems():
     sinks = torch.randn(SHAPE[2], device="cuda")
     yield "ours log_decay", lambda q, k, v: flash_attn_func(q, k, v, causal=True, log_decay=gates)
     yield "ours learnable_sink", lambda q, k, v: flash_attn_func(q, k, v, causal=True, learnable_sink=sinks)
+    yield from varlen_systems(gates)
     for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
                           ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
         yield name, sdpa(backend)
+
+
+def varlen_systems(gates: torch.Tensor):
+    """Ours on the tiny shape's tokens packed as two sequences (one cu_seqlens for q and k): plain with the
+    varlen plans off and on (``configs.VARLEN_PLANS``, set per call; restored by ``main``) and gated."""
+    from flashattn_hopper import configs, flash_attn_varlen_func
+
+    half = SHAPE[1] // 2
+    cu = torch.tensor([0, half, SHAPE[1]], dtype=torch.int32, device="cuda")
+
+    def ours_varlen(plans: bool, **options):
+        def run(q, k, v):
+            configs.VARLEN_PLANS = plans
+            packed = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+            out = flash_attn_varlen_func(*packed, cu, cu, half, half, causal=True, **options)
+            return out.view(*q.shape[:3], out.shape[-1])
+        return run
+
+    yield "ours varlen (2 x 64)", ours_varlen(False)
+    yield "ours varlen, VARLEN_PLANS", ours_varlen(True)
+    yield "ours varlen log_decay", ours_varlen(False, log_decay=gates.reshape(-1, SHAPE[2]))
 
 
 def startup_seconds() -> tuple[float, float, str]:
@@ -100,12 +123,16 @@ def main() -> None:
     dout = torch.randn(*SHAPE, dtype=torch.bfloat16, device="cuda")
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {SHAPE} bf16 causal, "
              f"{args.calls} calls", "", "| system | forward us/call | forward + backward us/call |", "|---|---|---|"]
+    from flashattn_hopper import configs
+
+    varlen_plans = configs.VARLEN_PLANS
     for name, fn in systems():
         with torch.no_grad():
             fwd = per_call_us(lambda: fn(q, k, v), args.calls)
         both = per_call_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), args.calls // 4)
         lines.append(f"| {name} | {fwd:.1f} | {both:.1f} |")
         print(lines[-1], flush=True)
+    configs.VARLEN_PLANS = varlen_plans
     if torch.cuda.get_device_capability() == (9, 0):
         from flashattn_hopper import flash_attn_func, fp8
 
