@@ -133,6 +133,13 @@ FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # then costs one bar.red vote per warpgroup. Off: written in session 39 without a GPU (compiles, SASS checked); the
 # next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
 FWD_SM90_GATE_SKIP_ZERO_PV = False
+# Dense gated calls from this many keys: the launcher bounds, per tile, which key blocks can hold a nonzero P (norms of
+# q and k against the decay: backends/gate_blocks.py, a few torch ops per call), and the kernel's producer and MMA
+# warpgroups start each tile at the first such block: decayed blocks neither loaded nor computed (exact: their P are 0
+# in fp32). Off: written in session 39 without a GPU (compiles, SASS checked; the bound checked on the CPU against
+# brute force); the next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
+FWD_SM90_GATE_SKIP_DECAYED = False
+FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 # Plain varlen calls keep a plan per signature (api: ``PackedFwdPlan``, the backward's plan kept on it), as dense
 # calls do: a repeated call skips validation, dispatch and key building. Off: written in session 39 without a GPU
 # (CPU tests with stand-ins); the next session runs the varlen tiers and perf/call_overhead-style host times with

@@ -475,7 +475,7 @@ class ScannedPlan:
             try:
                 gate = bias_rows if k_slice is None else k_slice
                 if varlen is None:
-                    return self.fwd_plan(q, k, v, gate)
+                    return self.fwd_plan(q, k, v, gate, bias_rows)
                 return self.fwd_plan(q, k, v, gate, varlen.cu_seqlens_k)
             except (ValueError, TypeError):
                 pass

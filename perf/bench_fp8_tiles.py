@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
                 extra = family.extra_args(key, q.device)
                 u8 = [t.view(torch.uint8) for t in (quant.q, quant.k, quant.v)]
                 fns[name] = (lambda c=compiled, kk=key, e=extra: launch_forward(
-                    c, kk, *u8, p, None, None, None, (*e[:3], descale), out_dtype=torch.bfloat16))
+                    c, kk, *u8, p, None, None, None, (*e[:3], descale, *e[4:]), out_dtype=torch.bfloat16))
                 names[name] = key.display_name
                 fns[name]()
             flops = 4 * batch * nheads * seqlen ** 2 * hdim / (2 if causal else 1)

@@ -466,19 +466,55 @@ def test_gate_long_strong_decay(monkeypatch, head_dim):
     _gate_api_parity(monkeypatch, None, head_dim, True, (16384, 16384), batch=1, nheads=(2, 1), gate_shift=0.5)
 
 
+@pytest.mark.parametrize("causal,seqlens", [(True, (300, 300)), (True, (200, 333)), (False, (300, 300))],
+                         ids=["causal", "causal_sq_lt_sk", "full"])
+def test_live_block_table_skips_only_zero_probabilities(causal, seqlens):
+    """``backends/gate_blocks.first_live_blocks`` (``configs.FWD_SM90_GATE_SKIP_DECAYED``'s table): every key block
+    it lets a tile skip holds only probabilities below 2^-150 (0 in fp32) for every row of the tile, against the
+    softmax computed in fp64 from the same q, k and bias; with gates decaying ~1.3 a step most blocks are skipped,
+    with gates near 0 none; GQA, odd lengths, small tiles (CPU)."""
+    import math
+
+    from flashattn_hopper.backends.gate_blocks import first_live_blocks
+
+    gen = torch.Generator().manual_seed(11)
+    s_q, s_k = seqlens
+    scale, tile_m, tile_n = 0.25, 32, 16
+    q = torch.randn(2, s_q, 4, 16, generator=gen).bfloat16()
+    k = torch.randn(2, s_k, 2, 16, generator=gen).bfloat16()
+    for shift, expect_skips in ((-1.0, True), (8.0, False)):
+        g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 4, generator=gen) + shift)
+        bias = (-g.double().cumsum(1) / scale).float().transpose(1, 2)  # (b, h, s_k): the kernel's -G_j / scale
+        live = first_live_blocks(q, k, bias, scale, tile_m, tile_n, causal)
+        assert live.shape == (2, 4, -(-s_q // tile_m)) and live.dtype == torch.int32
+        assert bool((live > 0).any()) == expect_skips
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2))
+        scores = scores + bias.double()[:, :, None, :]
+        if causal:
+            rows, cols = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+            scores = scores.masked_fill(cols > rows + (s_k - s_q), -math.inf)
+        log2_p = (scores - scores.amax(-1, keepdim=True)) * scale * math.log2(math.e)
+        for b, h, m in itertools.product(range(2), range(4), range(live.shape[-1])):
+            skipped = log2_p[b, h, m * tile_m:(m + 1) * tile_m, :int(live[b, h, m]) * tile_n]
+            assert bool((skipped.nan_to_num(nan=-math.inf) < -150).all()), (shift, b, h, m, int(live[b, h, m]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
-    """``configs.FWD_SM90_GATE_SKIP_ZERO_PV`` (opt-in, session 39: the gated forward skips the P.V of a key block
-    whose P underflowed to 0 in a whole warpgroup): the gated key takes it, and out and lse are bit for bit those of
-    the kernel without it, with gates that decay most key blocks to 0 (4k keys, ``g`` ~ -0.3 per step: the skip
-    taken) and with gates near 0 (no block skipped); odd lengths, GQA, causal and not."""
+    """``configs.FWD_SM90_GATE_SKIP_ZERO_PV`` and ``FWD_SM90_GATE_SKIP_DECAYED`` (opt-in, session 39: the gated
+    forward skips the P.V of a key block whose P underflowed to 0 in a whole warpgroup; dense calls also start each
+    tile at the first block the launcher's bound keeps, ``backends/gate_blocks.py``): the gated key takes them, and
+    out and lse are bit for bit those of the kernel without them, with gates that decay most key blocks to 0 (4k
+    keys, ``g`` ~ -1.3 per step: the skips taken) and with gates near 0 (nothing skipped); odd lengths, GQA, causal
+    and not."""
     from flashattn_hopper import api, configs
     from flashattn_hopper.backends import sm90_fwd
 
     if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
-        pytest.skip("needs a Hopper GPU and the sm90 backend: the skip is the sm90 gated forward's")
+        pytest.skip("needs a Hopper GPU and the sm90 backend: the skips are the sm90 gated forward's")
+    monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K", 1024)
     gen = torch.Generator(device="cuda").manual_seed(7)
     seqlen = 4093
     q = torch.randn(2, seqlen, 4, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -490,8 +526,9 @@ def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
         g = torch.nn.functional.logsigmoid(torch.randn(2, seqlen, 4, device="cuda", generator=gen) + shift)
         for causal in (True, False):
             results = []
-            for skip in (False, True):
-                monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_ZERO_PV", skip)
+            for skip_pv, skip_blocks in ((False, False), (True, False), (False, True), (True, True)):
+                monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_ZERO_PV", skip_pv)
+                monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED", skip_blocks)
                 api.clear_plans()
                 if varlen:
                     cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32, device="cuda")
@@ -500,10 +537,10 @@ def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
                         log_decay=g.flatten(0, 1), return_lse=True)
                 else:
                     out, lse = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
-                assert keys[-1].gate_skip_pv == skip
+                assert (keys[-1].gate_skip_pv, keys[-1].gate_skip_decayed) == (skip_pv, skip_blocks and not varlen)
                 results.append((out, lse))
-            assert torch.equal(results[0][0], results[1][0]), (shift, causal)
-            assert torch.equal(results[0][1], results[1][1]), (shift, causal)
+            for i, (out, lse) in enumerate(results[1:]):
+                assert torch.equal(results[0][0], out) and torch.equal(results[0][1], lse), (shift, causal, i)
     api.clear_plans()
 
 
@@ -816,7 +853,7 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     gate = sm90_fwd.gate_k_slice(bias, q.dtype, False) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
     extra = family.extra_args(key, q.device, 0)
     common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
-                          (extra[0], extra[1], gate, None))
+                          (extra[0], extra[1], gate, None, None))
 
     def general_launch(*args, **kwargs):
         raise AssertionError("the gated call took launch_forward, not its plan")

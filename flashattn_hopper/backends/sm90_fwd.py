@@ -71,6 +71,9 @@ class FwdSm90Key(KernelKey):
     # the gated kernel skips the P.V of a key block whose P underflowed to 0 in a whole warpgroup (an exact skip:
     # configs.FWD_SM90_GATE_SKIP_ZERO_PV); short display name (progress lines within 120 columns)
     gate_skip_pv: bool = field(default=False, metadata={"display": "zskip"})
+    # the gated kernel starts each tile at its first key block that may hold a nonzero P (the launcher's table,
+    # backends/gate_blocks.py: configs.FWD_SM90_GATE_SKIP_DECAYED; dense, no local window)
+    gate_skip_decayed: bool = field(default=False, metadata={"display": "zblk"})
     # FP8 (dtype e4m3) with per-block descales (q per tile of rows, k/v per key block; pack_gqa 1)
     fp8_block_scales: bool = False
     # FP8 with v's keys contiguous (``validate.keys_contiguous``): V^T loaded by TMA as the P.V WGMMA reads it,
@@ -271,7 +274,7 @@ class FwdSm90(FwdLauncher):
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         q8, k8, v8 = (t.view(torch.uint8) for t in (q, k, v))
         return launch_forward(
-            compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale), out_dtype=torch.bfloat16
+            compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale, None), out_dtype=torch.bfloat16
         )
 
     def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False,
@@ -313,6 +316,7 @@ class FwdSm90(FwdLauncher):
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
             span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
             has_gate=key.gate, gate_slice=key.gate_slice, skip_zero_pv=key.gate_skip_pv,
+            skip_decayed_blocks=key.gate_skip_decayed,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -328,7 +332,7 @@ class FwdSm90(FwdLauncher):
             descale = fake_f32(tuple(cute.sym_int() for _ in range(4 if key.fp8_block_scales else 3)))
             return compile_forward(
                 kernel, cutlass.Uint8, key.varlen, key.seqused_q, key.seqused_k, options,
-                extra_args=(cutlass.Int32(1), counter, None, descale), out_dtype=cutlass.BFloat16,
+                extra_args=(cutlass.Int32(1), counter, None, descale, None), out_dtype=cutlass.BFloat16,
                 v_keys_contiguous=key.fp8_v_colmajor,
             )
         gate = None
@@ -350,18 +354,19 @@ class FwdSm90(FwdLauncher):
                 gate = fake_bshd(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K)
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
-            extra_args=(cutlass.Int32(1), counter, gate, None),
+            extra_args=(cutlass.Int32(1), counter, gate, None, fake_live_blocks() if key.gate_skip_decayed else None),
         )
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
         """``max_ctas`` (one CTA per SM: the kernel runs one CTA per SM at a time; with clusters, as
         many as stay resident together), for the dynamic schedule a tile counter that is zero at
         launch on that stream (``tile_counter``), else None, and the gate's slot: None
-        (``forward_with_gate`` puts its bias there), and the FP8 descales' slot: None
-        (``forward_fp8`` puts them there)."""
+        (``forward_with_gate`` puts its bias there), the FP8 descales' slot: None
+        (``forward_fp8`` puts them there), and the gated key's live-block table's slot: None
+        (``forward_with_gate`` puts it there with ``gate_skip_decayed``)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
-        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None, None
+        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None, None, None
 
     def forward_with_gate(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
@@ -384,12 +389,14 @@ class FwdSm90(FwdLauncher):
         if varlen is None:
             # Dense: the gated key's plan, kept like a plain call's: launch_forward's per-call checks and
             # argument building were ~40 us of a gated call's host time (H100: 183 -> 141 us, NOTES s28).
-            result = run_kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key), q, k, v, gate)
+            result = run_kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key), q, k, v, gate,
+                                   bias)
             if result is not None:
                 return result
         compiled = compile_cache.get(key, self.compile)
-        ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
-        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None, (ctas, counter, gate, None))
+        ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None,
+                                  (ctas, counter, gate, None, live_blocks(key, p, q, k, bias)))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def gate_scan_args(self, p: AttnProblem) -> tuple[torch.dtype | None, str]:
@@ -427,7 +434,7 @@ class FwdSm90(FwdLauncher):
         function, the scalars up to ``max_ctas``, the tile counter's device where the schedule is dynamic."""
         fn = compile_cache.get(key, self.compile)
         index = device_index(q.device)
-        max_ctas, counter, _, _ = self.extra_args(key, q.device, current_stream_handle(index))
+        max_ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(index))
         window_left, window_right = window_args(p) if key.local else (0, 0)
         head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
         return fn, key, p, self, head, None if counter is None else index
@@ -441,14 +448,18 @@ class FwdSm90(FwdLauncher):
         Dense calls' keys are kept per problem (``_GATE_KEYS``)."""
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
-        memo = (p, min_keys, target_arch(), configs.FWD_SM90_GATE_SKIP_ZERO_PV)
+        memo = (p, min_keys, target_arch(), configs.FWD_SM90_GATE_SKIP_ZERO_PV, configs.FWD_SM90_GATE_SKIP_DECAYED)
         key = _GATE_KEYS.get(memo) if varlen is None else None
         if key is not None:
             return key
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
+        skips = {"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}
+        if (configs.FWD_SM90_GATE_SKIP_DECAYED and varlen is None and p.window_left < 0
+                and p.seqlen_k >= configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
+            skips["gate_skip_decayed"] = True  # (dense, causal or not, no left window: gate_blocks.py's bound)
         key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
-                               cluster_m=1, **({"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}))[1]
+                               cluster_m=1, **skips)[1]
         if long_keys and key.q_stages > 1 and not gate_slice(key):
             one_stage = dataclasses.replace(key, q_stages=1)
             key = one_stage if gate_slice(one_stage) else key
@@ -457,6 +468,29 @@ class FwdSm90(FwdLauncher):
                 _GATE_KEYS.clear()
             _GATE_KEYS[memo] = key
         return key
+
+
+def live_blocks(key: FwdSm90Key, p: AttnProblem, q: torch.Tensor, k: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The live-block table (``gate_blocks.first_live_blocks``) of a ``gate_skip_decayed`` key's dense call, else
+    None; ``bias``: the call's fp32 bias rows."""
+    if not key.gate_skip_decayed:
+        return None
+    from .gate_blocks import first_live_blocks
+
+    if bias is None:
+        raise ValueError("a gate_skip_decayed key's launch needs the fp32 bias rows")
+    return first_live_blocks(q, k, bias, p.softmax_scale, key.tile_m, key.tile_n, key.causal)
+
+
+def fake_live_blocks() -> Any:
+    """The compile-time stand-in of the live-block table: ``(batch, nheads, m_blocks)`` int32, contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int() for _ in range(3))
+    return make_fake_tensor(cutlass.Int32, shape, stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
 
 def gate_slice_dtype(key: FwdSm90Key) -> torch.dtype | None:
@@ -579,11 +613,13 @@ class GatePlan(FwdPlan):
     __slots__ = ()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                 gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 gate: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``bias``: the fp32 bias rows, read for the live-block table of a ``gate_skip_decayed`` key."""
         out = q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
-        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, None, None, None, None)
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, live_blocks(self.key, self.problem, q, k, bias),
+                None, None, None, None)
         return out, lse
 
 
@@ -600,10 +636,11 @@ class PackedGatePlan(GatePlan):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  gate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(No live-block table: the gated keys of packed calls never take ``gate_skip_decayed``.)"""
         out = q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
-        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, cu_seqlens, cu_seqlens, None, None)
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, None, cu_seqlens, cu_seqlens, None, None)
         return out, lse
 
 
@@ -611,8 +648,8 @@ _GATE_PLANS: dict[tuple[Any, ...], GatePlan | None] = {}  # (gated key, problem,
 # problem -> gate_scan_args (a stale entry after a threshold change costs only a slice built or dropped again:
 # forward_with_gate decides from its own key)
 _GATE_SCAN_ARGS: dict[AttnProblem, tuple[torch.dtype | None, str]] = {}
-# (dense problem, slice threshold, arch, FWD_SM90_GATE_SKIP_ZERO_PV) -> gate_key
-_GATE_KEYS: dict[tuple[AttnProblem, int, str, bool], FwdSm90Key] = {}
+# (dense problem, slice threshold, arch, FWD_SM90_GATE_SKIP_ZERO_PV, _DECAYED) -> gate_key
+_GATE_KEYS: dict[tuple[AttnProblem, int, str, bool, bool], FwdSm90Key] = {}
 
 
 class Fp8Plan(FwdPlan):
@@ -650,5 +687,5 @@ class Fp8Plan(FwdPlan):
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
         self.fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, *self.head, counter, None,
-                descale, None, None, None, None)
+                descale, None, None, None, None, None)
         return out, lse

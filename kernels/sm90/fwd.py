@@ -171,9 +171,12 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         has_gate: bool = False,
         gate_slice: bool = False,
         skip_zero_pv: bool = False,
+        skip_decayed_blocks: bool = False,
     ):
-        if skip_zero_pv and not has_gate:
-            raise ValueError("FlashFwdSm90 cannot implement this config: skip_zero_pv needs has_gate")
+        if (skip_zero_pv or skip_decayed_blocks) and not has_gate:
+            raise ValueError("FlashFwdSm90 cannot implement this config: skipping decayed work needs has_gate")
+        if skip_decayed_blocks and is_local:
+            raise ValueError("FlashFwdSm90 cannot implement this config: skip_decayed_blocks with a local window")
         reason = self.can_implement(
             dtype, head_dim, head_dim_v, tile_m, tile_n, num_stages, is_causal, is_local, pack_gqa,
             cluster_m, span_heads, has_sink, has_gate, has_softcap, gate_slice, **self._implement_options(),
@@ -206,6 +209,11 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # each MMA warpgroup then votes (fwd_steps ``_note_zero_block``) and skips that block's P.V, whose product
         # would add exactly 0 to O (the QK^T GEMM and the softmax still run: they find out).
         self.skip_zero_pv = skip_zero_pv
+        # With the gate, the launcher can also bound which key blocks of a tile may hold a nonzero P at all
+        # (``mLiveBlocks``: norms of q and k against the decay, backends/gate_blocks.py): producer and MMA
+        # warpgroups then start each tile at that block (``tile_work``), so decayed blocks are neither loaded nor
+        # computed.
+        self.skip_decayed_blocks = skip_decayed_blocks
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -371,6 +379,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         #   nheads, GATE_K) | varlen (total_k, nheads, GATE_K), 16-bit; else the bias (batch, nheads,
         #   seqlen_k) | varlen (nheads, total_k) fp32
         mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
+        mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32, each tile's
+        #   first key block that may hold a nonzero P (the launcher's bound; dense)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -389,6 +399,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             raise TypeError("mDescale must be given exactly for FP8 inputs")
         if const_expr((mGate is not None) != self.has_gate):
             raise TypeError("mGate must be given exactly when has_gate")
+        if const_expr((mLiveBlocks is not None) != self.skip_decayed_blocks or (mLiveBlocks is not None and varlen_q)):
+            raise TypeError("mLiveBlocks must be given exactly when skip_decayed_blocks, dense")
         if const_expr(self.gate_in_gemm):
             if const_expr(mGate.element_type != self.dtype):
                 raise TypeError(f"mGate (K's extra k16 slice) must be {self.dtype}")
@@ -456,7 +468,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_Gate, tma_atom_Gate, mDescale,
-            SharedStorage,
+            mLiveBlocks, SharedStorage,
         ).launch(
             grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -495,6 +507,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mGate: cute.Tensor | None,  # has_gate only: TMA coordinates of (s_k, nheads, batch) | (total_k, nheads) fp32
         tma_atom_Gate: cute.CopyAtom | None,  # has_gate only
         mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
+        mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
@@ -587,6 +600,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             qhead_per_kvhead=qhead_per_kvhead,
             seqlen_q_static=mQ.shape[0][1] if const_expr(self.pack_gqa > 1) else mQ.shape[0],
             seqlen_k_static=mK.shape[0],
+            live_blocks=mLiveBlocks,
         )
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
 

@@ -64,6 +64,8 @@ class TileWalk:
     seqlen_q_static: Int32  # dense seqlen_q | varlen total_q
     seqlen_k_static: Int32  # dense seqlen_k | varlen total_k
     handoff: TileHandoff | None  # dynamic scheduler only
+    # skip_decayed_blocks: (batch, nheads, m_blocks) int32, each tile's first key block that may hold a nonzero P
+    live_blocks: cute.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,54 @@
+"""Which key blocks of a gated forward's tiles can hold a nonzero P (``configs.FWD_SM90_GATE_SKIP_DECAYED``).
+
+With log forget gates the score of query i and key j is ``q_i . k_j + b_j`` in the kernel's raw units, with
+``b_j = -G_j / softmax_scale`` (G_i cancels in the softmax). For a tile of rows and a block of keys, Cauchy-Schwarz
+bounds every score of the block by ``Qmax Kmax + max_j b_j`` (the tile's largest query norm, the head's largest key
+norm), and each row's max by its reference key's score, at least ``-Qmax Kmax + b_ref(i)`` (its last visible key:
+its own, bottom-right aligned, when causal; the last key otherwise), so
+
+    P_ij = exp2((s_ij - m_i) * scale_log2) <= exp2((2 Qmax Kmax + max_block b - min_tile b_ref) * scale_log2).
+
+Where that exponent is below ``-SKIP_LOG2_MARGIN`` every P of the block is exactly 0 in fp32 (exp2 below -150
+underflows even without flushing denormals; 10 more cover the bound's and the kernel's rounding) and the block
+cannot raise a row max: skipping it changes nothing. The table holds, per (batch, head, tile), the number of such
+blocks at the front of the tile's key range (a block is counted only after all the blocks before it are), which
+the kernel's producer and MMA warpgroups both take as the tile's first block (``kernels/sm90/fwd_tiles.py``).
+Dense problems, causal or not, no local window; torch ops, a few launches per call (long keys only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SKIP_LOG2_MARGIN = 160.0
+
+
+def first_live_blocks(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float, tile_m: int,
+                      tile_n: int, causal: bool) -> torch.Tensor:
+    """``(batch, nheads, m_blocks)`` int32: per tile of ``tile_m`` query rows, how many of its first key blocks of
+    ``tile_n`` keys hold only exact zeros of P (see the module's docstring). ``q`` ``(batch, seqlen_q, nheads,
+    d)``, ``k`` ``(batch, seqlen_k, nheads_k, d)``, ``bias`` the kernel's fp32 rows ``(batch, nheads, seqlen_k)``
+    (``-G_j / softmax_scale``, any last-axis padding past seqlen_k ignored)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (b, s_q, h)
+    q_norm = F.pad(q_norm, (0, 0, 0, m_blocks * tile_m - seqlen_q)).view(batch, m_blocks, tile_m, nheads)
+    q_max = q_norm.amax(2).transpose(1, 2)  # (b, h, m_blocks)
+    k_max = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(1)  # (b, h_k)
+    k_max = k_max.repeat_interleave(nheads // nheads_k, dim=1)  # (b, h): query head i reads kv head i // group
+    rows = bias[..., :seqlen_k].float()
+    block_bias = F.pad(rows, (0, n_blocks * tile_n - seqlen_k), value=-math.inf)
+    block_bias = block_bias.view(batch, nheads, n_blocks, tile_n).amax(-1)  # (b, h, n_blocks)
+    row = torch.arange(m_blocks * tile_m, device=q.device)
+    ref = row + (seqlen_k - seqlen_q) if causal else torch.full_like(row, seqlen_k - 1)
+    has_ref = (row < seqlen_q) & (ref >= 0) & (ref < seqlen_k)  # (rows without one see no key: no P at all)
+    ref_bias = torch.where(has_ref, rows[..., ref.clamp(0, seqlen_k - 1)], math.inf)
+    ref_bias = ref_bias.view(batch, nheads, m_blocks, tile_m).amin(-1)  # (b, h, m_blocks)
+    exponent = (2 * q_max * k_max[..., None])[..., None] + block_bias[:, :, None, :] - ref_bias[..., None]
+    zero = exponent * scale_log2 < -SKIP_LOG2_MARGIN  # (b, h, m_blocks, n_blocks); NaN compares False
+    return zero.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
