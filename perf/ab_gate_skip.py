@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
      configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K) = defaults
     api.clear_plans()
     print(f"# gated causal forward, skips of decayed work off / pv / blocks / both, "
-          f"g = logsigmoid(2 x + {args.shift}), {torch.cuda.get_device_name()}, rounds={args.rounds}; TFLOP/s at the plain call's FLOPs (gated / plain)\n")
+          f"g = logsigmoid(2 x + {args.shift}), {torch.cuda.get_device_name()}, rounds={args.rounds}; "
+          "TFLOP/s at the plain call's FLOPs (gated / plain)\n")
     print("| hdim | seqlen | plain | " + " | ".join(names) + " |\n|---|---|---|" + "---|" * len(names))
     for cell, (*_, flops) in cells.items():
         tf = {name: flops / statistics.median(times[(cell, name)]) / 1e9 for name in ["plain", *names]}
