@@ -4,6 +4,7 @@ Run by test_compile_only in a fresh process (the DSL's target arch is fixed per 
     python -m tests._compile_variants sm_80 OUT.json DUMP_DIR
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -24,7 +25,10 @@ def main() -> None:
     families = [f for backend in dispatch.BACKENDS_FOR_TARGET[arch] for f in dispatch.families(backend)]
     for spec in families:
         for key in variant_keys(spec, arch):
-            dump_dir = dump_root / key.name
+            # (a full key name can pass the 255 bytes a file name may have: its head and a digest then)
+            digest = hashlib.sha256(key.name.encode()).hexdigest()[:16]
+            name = key.name if len(key.name) <= 200 else f"{key.name[:180]}-{digest}"
+            dump_dir = dump_root / name
             dump_dir.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             row = {"kernel": key.name, "head_dim": getattr(key, "head_dim", 0), "error": None, "counts": None}
