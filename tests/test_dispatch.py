@@ -590,3 +590,47 @@ def test_varlen_plans_are_kept_and_take_each_calls_tensors(monkeypatch):
     with pytest.raises(ValueError, match="cu_seqlens_k must have length 3"):  # (another shape: validated again)
         flash_attn_varlen_func(q, k, v, cu2, cu2[:2], 6, 6, causal=True)
     api.clear_plans()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_fwd_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, causal):
+    """``PackedFwdPlan`` (``configs.VARLEN_PLANS``' forward plan) hands the compiled sm90 kernel what
+    ``launch_forward`` does for the same varlen key: the same tensors (each varlen tensor in its slot, seqused
+    included), scalars, tile counter and empty slots. CPU: the kernel and device lookups are stand-ins."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper.backends import common, sm90_fwd
+
+    calls = []
+    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
+    for module in (common, sm90_fwd):
+        monkeypatch.setattr(module, "current_stream_handle", lambda index: 0)
+        monkeypatch.setattr(module, "device_index", lambda device: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    counter = torch.zeros(1, dtype=torch.int32)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    monkeypatch.setattr(common, "tile_counter", lambda index, stream=None: counter)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    family = sm90_fwd.FwdSm90()
+    total, heads = 700, 4
+    p = AttnProblem(batch=2, seqlen_q=total, seqlen_k=total, nheads=heads, nheads_k=2, head_dim=128, head_dim_v=128,
+                    dtype=torch.bfloat16, softmax_scale=0.125, causal=causal, window_left=-1,
+                    window_right=0 if causal else -1, softcap=0.0, is_varlen=True)
+    cu, used = torch.tensor([0, 300, 700], dtype=torch.int32), torch.tensor([250, 400], dtype=torch.int32)
+    varlen = VarlenArgs(cu, cu, used, used, 400, 400)
+    q = torch.zeros(total, heads, 128, dtype=torch.bfloat16)
+    k, v = (torch.zeros(total, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    key = family.key(p, "sm_90a", varlen)
+    extra = family.extra_args(key, q.device, 0)
+    common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, varlen, None, None, extra)
+    plan = family.plan(q, p, varlen=varlen)
+    assert type(plan).__name__ == "PackedFwdPlan"
+    plan(q, k, v, varlen)
+    general, planned = calls
+    assert len(planned) == len(general)
+    for i, (a, b) in enumerate(zip(planned, general)):
+        if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
+            assert a.shape == b.shape and a.dtype == b.dtype
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert a is b, i
+        else:
+            assert a == b and type(a) is type(b), (i, a, b)

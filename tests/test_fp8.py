@@ -238,3 +238,39 @@ def test_fp8_plan_assembles_the_general_descales(head_dim, heads_k, seqlen):
             want = fp8.descales(dict(zip(fp8.DESCALE_NAMES, scales)), p, q8.device)
             got = launched[-1][12]
             assert got.is_contiguous() and torch.equal(got, want), (block, given)
+
+
+def test_fp8_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch):
+    """``Fp8Plan``'s explicit argument list (per tensor and per block descales) matches what ``forward_fp8``'s
+    general launch hands the same compiled kernel: the same tensors, scalars and empty slots in the same places (a
+    slot added to the sm90 forward's signature must reach both). CPU: the kernel and device lookups are stand-ins."""
+    from flashattn_hopper import validate
+    from flashattn_hopper.backends import sm90_fwd
+
+    calls = []
+    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
+    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    counter = torch.zeros(1, dtype=torch.int32)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    family = sm90_fwd.FwdSm90()
+    q8, k8, v8 = (torch.zeros(2, 256, 4, 128).to(torch.float8_e4m3fn) for _ in range(3))
+    p = validate.AttnProblem(batch=2, seqlen_q=256, seqlen_k=256, nheads=4, nheads_k=4, head_dim=128, head_dim_v=128,
+                             dtype=torch.float8_e4m3fn, softmax_scale=0.1, causal=True, window_left=-1,
+                             window_right=0, softcap=0.0, is_varlen=False)
+    for block in (False, True):
+        plan = family.plan_fp8(q8, p, block_scales=block)
+        # (fill_shape: per tensor one descale's (batch, nheads_k), per block all three stacked)
+        descale = torch.rand(*((3, *plan.fill_shape) if not block else plan.fill_shape)) + 0.5
+        calls.clear()
+        family.forward_fp8(q8, k8, v8, p, None, descale)
+        plan(q8, k8, v8, tuple(descale.unbind(0)))
+        general, planned = calls
+        assert len(planned) == len(general), block
+        for i, (a, b) in enumerate(zip(planned, general)):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                assert a.shape == b.shape and a.dtype == b.dtype, (block, i)
+            else:
+                assert (a is None) == (b is None) and (a is None or a == b), (block, i, a, b)

@@ -821,16 +821,21 @@ def test_gated_route_cache_still_checks_strides():
         flash_attn_func(q_strided, k, v, causal=True, log_decay=g)
 
 
-@pytest.mark.parametrize("causal, seqlen", [(True, 1024), (False, 200), (True, 4096)],
-                         ids=["causal-rows", "full-rows", "causal-slice"])
-def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, causal, seqlen):
+@pytest.mark.parametrize("causal, seqlen, skip", [(True, 1024, False), (False, 200, False), (True, 4096, False),
+                                                  (True, 4096, True)],
+                         ids=["causal-rows", "full-rows", "causal-slice", "causal-slice-live-blocks"])
+def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, causal, seqlen, skip):
     """Dense gated forwards keep a plan (``sm90_fwd.GatePlan``, like a plain call's): its call hands the
     compiled kernel what ``launch_forward`` does (the same tensors in the same slots, the same scalars, the
-    tile counter where the schedule is dynamic), for the fp32 bias rows and the k16 slice alike, and the
-    second call of a problem takes the kept plan. CPU: the kernel and device lookups are stand-ins."""
+    tile counter where the schedule is dynamic), for the fp32 bias rows and the k16 slice alike, with the live-block
+    table where the key skips decayed blocks (``configs.FWD_SM90_GATE_SKIP_DECAYED``), and the second call of a
+    problem takes the kept plan. CPU: the kernel and device lookups are stand-ins."""
     pytest.importorskip("cutlass")
+    from flashattn_hopper import configs
     from flashattn_hopper.backends import common, sm90_fwd
     from flashattn_hopper.validate import AttnProblem
+
+    monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED", skip)
 
     calls = []
     monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
@@ -850,10 +855,11 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     q, k, v = (torch.zeros(batch, seqlen, heads, 128, dtype=torch.bfloat16) for _ in range(3))
     bias = torch.randn(batch, heads, seqlen)
     key = family.gate_key(p, None)
+    assert key.gate_skip_decayed == skip
     gate = sm90_fwd.gate_k_slice(bias, q.dtype, False) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
     extra = family.extra_args(key, q.device, 0)
     common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
-                          (extra[0], extra[1], gate, None, None))
+                          (extra[0], extra[1], gate, None, sm90_fwd.live_blocks(key, p, q, k, bias)))
 
     def general_launch(*args, **kwargs):
         raise AssertionError("the gated call took launch_forward, not its plan")
@@ -869,8 +875,8 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
         for i, (a, b) in enumerate(zip(args, general)):
             if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
                 assert a.shape == b.shape and a.dtype == b.dtype
-            elif i == 11:  # the gate: built per call, equal contents
-                assert torch.equal(a, b)
+            elif i in (11, 13) and isinstance(b, torch.Tensor):  # the gate, the live-block table: built per call
+                assert torch.equal(a, b), i
             elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 assert a is b, i
             else:

@@ -548,3 +548,49 @@ def test_scanned_varlen_route_autograd_with_emulated_kernels(monkeypatch):
     torch.testing.assert_close(lse, torch.cat(lses, dim=1), rtol=1e-5, atol=1e-5)
     for name, got, want in zip(("dq", "dk", "dv", "dg"), grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_packed_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch):
+    """``sm90_fwd.PackedGatePlan`` (a packed gated call's kept forward plan) hands the compiled kernel what
+    ``launch_forward`` does for the same varlen key: the same tensors (cu_seqlens for queries and keys), scalars
+    and empty slots in the same places. CPU: the kernel and device lookups are stand-ins."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper.backends import common, sm90_fwd
+    from flashattn_hopper.backends.common import VarlenArgs
+    from flashattn_hopper.validate import AttnProblem
+
+    calls = []
+    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
+    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
+    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
+    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
+    counter = torch.zeros(1, dtype=torch.int32)
+    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    family = sm90_fwd.FwdSm90()
+    total, heads = 3000, 4
+    p = AttnProblem(batch=2, seqlen_q=total, seqlen_k=total, nheads=heads, nheads_k=heads, head_dim=128,
+                    head_dim_v=128, dtype=torch.bfloat16, softmax_scale=0.125, causal=True, window_left=-1,
+                    window_right=0, softcap=0.0, is_varlen=True)
+    cu = torch.tensor([0, 1800, 3000], dtype=torch.int32)
+    varlen = VarlenArgs(cu, cu, None, None, 1800, 1800)
+    q, k, v = (torch.zeros(total, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(heads, total)
+    key = family.gate_key(p, varlen)
+    gate = sm90_fwd.gate_k_slice(bias, q.dtype, True) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
+    extra = family.extra_args(key, q.device, 0)
+    common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, varlen, None, None,
+                          (extra[0], extra[1], gate, None, None))
+    plan = family.gate_plan(q, p, key)
+    assert isinstance(plan, sm90_fwd.PackedGatePlan)
+    plan(q, k, v, gate, cu)
+    general, planned = calls
+    assert len(planned) == len(general)
+    for i, (a, b) in enumerate(zip(planned, general)):
+        if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
+            assert a.shape == b.shape and a.dtype == b.dtype
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert a is b, i
+        else:
+            assert a == b and type(a) is type(b), (i, a, b)
