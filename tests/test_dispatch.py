@@ -600,16 +600,9 @@ def test_packed_fwd_plan_hands_the_kernel_the_general_launch_arguments(monkeypat
     pytest.importorskip("cutlass")
     from flashattn_hopper.backends import common, sm90_fwd
 
-    calls = []
-    monkeypatch.setattr(common.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
-    for module in (common, sm90_fwd):
-        monkeypatch.setattr(module, "current_stream_handle", lambda index: 0)
-        monkeypatch.setattr(module, "device_index", lambda device: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    counter = torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
-    monkeypatch.setattr(common, "tile_counter", lambda index, stream=None: counter)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    from ._plan_launch import assert_same_launch, record_sm90_launches
+
+    calls = record_sm90_launches(monkeypatch)
     family = sm90_fwd.FwdSm90()
     total, heads = 700, 4
     p = AttnProblem(batch=2, seqlen_q=total, seqlen_k=total, nheads=heads, nheads_k=2, head_dim=128, head_dim_v=128,
@@ -626,11 +619,4 @@ def test_packed_fwd_plan_hands_the_kernel_the_general_launch_arguments(monkeypat
     assert type(plan).__name__ == "PackedFwdPlan"
     plan(q, k, v, varlen)
     general, planned = calls
-    assert len(planned) == len(general)
-    for i, (a, b) in enumerate(zip(planned, general)):
-        if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
-            assert a.shape == b.shape and a.dtype == b.dtype
-        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            assert a is b, i
-        else:
-            assert a == b and type(a) is type(b), (i, a, b)
+    assert_same_launch(planned, general)

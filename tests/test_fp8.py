@@ -247,14 +247,9 @@ def test_fp8_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch):
     from flashattn_hopper import validate
     from flashattn_hopper.backends import sm90_fwd
 
-    calls = []
-    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
-    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    counter = torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    from ._plan_launch import record_sm90_launches
+
+    calls = record_sm90_launches(monkeypatch)
     family = sm90_fwd.FwdSm90()
     q8, k8, v8 = (torch.zeros(2, 256, 4, 128).to(torch.float8_e4m3fn) for _ in range(3))
     p = validate.AttnProblem(batch=2, seqlen_q=256, seqlen_k=256, nheads=4, nheads_k=4, head_dim=128, head_dim_v=128,

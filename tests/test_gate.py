@@ -835,18 +835,13 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     from flashattn_hopper.backends import common, sm90_fwd
     from flashattn_hopper.validate import AttnProblem
 
+    from ._plan_launch import assert_same_launch, record_sm90_launches
+
     monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED", skip)
 
-    calls = []
-    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
-    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    counter = torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    calls = record_sm90_launches(monkeypatch)
     monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: False)  # (the slice by torch ops on the CPU)
     monkeypatch.setattr(sm90_fwd, "_GATE_PLANS", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     family = sm90_fwd.FwdSm90()
     batch, heads = 2, 4
     p = AttnProblem(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads=heads, nheads_k=heads, head_dim=128,
@@ -871,16 +866,7 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     assert isinstance(next(iter(sm90_fwd._GATE_PLANS.values())), sm90_fwd.GatePlan)
     general, *planned = calls
     for args in planned:
-        assert len(args) == len(general)
-        for i, (a, b) in enumerate(zip(args, general)):
-            if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
-                assert a.shape == b.shape and a.dtype == b.dtype
-            elif i in (11, 13) and isinstance(b, torch.Tensor):  # the gate, the live-block table: built per call
-                assert torch.equal(a, b), i
-            elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                assert a is b, i
-            else:
-                assert a == b and type(a) is type(b), (i, a, b)
+        assert_same_launch(args, general, rebuilt=(11, 13))  # (the gate, the live-block table: built per call)
 
 
 def test_gate_at_queries_of_a_batch_with_no_sequence():

@@ -559,15 +559,10 @@ def test_packed_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypa
     from flashattn_hopper.backends.common import VarlenArgs
     from flashattn_hopper.validate import AttnProblem
 
-    calls = []
-    monkeypatch.setattr(sm90_fwd.compile_cache, "get", lambda key, build: lambda *args: calls.append(args))
-    monkeypatch.setattr(sm90_fwd, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(sm90_fwd, "device_index", lambda device: 0)
-    monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
-    counter = torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: counter)
+    from ._plan_launch import assert_same_launch, record_sm90_launches
+
+    calls = record_sm90_launches(monkeypatch)
     monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     family = sm90_fwd.FwdSm90()
     total, heads = 3000, 4
     p = AttnProblem(batch=2, seqlen_q=total, seqlen_k=total, nheads=heads, nheads_k=heads, head_dim=128,
@@ -586,11 +581,4 @@ def test_packed_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypa
     assert isinstance(plan, sm90_fwd.PackedGatePlan)
     plan(q, k, v, gate, cu)
     general, planned = calls
-    assert len(planned) == len(general)
-    for i, (a, b) in enumerate(zip(planned, general)):
-        if i in (3, 4):  # out and lse: fresh buffers of the same shape and dtype
-            assert a.shape == b.shape and a.dtype == b.dtype
-        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            assert a is b, i
-        else:
-            assert a == b and type(a) is type(b), (i, a, b)
+    assert_same_launch(planned, general)

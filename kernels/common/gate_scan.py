@@ -105,6 +105,15 @@ def store_chunk_sum(own_sums: cute.Tensor, mSums: cute.Tensor, batch_idx: Int32,
         mSums[batch_idx, chunk_idx, head] = total
 
 
+def chunk_keys(warps: int, keys_per_warp: int) -> int:
+    """The keys of one CTA's chunk (``keys_per_warp`` per warp, a lane per head) of both scans, checked: whole warps
+    of 32 keys, ``warps`` dividing the 32 lanes (the chunk sums' strided reads)."""
+    if (keys_per_warp * warps) % 32 or 32 % warps:
+        raise ValueError(f"keys_per_warp * warps must be a multiple of 32 and warps divide 32, got "
+                         f"{keys_per_warp} and {warps}")
+    return keys_per_warp * warps
+
+
 class GateScan:
     """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the scan."""
 
@@ -114,15 +123,12 @@ class GateScan:
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
             raise ValueError(f"parts must be in [1, slice_cols], got {parts} and {slice_cols}")
-        if (keys_per_warp * warps) % 32 or 32 % warps:
-            raise ValueError(f"keys_per_warp * warps must be a multiple of 32 and warps divide 32, got "
-                             f"{keys_per_warp} and {warps}")
+        self.chunk = chunk_keys(warps, keys_per_warp)
         self.slice_dtype = slice_dtype
         self.slice_cols = slice_cols
         self.parts = parts
         self.warps = warps
         self.keys_per_warp = keys_per_warp
-        self.chunk = keys_per_warp * warps
 
     @cute.jit
     def __call__(

@@ -31,7 +31,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
-from .gate_scan import check_scan_args, next_start, sequence_of, store_chunk_sum, strided_chunk_sum
+from .gate_scan import check_scan_args, chunk_keys, next_start, sequence_of, store_chunk_sum, strided_chunk_sum
 
 
 class GateScanGrad:
@@ -39,12 +39,9 @@ class GateScanGrad:
     scan."""
 
     def __init__(self, warps: int = 8, keys_per_warp: int = 4):
-        if (keys_per_warp * warps) % 32 or 32 % warps:
-            raise ValueError(f"keys_per_warp * warps must be a multiple of 32 and warps divide 32, got "
-                             f"{keys_per_warp} and {warps}")
+        self.chunk = chunk_keys(warps, keys_per_warp)
         self.warps = warps
         self.keys_per_warp = keys_per_warp
-        self.chunk = keys_per_warp * warps
 
     @cute.jit
     def __call__(
