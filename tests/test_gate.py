@@ -499,6 +499,90 @@ def test_live_block_table_skips_only_zero_probabilities(causal, seqlens):
             assert bool((skipped.nan_to_num(nan=-math.inf) < -150).all()), (shift, b, h, m, int(live[b, h, m]))
 
 
+_LIVE_TABLE_CHECK = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # Triton's CPU interpreter (before triton is imported)
+import torch
+from flashattn_hopper.backends import gate_blocks
+gen = torch.Generator().manual_seed(11)
+cases = [(True, (300, 300), (32, 16), 16), (True, (200, 333), (32, 48), 24), (False, (300, 300), (64, 16), 16),
+         (True, (70, 70), (128, 176), 64)]
+skipped = 0
+for causal, (s_q, s_k), (tile_m, tile_n), d in cases:
+    q = torch.randn(2, s_q, 4, d, generator=gen).bfloat16()
+    k = torch.randn(2, s_k, 2, d, generator=gen).bfloat16()
+    for shift in (-1.0, 1.0, 8.0):
+        g = torch.nn.functional.logsigmoid(torch.randn(2, s_k, 4, generator=gen) + shift)
+        bias = (-g.double().cumsum(1) / 0.25).float().transpose(1, 2)
+        ref = gate_blocks.first_live_blocks_torch(q, k, bias, 0.25, tile_m, tile_n, causal)
+        live = gate_blocks.first_live_blocks_triton(q, k, bias, 0.25, tile_m, tile_n, causal)
+        assert torch.equal(live, ref), (causal, s_q, s_k, shift, live, ref)
+        skipped += int(ref.sum())
+assert skipped > 100, skipped
+"""
+
+
+def test_live_block_table_triton_matches_torch_in_the_interpreter():
+    """``gate_blocks.first_live_blocks_triton`` (``kernels/triton/gate_blocks.py``, the table's build on CUDA with
+    Triton) run by Triton's CPU interpreter: the same table as the torch build, causal and not, seqlen_q below
+    seqlen_k, GQA, tiles that are not powers of two (48, 176), odd head dims, gates that skip many blocks and
+    none."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _LIVE_TABLE_CHECK], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_live_block_table_triton_compiles_for_sm90():
+    """The interpreter accepts code compiled Triton refuses: compile both kernels of the live-block table for
+    sm_90 (no GPU needed), causal and not, a tile_n that is not a power of two."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashattn_hopper.kernels.triton.gate_blocks import block_norms_kernel, live_table_kernel
+
+    ints = ("seqlen_q", "seqlen_k", "m_blocks", "n_blocks")
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32",
+           **{name: "i32" for name in (*ints, "nheads_k")},
+           **{f"stride_{t}{a}": "i64" for t in "qk" for a in "bsh"},
+           **{name: "constexpr" for name in ("HEAD_DIM", "D_PAD", "TILE_M", "TILE_N", "CHUNK")}}
+    const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16)
+    triton.compile(ASTSource(block_norms_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+    sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
+           **{name: "i32" for name in (*ints, "group")}, **{f"stride_b{a}": "i64" for a in "bhs"},
+           "scale_log2": "fp32",
+           **{name: "constexpr" for name in ("CAUSAL", "TILE_M", "TILE_M_PAD", "TILE_N", "TILE_N_PAD", "BLOCK_K",
+                                             "MARGIN")}}
+    for causal in (True, False):
+        const = dict(CAUSAL=causal, TILE_M=128, TILE_M_PAD=128, TILE_N=176, TILE_N_PAD=256, BLOCK_K=128, MARGIN=160.0)
+        triton.compile(ASTSource(live_table_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.gpu
+def test_live_block_table_triton_matches_torch_on_gpu():
+    """The live-block table's Triton build (the one CUDA calls take) against the torch build on the GPU: at most one
+    block apart per tile (norms summed in another order can round across a block's bound; the margin keeps either
+    count exact) and equal in nearly every tile; causal and not, GQA, the gated key's tiles, many blocks skipped."""
+    from flashattn_hopper.backends import gate_blocks
+    from flashattn_hopper.backends.sm90_fwd import _has_triton
+
+    if not _has_triton():
+        pytest.skip("needs Triton: the table's CUDA build")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 4093, 8, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k = torch.randn(2, 4093, 2, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 4093, 8, device="cuda", generator=gen) * 2 + 2.0)
+    bias = (-g.double().cumsum(1) * 128 ** 0.5).float().transpose(1, 2).contiguous()
+    for causal, (tile_m, tile_n) in ((True, (128, 128)), (False, (128, 176))):
+        ref = gate_blocks.first_live_blocks_torch(q, k, bias, 128 ** -0.5, tile_m, tile_n, causal)
+        live = gate_blocks.first_live_blocks(q, k, bias, 128 ** -0.5, tile_m, tile_n, causal)
+        assert int(ref.sum()) > 1000, causal
+        assert int((live - ref).abs().max()) <= 1 and float((live != ref).float().mean()) < 0.01, causal
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("head_dim", [64, 128])

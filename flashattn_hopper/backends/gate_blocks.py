@@ -13,7 +13,8 @@ underflows even without flushing denormals; 10 more cover the bound's and the ke
 cannot raise a row max: skipping it changes nothing. The table holds, per (batch, head, tile), the number of such
 blocks at the front of the tile's key range (a block is counted only after all the blocks before it are), which
 the kernel's producer and MMA warpgroups both take as the tile's first block (``kernels/sm90/fwd_tiles.py``).
-Dense problems, causal or not, no local window; torch ops, a few launches per call (long keys only).
+Dense problems, causal or not, no local window. On CUDA with Triton two launches (``kernels/triton/gate_blocks.py``:
+the torch build's ~30 ops were ~650 us of host time per call on the H100 machine), else torch ops.
 """
 
 from __future__ import annotations
@@ -32,6 +33,50 @@ def first_live_blocks(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, soft
     ``tile_n`` keys hold only exact zeros of P (see the module's docstring). ``q`` ``(batch, seqlen_q, nheads,
     d)``, ``k`` ``(batch, seqlen_k, nheads_k, d)``, ``bias`` the kernel's fp32 rows ``(batch, nheads, seqlen_k)``
     (``-G_j / softmax_scale``, any last-axis padding past seqlen_k ignored)."""
+    from .sm90_fwd import _has_triton
+
+    if q.is_cuda and _has_triton() and q.shape[0] <= 65535 and q.stride(-1) == 1 and k.stride(-1) == 1:
+        return first_live_blocks_triton(q, k, bias, softmax_scale, tile_m, tile_n, causal)
+    return first_live_blocks_torch(q, k, bias, softmax_scale, tile_m, tile_n, causal)
+
+
+def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
+                             tile_m: int, tile_n: int, causal: bool) -> torch.Tensor:
+    """``first_live_blocks`` by two Triton launches (CUDA tensors, unit stride in head_dim, batch <= 65535: the
+    grid's z)."""
+    from ..kernels.triton.gate_blocks import block_norms_kernel, live_table_kernel
+    from .sm90_fwd import _next_pow2
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    q_norm = torch.empty(batch, nheads, m_blocks, dtype=torch.float32, device=q.device)
+    k_norm = torch.empty(batch, nheads_k, n_blocks, dtype=torch.float32, device=q.device)
+    live = torch.empty(batch, nheads, m_blocks, dtype=torch.int32, device=q.device)
+    if live.numel() == 0:
+        return live
+    d_pad = _next_pow2(head_dim)
+
+    def launch() -> None:
+        block_norms_kernel[(max(m_blocks, n_blocks), nheads, batch)](
+            q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *q.stride()[:3],
+            *k.stride()[:3], HEAD_DIM=head_dim, D_PAD=d_pad, TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, num_warps=4)
+        live_table_kernel[(m_blocks, nheads, batch)](
+            q_norm, k_norm, bias, live, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
+            float(softmax_scale) * math.log2(math.e), CAUSAL=causal, TILE_M=tile_m, TILE_M_PAD=_next_pow2(tile_m),
+            TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
+
+    if not q.is_cuda or q.device.index == torch.cuda.current_device():
+        launch()
+    else:  # (Triton launches on the current device and stream: make them q's)
+        with torch.cuda.device(q.device):
+            launch()
+    return live
+
+
+def first_live_blocks_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
+                            tile_m: int, tile_n: int, causal: bool) -> torch.Tensor:
+    """``first_live_blocks`` by torch ops (any device)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)

@@ -1,0 +1,105 @@
+"""The gated Hopper forward's live-block table in Triton (``flashattn_hopper/backends/gate_blocks.py``).
+
+Purpose: ``configs.FWD_SM90_GATE_SKIP_DECAYED`` starts each tile of a gated forward at its first key block that
+can hold a nonzero P, by a Cauchy-Schwarz bound on q, k and the keys' bias (``gate_blocks.py``'s docstring). Its
+torch build took ~30 small ops per call: ~650 us of host time on the H100 machine, which made every gated call
+host-bound (perf/NOTES.md session 40). Here it is two launches:
+
+- ``block_norms_kernel``: per (row block, head, batch entry) the largest 2-norm of the block's rows, of q (tiles
+  of ``TILE_M`` query rows, every query head) and of k (blocks of ``TILE_N`` keys, every KV head) in one grid.
+- ``live_table_kernel``: per (tile, query head, batch entry) the head's largest key norm (over its KV head's
+  blocks), the tile's smallest reference-key bias, then the leading key blocks whose bound stays below
+  ``-MARGIN`` in log2 units, counted until the first that does not.
+
+The same bound and comparisons as the torch build (fp32), so the tables agree but for norms that round apart at
+a block's boundary (the margin covers either count).
+
+Layouts: q ``(batch, seqlen_q, nheads, head_dim)``, k ``(batch, seqlen_k, nheads_k, head_dim)`` with unit
+stride in head_dim; bias ``(batch, nheads, seqlen_k)`` fp32, any strides; norms ``(batch, heads, blocks)``
+fp32 and the table ``(batch, nheads, m_blocks)`` int32, contiguous.
+
+Triton, not the CuTe DSL: reductions over rows, no tensor cores, no compile-key plumbing (as
+``gate_slice.py``).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "m_blocks", "n_blocks", "nheads_k", "stride_qb",
+                               "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh"])
+def block_norms_kernel(
+    q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (block, head, batch): q's tile ``block`` of head ``head`` where both exist, and k's key block
+    ``block`` of KV head ``head`` where both exist (grid: the larger block count by the query heads)."""
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    nheads = tl.num_programs(1)
+    cols = tl.arange(0, D_PAD)
+    in_cols = (cols < HEAD_DIM)[None, :]
+    if blk < m_blocks:
+        rows_base = q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh
+        best = tl.zeros((CHUNK,), dtype=tl.float32)
+        for r0 in range(0, TILE_M, CHUNK):
+            rows = blk * TILE_M + r0 + tl.arange(0, CHUNK)
+            inside = (rows < seqlen_q) & (r0 + tl.arange(0, CHUNK) < TILE_M)
+            x = tl.load(rows_base + rows[:, None].to(tl.int64) * stride_qs + cols[None, :],
+                        mask=inside[:, None] & in_cols, other=0.0).to(tl.float32)
+            best = tl.maximum(best, tl.sum(x * x, axis=1))
+        tl.store(q_norm_ptr + (b * nheads + head) * m_blocks + blk, tl.sqrt_rn(tl.max(best, axis=0)))
+    if (blk < n_blocks) & (head < nheads_k):
+        rows_base = k_ptr + b * stride_kb + head.to(tl.int64) * stride_kh
+        best = tl.zeros((CHUNK,), dtype=tl.float32)
+        for r0 in range(0, TILE_N, CHUNK):
+            rows = blk * TILE_N + r0 + tl.arange(0, CHUNK)
+            inside = (rows < seqlen_k) & (r0 + tl.arange(0, CHUNK) < TILE_N)
+            x = tl.load(rows_base + rows[:, None].to(tl.int64) * stride_ks + cols[None, :],
+                        mask=inside[:, None] & in_cols, other=0.0).to(tl.float32)
+            best = tl.maximum(best, tl.sum(x * x, axis=1))
+        tl.store(k_norm_ptr + (b * nheads_k + head) * n_blocks + blk, tl.sqrt_rn(tl.max(best, axis=0)))
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "m_blocks", "n_blocks", "group", "stride_bb",
+                               "stride_bh", "stride_bs"])
+def live_table_kernel(
+    q_norm_ptr, k_norm_ptr, bias_ptr, out_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, group,
+    stride_bb, stride_bh, stride_bs, scale_log2,
+    CAUSAL: tl.constexpr, TILE_M: tl.constexpr, TILE_M_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, MARGIN: tl.constexpr,
+):
+    """Program (tile, query head, batch): the tile's count of leading key blocks with only zeros of P."""
+    mb = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    nheads = tl.num_programs(1)
+    q_max = tl.load(q_norm_ptr + (b * nheads + head) * m_blocks + mb)
+    k_row = k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks
+    k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j0 in range(0, n_blocks, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < n_blocks, other=0.0))
+    bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+    rows = mb * TILE_M + tl.arange(0, TILE_M_PAD)
+    if CAUSAL:
+        ref = rows + (seqlen_k - seqlen_q)  # (each row's own key, bottom-right aligned)
+    else:
+        ref = tl.zeros((TILE_M_PAD,), dtype=tl.int32) + (seqlen_k - 1)
+    has_ref = (tl.arange(0, TILE_M_PAD) < TILE_M) & (rows < seqlen_q) & (ref >= 0) & (ref < seqlen_k)
+    ref_bias = tl.min(tl.load(bias_row + ref.to(tl.int64) * stride_bs, mask=has_ref, other=float("inf")), axis=0)
+    span = 2 * q_max * tl.max(k_max, axis=0)
+    keys = tl.arange(0, TILE_N_PAD)
+    in_block = keys < TILE_N
+    count = tl.zeros((), dtype=tl.int32)
+    stop = tl.zeros((), dtype=tl.int32) + n_blocks
+    while count < stop:
+        key = count * TILE_N + keys
+        block_bias = tl.max(tl.load(bias_row + key.to(tl.int64) * stride_bs, mask=in_block & (key < seqlen_k),
+                                    other=float("-inf")), axis=0)
+        zero = (span + block_bias - ref_bias) * scale_log2 < -MARGIN  # (NaN compares False: the block stays)
+        stop = tl.where(zero, stop, count)
+        count = tl.where(zero, count + 1, count)
+    tl.store(out_ptr + (b * nheads + head) * m_blocks + mb, count)
