@@ -130,21 +130,20 @@ FWD_SM90_GATE_SLICE_MIN_SEQLEN_K = 1024
 FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # The gated sm90 forward skips the P.V GEMM of a key block whose P underflowed to 0 in a whole MMA warpgroup (keys
 # decayed past 2**-126 of the row's max: exp2 flushes them to 0, so the skipped product is exactly 0); each block
-# then costs one bar.red vote per warpgroup. Off: written in session 39 without a GPU (compiles, SASS checked); the
-# next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
+# then costs one bar.red vote per warpgroup. Off: exact (tests), but +10 % at 16k keys and a loss at 1k-4k alone, and
+# nothing beside the whole-block skip below (H100 / H200, perf/NOTES.md session 40).
 FWD_SM90_GATE_SKIP_ZERO_PV = False
 # Dense gated calls from this many keys: the launcher bounds, per tile, which key blocks can hold a nonzero P (norms of
-# q and k against the decay: backends/gate_blocks.py, a few torch ops per call), and the kernel's producer and MMA
+# q and k against the decay: backends/gate_blocks.py, two Triton launches per call), and the kernel's producer and MMA
 # warpgroups start each tile at the first such block: decayed blocks neither loaded nor computed (exact: their P are 0
-# in fp32). Off: written in session 39 without a GPU (compiles, SASS checked; the bound checked on the CPU against
-# brute force); the next session measures it (perf/NOTES.md session 39) and runs the gate tier with it on.
-FWD_SM90_GATE_SKIP_DECAYED = False
+# in fp32). Gated / plain causal forward with bench_gate's gates (H200, NOTES session 40): 1.03-1.09x at 4k keys,
+# 1.8x at 8k, 3.1x at 16k; at 1k 0.59x (nothing to skip, the norms' pass is the cost), hence the threshold.
+FWD_SM90_GATE_SKIP_DECAYED = True
 FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 # Plain varlen calls keep a plan per signature (api: ``PackedFwdPlan``, the backward's plan kept on it), as dense
-# calls do: a repeated call skips validation, dispatch and key building. Off: written in session 39 without a GPU
-# (CPU tests with stand-ins); the next session runs the varlen tiers and perf/call_overhead-style host times with
-# it on before turning it on.
-VARLEN_PLANS = False
+# calls do: a repeated call skips validation, dispatch and key building (H200, NOTES session 40: a tiny packed call's
+# host time fwd 140 -> 46 us, fwd + bwd 545 -> 315 us).
+VARLEN_PLANS = True
 # The gated sm90 backward's per-key dS sums by one more WGMMA beside dK's (dS^T times a tile of ones,
 # kernels/sm90/bwd_gate.py) instead of each thread's adds and a quad shuffle, and its per-query sums beside dQ's
 # (dS times a tile of ones, staged whole for the dQ writer). The two together serialize every WGMMA at head_dim 128

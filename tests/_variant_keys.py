@@ -7,7 +7,7 @@ def variant_keys(spec, arch: str) -> list:
     """The keys users hit (``all_keys``) plus sm90 variants measured but not shipped that must keep
     compiling: clusters of 2 with K/V multicast on the other head dims' table tiles (hdim 64: 3 MMA
     warpgroups; 96/128: own sO; 192: sO in sQ's buffer; the hdim 256 row ships them, in all_keys), the
-    in-kernel sink and (sm90) the in-kernel gate (and its opt-in skips of decayed work), the sm90 backward's trace key,
+    in-kernel sink and (sm90) the in-kernel gate (and its skips of decayed work), the sm90 backward's trace key,
     one representative each."""
     keys = list(spec.all_keys(arch))
     if spec.kind == "fwd_sm90" and keys:
@@ -27,8 +27,8 @@ def variant_keys(spec, arch: str) -> list:
             causal = next(key for key in keys if key.causal and key.head_dim == 128 and key.varlen == varlen)
             keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False)
                      for in_gemm in (True, False)]
-        # (the opt-in skips of decayed work, configs.FWD_SM90_GATE_SKIP_ZERO_PV and _DECAYED: the dense slice key
-        # with both)
+        # (the skips of decayed work, configs.FWD_SM90_GATE_SKIP_ZERO_PV (opt-in) and _DECAYED (on from 4k keys): the
+        # dense slice key with both)
         dense_slice = next(key for key in keys if key.gate and key.gate_slice and not key.varlen)
         keys.append(dataclasses.replace(dense_slice, gate_skip_pv=True, gate_skip_decayed=True))
     if spec.kind == "bwd_sm90" and keys:

@@ -79,9 +79,11 @@ def live_table_kernel(
     q_max = tl.load(q_norm_ptr + (b * nheads + head) * m_blocks + mb)
     k_row = k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks
     k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for j0 in range(0, n_blocks, BLOCK_K):
+    j0 = tl.zeros((), dtype=tl.int32)
+    while j0 < n_blocks:  # (a while, not a range over a runtime bound: Triton 3.6's interpreter refuses that)
         j = j0 + tl.arange(0, BLOCK_K)
         k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < n_blocks, other=0.0))
+        j0 += BLOCK_K
     bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
     rows = mb * TILE_M + tl.arange(0, TILE_M_PAD)
     if CAUSAL:
