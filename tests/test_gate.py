@@ -349,6 +349,7 @@ def test_gated_key_drops_a_q_stage_for_the_slice(monkeypatch):
     from flashattn_hopper.validate import AttnProblem
 
     monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: True)
+    monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED", False)  # (the 4k key would also skip decayed blocks)
     family = dispatch.FWD_KERNELS["sm90"]
 
     def keys(head_dim, seqlen):
@@ -469,13 +470,14 @@ def test_gate_long_strong_decay(monkeypatch, head_dim):
 @pytest.mark.parametrize("causal,seqlens", [(True, (300, 300)), (True, (200, 333)), (False, (300, 300))],
                          ids=["causal", "causal_sq_lt_sk", "full"])
 def test_live_block_table_skips_only_zero_probabilities(causal, seqlens):
-    """``backends/gate_blocks.first_live_blocks`` (``configs.FWD_SM90_GATE_SKIP_DECAYED``'s table): every key block
-    it lets a tile skip holds only probabilities below 2^-150 (0 in fp32) for every row of the tile, against the
+    """``backends/gate_blocks.first_live_blocks`` (``configs.FWD_SM90_GATE_SKIP_DECAYED``'s table) and, causal, its
+    backward mirror ``last_live_rows`` (``BWD_SM90_GATE_SKIP_DECAYED``'s): every key block they let a tile skip, and
+    every tile past a key block's end, holds only probabilities below 2^-150 (0 in fp32) for every row, against the
     softmax computed in fp64 from the same q, k and bias; with gates decaying ~1.3 a step most blocks are skipped,
     with gates near 0 none; GQA, odd lengths, small tiles (CPU)."""
     import math
 
-    from flashattn_hopper.backends.gate_blocks import first_live_blocks
+    from flashattn_hopper.backends.gate_blocks import first_live_blocks, last_live_rows
 
     gen = torch.Generator().manual_seed(11)
     s_q, s_k = seqlens
@@ -497,6 +499,13 @@ def test_live_block_table_skips_only_zero_probabilities(causal, seqlens):
         for b, h, m in itertools.product(range(2), range(4), range(live.shape[-1])):
             skipped = log2_p[b, h, m * tile_m:(m + 1) * tile_m, :int(live[b, h, m]) * tile_n]
             assert bool((skipped.nan_to_num(nan=-math.inf) < -150).all()), (shift, b, h, m, int(live[b, h, m]))
+        if causal:  # the backward's mirror: past each key block's end, every query row's P of it is 0
+            end = last_live_rows(q, k, bias, scale, tile_m, tile_n)
+            assert end.shape == (2, 4, -(-s_k // tile_n)) and end.dtype == torch.int32
+            assert bool((end < live.shape[-1]).any()) == expect_skips
+            for b, h, n in itertools.product(range(2), range(4), range(end.shape[-1])):
+                skipped = log2_p[b, h, int(end[b, h, n]) * tile_m:, n * tile_n:(n + 1) * tile_n]
+                assert bool((skipped.nan_to_num(nan=-math.inf) < -150).all()), (shift, b, h, n, int(end[b, h, n]))
 
 
 _LIVE_TABLE_CHECK = """
@@ -518,15 +527,19 @@ for causal, (s_q, s_k), (tile_m, tile_n), d in cases:
         live = gate_blocks.first_live_blocks_triton(q, k, bias, 0.25, tile_m, tile_n, causal)
         assert torch.equal(live, ref), (causal, s_q, s_k, shift, live, ref)
         skipped += int(ref.sum())
+        if causal:
+            ref = gate_blocks.last_live_rows_torch(q, k, bias, 0.25, tile_m, tile_n)
+            end = gate_blocks.last_live_rows_triton(q, k, bias, 0.25, tile_m, tile_n)
+            assert torch.equal(end, ref), (s_q, s_k, shift, end, ref)
 assert skipped > 100, skipped
 """
 
 
 def test_live_block_table_triton_matches_torch_in_the_interpreter():
-    """``gate_blocks.first_live_blocks_triton`` (``kernels/triton/gate_blocks.py``, the table's build on CUDA with
-    Triton) run by Triton's CPU interpreter: the same table as the torch build, causal and not, seqlen_q below
-    seqlen_k, GQA, tiles that are not powers of two (48, 176), odd head dims, gates that skip many blocks and
-    none."""
+    """``gate_blocks.first_live_blocks_triton`` and ``last_live_rows_triton`` (``kernels/triton/gate_blocks.py``,
+    the tables' builds on CUDA with Triton) run by Triton's CPU interpreter: the same tables as the torch builds,
+    causal and not (the backward's causal only), seqlen_q below seqlen_k, GQA, tiles that are not powers of two
+    (48, 176), odd head dims, gates that skip many blocks and none."""
     import subprocess
     import sys
 
@@ -542,15 +555,18 @@ def test_live_block_table_triton_compiles_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashattn_hopper.kernels.triton.gate_blocks import block_norms_kernel, live_table_kernel
+    from flashattn_hopper.kernels.triton.gate_blocks import block_norms_kernel, live_rows_kernel, live_table_kernel
 
     ints = ("seqlen_q", "seqlen_k", "m_blocks", "n_blocks")
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32",
            **{name: "i32" for name in (*ints, "nheads_k")},
-           **{f"stride_{t}{a}": "i64" for t in "qk" for a in "bsh"},
-           **{name: "constexpr" for name in ("HEAD_DIM", "D_PAD", "TILE_M", "TILE_N", "CHUNK")}}
-    const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16)
-    triton.compile(ASTSource(block_norms_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+           **{f"stride_{t}{a}": "i64" for t in "qk" for a in "bsh"}, "bias_ptr": "*fp32", "ref_ptr": "*fp32",
+           **{f"stride_b{a}": "i64" for a in "bhs"},
+           **{name: "constexpr" for name in ("HEAD_DIM", "D_PAD", "TILE_M", "TILE_N", "CHUNK", "WITH_REF",
+                                             "TILE_M_PAD")}}
+    for with_ref in (False, True):
+        const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=128)
+        triton.compile(ASTSource(block_norms_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
     sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
            **{name: "i32" for name in (*ints, "group")}, **{f"stride_b{a}": "i64" for a in "bhs"},
            "scale_log2": "fp32",
@@ -559,6 +575,12 @@ def test_live_block_table_triton_compiles_for_sm90():
     for causal in (True, False):
         const = dict(CAUSAL=causal, TILE_M=128, TILE_M_PAD=128, TILE_N=176, TILE_N_PAD=256, BLOCK_K=128, MARGIN=160.0)
         triton.compile(ASTSource(live_table_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+    sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "ref_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
+           **{name: "i32" for name in ("seqlen_k", "m_blocks", "n_blocks", "group")},
+           **{f"stride_b{a}": "i64" for a in "bhs"}, "scale_log2": "fp32",
+           **{name: "constexpr" for name in ("TILE_N", "TILE_N_PAD", "BLOCK_K", "BLOCK_M", "MARGIN")}}
+    const = dict(TILE_N=128, TILE_N_PAD=128, BLOCK_K=128, BLOCK_M=128, MARGIN=160.0)
+    triton.compile(ASTSource(live_rows_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.gpu
@@ -626,6 +648,49 @@ def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
             for i, (out, lse) in enumerate(results[1:]):
                 assert torch.equal(results[0][0], out) and torch.equal(results[0][1], lse), (shift, causal, i)
     api.clear_plans()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nheads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gate_backward_block_skip_is_exact(monkeypatch, head_dim, nheads):
+    """``configs.BWD_SM90_GATE_SKIP_DECAYED`` (session 40: the gated sm90 backward ends each key block's query blocks
+    at ``gate_blocks.last_live_rows``' bound): the gated main key takes it (dense causal, from the min length), and
+    the gradients equal those without it: dk and dv bit for bit (MHA: summed in registers, the skipped blocks' parts
+    exact zeros), dq, dg and GQA's dk / dv (fp32 reduce-adds in another order) to fp32 rounding; gates that decay most
+    blocks to 0 (the skip taken) and gates near 0; odd lengths."""
+    from flashattn_hopper import configs
+    from flashattn_hopper.backends import gate_blocks, sm80_bwd
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: the skip is the sm90 gated backward's")
+    monkeypatch.setattr(configs, "BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K", 1024)
+    tables, last_live_rows = [], gate_blocks.last_live_rows
+    monkeypatch.setattr(gate_blocks, "last_live_rows", lambda *a: tables.append(last_live_rows(*a)) or tables[-1])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    seqlen, (h_q, h_k) = 3001, nheads
+    q, dout = (torch.randn(2, seqlen, h_q, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(2, seqlen, h_k, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    for shift in (-1.0, 6.0):
+        g = torch.nn.functional.logsigmoid(torch.randn(2, seqlen, h_q, device="cuda", generator=gen) + shift)
+        grads = []
+        for skip in (False, True):
+            monkeypatch.setattr(configs, "BWD_SM90_GATE_SKIP_DECAYED", skip)
+            monkeypatch.setattr(sm80_bwd, "_PLAN_MEMO", {})  # (a kept plan holds the other key)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+            out = flash_attn_func(*leaves[:3], causal=True, log_decay=leaves[3])
+            grads.append(torch.autograd.grad(out, leaves, dout))
+            assert len(tables) == int(skip), (skip, len(tables))
+        if shift < 0:
+            assert int(tables[-1][..., 0].max()) < -(-seqlen // 128)  # (the first key block ends early: skipped)
+        tables.clear()
+        for name, base, skipped in zip("q k v g".split(), *grads):
+            if name in "kv" and h_q == h_k:
+                assert torch.equal(base, skipped), (shift, name)
+            else:
+                err = float((base.float() - skipped.float()).abs().max())
+                assert err <= 1e-3 * float(base.float().abs().max()) + 1e-6, (shift, name, err)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,9 @@ underflows even without flushing denormals; 10 more cover the bound's and the ke
 cannot raise a row max: skipping it changes nothing. The table holds, per (batch, head, tile), the number of such
 blocks at the front of the tile's key range (a block is counted only after all the blocks before it are), which
 the kernel's producer and MMA warpgroups both take as the tile's first block (``kernels/sm90/fwd_tiles.py``).
+The backward's mirror (``last_live_rows``, causal): per key block, one past the last query tile with a possibly
+nonzero P, where every role of the block's CTA stops (``kernels/sm90/bwd.py`` ``skip_decayed``; the backward's P
+is ``exp2(s - lse)`` with ``lse >= m``: smaller still, and its dS, dV, dK and dG parts are 0 with it).
 Dense problems, causal or not, no local window. On CUDA with Triton two launches (``kernels/triton/gate_blocks.py``:
 the torch build's ~30 ops were ~650 us of host time per call on the H100 machine), else torch ops.
 """
@@ -20,6 +23,7 @@ the torch build's ~30 ops were ~650 us of host time per call on the H100 machine
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,18 +37,82 @@ def first_live_blocks(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, soft
     ``tile_n`` keys hold only exact zeros of P (see the module's docstring). ``q`` ``(batch, seqlen_q, nheads,
     d)``, ``k`` ``(batch, seqlen_k, nheads_k, d)``, ``bias`` the kernel's fp32 rows ``(batch, nheads, seqlen_k)``
     (``-G_j / softmax_scale``, any last-axis padding past seqlen_k ignored)."""
-    from .sm90_fwd import _has_triton
-
-    if q.is_cuda and _has_triton() and q.shape[0] <= 65535 and q.stride(-1) == 1 and k.stride(-1) == 1:
+    if _takes_triton(q, k):
         return first_live_blocks_triton(q, k, bias, softmax_scale, tile_m, tile_n, causal)
     return first_live_blocks_torch(q, k, bias, softmax_scale, tile_m, tile_n, causal)
 
 
+def last_live_rows(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float, tile_m: int,
+                   tile_n: int) -> torch.Tensor:
+    """``(batch, nheads, n_blocks)`` int32, causal: per key block of ``tile_n`` keys, one past the last tile of
+    ``tile_m`` query rows whose P of the block may be nonzero (0: none), by the same bound as ``first_live_blocks``
+    (its arguments)."""
+    if _takes_triton(q, k):
+        return last_live_rows_triton(q, k, bias, softmax_scale, tile_m, tile_n)
+    return last_live_rows_torch(q, k, bias, softmax_scale, tile_m, tile_n)
+
+
+def _takes_triton(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """CUDA tensors with unit stride in head_dim, batch within the grid's z, and Triton importable."""
+    from .sm90_fwd import _has_triton
+
+    return q.is_cuda and _has_triton() and q.shape[0] <= 65535 and q.stride(-1) == 1 and k.stride(-1) == 1
+
+
 def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
                              tile_m: int, tile_n: int, causal: bool) -> torch.Tensor:
-    """``first_live_blocks`` by two Triton launches (CUDA tensors, unit stride in head_dim, batch <= 65535: the
-    grid's z)."""
-    from ..kernels.triton.gate_blocks import block_norms_kernel, live_table_kernel
+    """``first_live_blocks`` by two Triton launches (``_takes_triton``'s tensors)."""
+    from ..kernels.triton.gate_blocks import live_table_kernel
+    from .sm90_fwd import _next_pow2
+
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    live = torch.empty(batch, nheads, m_blocks, dtype=torch.int32, device=q.device)
+    if live.numel() == 0 or n_blocks == 0:
+        return live.zero_()
+
+    def launch() -> None:
+        q_norm, k_norm, _ = _block_norms(q, k, bias, tile_m, tile_n, with_ref=False)
+        live_table_kernel[(m_blocks, nheads, batch)](
+            q_norm, k_norm, bias, live, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
+            float(softmax_scale) * math.log2(math.e), CAUSAL=causal, TILE_M=tile_m, TILE_M_PAD=_next_pow2(tile_m),
+            TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
+
+    _on_device_of(q, launch)
+    return live
+
+
+def last_live_rows_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
+                          tile_m: int, tile_n: int) -> torch.Tensor:
+    """``last_live_rows`` by two Triton launches (``_takes_triton``'s tensors)."""
+    from ..kernels.triton.gate_blocks import live_rows_kernel
+    from .sm90_fwd import _next_pow2
+
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    end = torch.empty(batch, nheads, n_blocks, dtype=torch.int32, device=q.device)
+    if end.numel() == 0 or m_blocks == 0:
+        return end.zero_()
+
+    def launch() -> None:
+        q_norm, k_norm, ref_bias = _block_norms(q, k, bias, tile_m, tile_n, with_ref=True)
+        live_rows_kernel[(n_blocks, nheads, batch)](
+            q_norm, k_norm, ref_bias, bias, end, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
+            float(softmax_scale) * math.log2(math.e), TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128,
+            BLOCK_M=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
+
+    _on_device_of(q, launch)
+    return end
+
+
+def _block_norms(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, tile_m: int, tile_n: int,
+                 with_ref: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q_norm, k_norm, ref_bias)`` by one launch of ``block_norms_kernel``: the tiles' largest q norms ``(batch,
+    nheads, m_blocks)``, the key blocks' largest k norms ``(batch, nheads_k, n_blocks)``, fp32; ``with_ref``
+    (causal): the tiles' smallest reference-key bias ``(batch, nheads, m_blocks)``, else None."""
+    from ..kernels.triton.gate_blocks import block_norms_kernel
     from .sm90_fwd import _next_pow2
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -52,31 +120,41 @@ def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tenso
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     q_norm = torch.empty(batch, nheads, m_blocks, dtype=torch.float32, device=q.device)
     k_norm = torch.empty(batch, nheads_k, n_blocks, dtype=torch.float32, device=q.device)
-    live = torch.empty(batch, nheads, m_blocks, dtype=torch.int32, device=q.device)
-    if live.numel() == 0:
-        return live
-    d_pad = _next_pow2(head_dim)
+    ref_bias = torch.empty_like(q_norm) if with_ref else None
+    block_norms_kernel[(max(m_blocks, n_blocks), nheads, batch)](
+        q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *q.stride()[:3], *k.stride()[:3],
+        bias, q_norm if ref_bias is None else ref_bias, *bias.stride(), HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
+        TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=_next_pow2(tile_m), num_warps=4)
+    return q_norm, k_norm, ref_bias
 
-    def launch() -> None:
-        block_norms_kernel[(max(m_blocks, n_blocks), nheads, batch)](
-            q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *q.stride()[:3],
-            *k.stride()[:3], HEAD_DIM=head_dim, D_PAD=d_pad, TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, num_warps=4)
-        live_table_kernel[(m_blocks, nheads, batch)](
-            q_norm, k_norm, bias, live, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
-            float(softmax_scale) * math.log2(math.e), CAUSAL=causal, TILE_M=tile_m, TILE_M_PAD=_next_pow2(tile_m),
-            TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
 
+def _on_device_of(q: torch.Tensor, launch: Callable[[], None]) -> None:
+    """``launch()`` with q's device current (Triton launches on the current device and stream)."""
     if not q.is_cuda or q.device.index == torch.cuda.current_device():
         launch()
-    else:  # (Triton launches on the current device and stream: make them q's)
+    else:
         with torch.cuda.device(q.device):
             launch()
-    return live
 
 
 def first_live_blocks_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
                             tile_m: int, tile_n: int, causal: bool) -> torch.Tensor:
     """``first_live_blocks`` by torch ops (any device)."""
+    zero = _zero_blocks_torch(q, k, bias, softmax_scale, tile_m, tile_n, causal)
+    return zero.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
+
+
+def last_live_rows_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
+                         tile_m: int, tile_n: int) -> torch.Tensor:
+    """``last_live_rows`` by torch ops (any device)."""
+    zero = _zero_blocks_torch(q, k, bias, softmax_scale, tile_m, tile_n, True)  # (b, h, m_blocks, n_blocks)
+    tile_end = torch.arange(1, zero.shape[2] + 1, dtype=torch.int32, device=q.device)[:, None]
+    return torch.where(zero, 0, tile_end).amax(2).to(torch.int32)
+
+
+def _zero_blocks_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float, tile_m: int,
+                       tile_n: int, causal: bool) -> torch.Tensor:
+    """Bool ``(batch, nheads, m_blocks, n_blocks)``: where the bound finds the (tile, key block)'s P all 0."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -95,5 +173,4 @@ def first_live_blocks_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor
     ref_bias = torch.where(has_ref, rows[..., ref.clamp(0, seqlen_k - 1)], math.inf)
     ref_bias = ref_bias.view(batch, nheads, m_blocks, tile_m).amin(-1)  # (b, h, m_blocks)
     exponent = (2 * q_max * k_max[..., None])[..., None] + block_bias[:, :, None, :] - ref_bias[..., None]
-    zero = exponent * scale_log2 < -SKIP_LOG2_MARGIN  # (b, h, m_blocks, n_blocks); NaN compares False
-    return zero.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
+    return exponent * scale_log2 < -SKIP_LOG2_MARGIN  # (NaN compares False)

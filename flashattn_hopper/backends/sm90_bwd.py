@@ -146,6 +146,9 @@ class BwdSm90Key(KernelKey):
     # display names: progress lines stay within 120 columns)
     gate_key_mma: bool = field(default=False, metadata={"display": "ksum"})
     gate_query_mma: bool = field(default=False, metadata={"display": "qsum"})
+    # dense causal gated calls from configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K keys, not deterministic: each key
+    # block's query blocks end at the launcher's bound of the decayed ones (``gate_blocks.last_live_rows``)
+    gate_skip_decayed: bool = field(default=False, metadata={"display": "zblk"})
 
 
 _DQ_POST_THREADS = 256  # the dQ postprocess rebuilds the main kernel's two-warpgroup dQ WGMMA
@@ -176,7 +179,7 @@ class BwdSm90(BwdSm80):
         return super().can_implement(p, deterministic)
 
     splits_tail = False  # (its key's tail_split stays False: the launcher shared with sm80 reads it)
-    gate_slots = 3  # the main kernel's mGate, mdGq, mdGk (None without a gate)
+    gate_slots = 4  # the main kernel's mGate, mdGq, mdGk, mLiveRows (None without a gate / the skip)
 
     def can_gate(self, p: AttnProblem) -> bool:
         """Whether ``backward_with_gate`` serves ``p`` (the gate is in ``kernels/sm90/bwd.py``, the
@@ -204,13 +207,28 @@ class BwdSm90(BwdSm80):
         q_rows = (p.nheads, p.seqlen_q) if p.is_varlen else (p.batch, p.nheads, p.seqlen_q)
         query_sums = torch.zeros(q_rows, dtype=f32, device=dev)
         key_sums = (torch.zeros_like if p.is_varlen else torch.empty_like)(bias)
-        grads = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums),
+        live_rows = None
+        if plan.main_key.gate_skip_decayed:
+            from .gate_blocks import last_live_rows
+
+            live_rows = last_live_rows(q, k, bias, p.softmax_scale, plan.main_key.tile_m, plan.main_key.tile_n)
+        grads = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums, live_rows),
                      rows_dpsum=rows_dpsum)
         return (*grads[:3], key_sums, query_sums, *grads[3:])
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
         return {"deterministic": deterministic}
+
+    def _gate_flags(self, p: AttnProblem, gate: bool, deterministic: bool, varlen: bool) -> dict[str, bool]:
+        """The gate's key fields: the skip of decayed query blocks (``configs.BWD_SM90_GATE_SKIP_DECAYED``) for dense
+        causal calls without a window from ``_MIN_SEQLEN_K`` keys, not deterministic (its turns count every key
+        block). (GQA too: the gated GQA key's CTAs are per query head, as the table's rows.)"""
+        flags = super()._gate_flags(p, gate, deterministic, varlen)
+        if (gate and configs.BWD_SM90_GATE_SKIP_DECAYED and not deterministic and not varlen and p.causal
+                and p.window_left < 0 and p.seqlen_k >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
+            flags["gate_skip_decayed"] = True
+        return flags
 
     def _gqa_flags(self, p: AttnProblem, dk_fp32: bool, varlen: bool, sms: int | None) -> dict[str, bool]:
         """A real GQA problem whose dK is not asked in fp32 may take the tile's ``gqa_loop``; with a causal or local
@@ -343,7 +361,8 @@ class BwdSm90(BwdSm80):
             main(arch, "bf16", 192, 128, True, True, deterministic=True),
             main(arch, "bf16", 192, 192, False, False),
             main(arch, "bf16", 128, 128, True, True, gate=True),
-            main(arch, "bf16", 64, 64, True, True, gate=True),
+            # (with the skip of decayed query blocks: configs.BWD_SM90_GATE_SKIP_DECAYED)
+            main(arch, "bf16", 64, 64, True, True, gate=True, gate_skip_decayed=True),
             # (the dG sums by the threads: configs.BWD_SM90_GATE_KEY_MMA / _QUERY_MMA off)
             dataclasses.replace(main(arch, "bf16", 64, 64, True, True, gate=True), gate_key_mma=False,
                                 gate_query_mma=False),
@@ -393,6 +412,7 @@ class BwdSm90(BwdSm80):
             **({"loop_desc": True} if k.loop_desc else {}),
             **({"gate_key_mma": True} if k.gate_key_mma else {}),
             **({"gate_query_mma": True} if k.gate_query_mma else {}),
+            **({"skip_decayed": True} if k.gate_skip_decayed else {}),
         )
         if k.gqa and not k.gqa_loop:
             dkv = (_fake(f32, (b, h_k, acc_k), 4), _fake(f32, (b, h_k, acc_v), 4))
@@ -408,7 +428,8 @@ class BwdSm90(BwdSm80):
             _fake_ints(nb) if k.seqused_q else None, _fake_ints(nb) if k.seqused_k else None,
         )
         scalars = (f32(1.0), i32(0), i32(0), f32(1.0), i32(0), i32(0), i32(0))
-        gate = (None,) * 3
+        gate = (None,) * 4
         if k.gate:  # bias, per-query sums, per-key sums: (b, h, s) | varlen (h, total), fp32, contiguous
-            gate = tuple(fake_f32(tuple(cute.sym_int() for _ in range(2 if k.varlen else 3))) for _ in range(3))
+            gate = (*(fake_f32(tuple(cute.sym_int() for _ in range(2 if k.varlen else 3))) for _ in range(3)),
+                    _fake(i32, tuple(cute.sym_int() for _ in range(3))) if k.gate_skip_decayed else None)
         return ffi_compile(kernel, *fakes, *scalars, *ints, None, *gate, options=options)

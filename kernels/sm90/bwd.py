@@ -164,6 +164,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         loop_desc: bool = False,
         gate_key_mma: bool = False,
         gate_query_mma: bool = False,
+        skip_decayed: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         reason = self.can_implement(dtype, head_dim, tile_m, tile_n, is_causal, is_local, num_stages, dq_split_rows,
@@ -186,6 +187,9 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 FlashBwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, has_gate)
                 + 8 * (tile_m + tile_n) * dtype.width // 8 + 2048 > _SMEM_CAPACITY):
             reason = "gate_key_mma / gate_query_mma's tiles of ones do not fit in shared memory"
+        if reason is None and skip_decayed and not (has_gate and is_causal and not is_local and not deterministic):
+            reason = ("skip_decayed ends each key block's query blocks at the launcher's bound of the decayed ones: a "
+                      "causal gated kernel without a window, not deterministic (its turns count every key block)")
         if reason is None and loop_desc and (not gqa_loop or dq_claim):
             reason = "loop_desc orders gqa_loop's blocks; dq_claim's claims a block ahead assume ascending blocks"
         if reason is not None:
@@ -243,6 +247,10 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         # state per tile in mdQ_sem), the claimant zeroes it (``FlashBwdSm90Store.claim_dq_tile``), so the tile's
         # lines are allocated in L2 right before the adds instead of zeroed in DRAM and read back.
         self.dq_claim = dq_claim
+        # (has_gate, causal) Each key block's query blocks end where the launcher's bound (``mLiveRows``:
+        # flashattn_hopper/backends/gate_blocks.py ``last_live_rows``) finds every later block's P exactly 0: their
+        # dS, dV, dK and dG parts are 0, so no role walks them (the diagonal block is always live: never empty).
+        self.skip_decayed = skip_decayed
         # GQA with one CTA per (key block, KV head): it walks every query head of its KV head, m_blocks in turn per
         # head (a virtual m_block runs over heads x m_blocks, ``block_head``), dK / dV summed in registers and
         # stored once in 16 bits by the MHA epilogue: no fp32 sums, their zeroing, reduce-adds or postprocess.
@@ -442,6 +450,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         mGate: cute.Tensor | None,  # has_gate: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32 bias
         mdGq: cute.Tensor | None,  # has_gate: like LSE, (batch, nheads, seqlen_q) | (nheads, total_q) fp32, zeroed
         mdGk: cute.Tensor | None,  # has_gate: like mGate, fp32 (rows past seqused_k are not written)
+        mLiveRows: cute.Tensor | None,  # skip_decayed: (batch, nheads, key blocks) int32, each's query-block end
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -460,6 +469,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
                       or (mdGk is not None) != self.has_gate):
             raise TypeError("mGate, mdGq and mdGk must be given exactly when has_gate")
+        if const_expr((mLiveRows is not None) != self.skip_decayed or (mLiveRows is not None and mCuSeqlensQ is not None)):
+            raise TypeError("mLiveRows must be given exactly when skip_decayed, and only to dense calls")
         varlen = const_expr(mCuSeqlensQ is not None)
         if const_expr(self.has_gate):  # -> (s, h[, b]), as LSE in the forward
             mGate, mdGq, mdGk = (select_modes(t, [1, 0] if varlen else [2, 1, 0]) for t in (mGate, mdGq, mdGk))
@@ -509,7 +520,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
             mdQaccum, mdK, mdV, mdQ_sem, mdKV_sem, softmax_scale, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, deterministic, num_batch,
             mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mGate, mdGq, mdGk,
-            SharedStorage,
+            mLiveRows, SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -558,6 +569,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         mGate: cute.Tensor | None,  # has_gate: (s_k | total_k, nheads[, batch]) fp32
         mdGq: cute.Tensor | None,  # has_gate: (s_q | total_q, nheads[, batch]) fp32
         mdGk: cute.Tensor | None,  # has_gate: like mGate
+        mLiveRows: cute.Tensor | None,  # skip_decayed: (batch, nheads, key blocks) int32
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue (pipelines, smem views, this CTA's key block and query range), role dispatch."""
@@ -630,6 +642,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 self.tile_m, self.tile_n, n_block, seqlen.seqlen_q, seqlen.seqlen_k, self.is_causal,
                 self.is_local, window_left, window_right,
             )
+            if const_expr(self.skip_decayed):  # (dense: batch_idx and head_idx are the table's)
+                m_block_max = cutlass.min(m_block_max, mLiveRows[batch_idx, head_idx, n_block])
             # Scratch rows of this sequence: dense (batch, head) rows; varlen padded offsets.
             scratch_b = Int32(0) if const_expr(varlen) else batch_idx
             row_offset_q = scratch_offset(seqlen.offset_q, batch_idx) if const_expr(varlen) else Int32(0)

@@ -27,14 +27,19 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "m_blocks", "n_blocks", "nheads_k", "stride_qb",
-                               "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh"])
+                               "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bb",
+                               "stride_bh", "stride_bs"])
 def block_norms_kernel(
     q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, bias_ptr, ref_ptr, stride_bb, stride_bh,
+    stride_bs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
+    WITH_REF: tl.constexpr, TILE_M_PAD: tl.constexpr,
 ):
     """Program (block, head, batch): q's tile ``block`` of head ``head`` where both exist, and k's key block
-    ``block`` of KV head ``head`` where both exist (grid: the larger block count by the query heads)."""
+    ``block`` of KV head ``head`` where both exist (grid: the larger block count by the query heads). ``WITH_REF``
+    (causal): also the tile's smallest reference-key bias (each row's own key) into ``ref`` ``(batch, nheads,
+    m_blocks)``, +inf where no row has one."""
     blk = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -51,6 +56,13 @@ def block_norms_kernel(
                         mask=inside[:, None] & in_cols, other=0.0).to(tl.float32)
             best = tl.maximum(best, tl.sum(x * x, axis=1))
         tl.store(q_norm_ptr + (b * nheads + head) * m_blocks + blk, tl.sqrt_rn(tl.max(best, axis=0)))
+        if WITH_REF:
+            rows = blk * TILE_M + tl.arange(0, TILE_M_PAD)
+            ref = rows + (seqlen_k - seqlen_q)
+            has_ref = (tl.arange(0, TILE_M_PAD) < TILE_M) & (rows < seqlen_q) & (ref >= 0) & (ref < seqlen_k)
+            bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+            ref_bias = tl.load(bias_row + ref.to(tl.int64) * stride_bs, mask=has_ref, other=float("inf"))
+            tl.store(ref_ptr + (b * nheads + head) * m_blocks + blk, tl.min(ref_bias, axis=0))
     if (blk < n_blocks) & (head < nheads_k):
         rows_base = k_ptr + b * stride_kb + head.to(tl.int64) * stride_kh
         best = tl.zeros((CHUNK,), dtype=tl.float32)
@@ -105,3 +117,43 @@ def live_table_kernel(
         stop = tl.where(zero, stop, count)
         count = tl.where(zero, count + 1, count)
     tl.store(out_ptr + (b * nheads + head) * m_blocks + mb, count)
+
+
+@triton.jit(do_not_specialize=["seqlen_k", "m_blocks", "n_blocks", "group", "stride_bb", "stride_bh", "stride_bs"])
+def live_rows_kernel(
+    q_norm_ptr, k_norm_ptr, ref_ptr, bias_ptr, out_ptr, seqlen_k, m_blocks, n_blocks, group,
+    stride_bb, stride_bh, stride_bs, scale_log2,
+    TILE_N: tl.constexpr, TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    """Program (key block, query head, batch), causal: one past the last query tile whose bound on the block's P
+    stays at or above ``-MARGIN`` (0: none), the tiles scanned from the last down ``BLOCK_M`` at a time."""
+    nb = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    nheads = tl.num_programs(1)
+    k_row = k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks
+    k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    j0 = tl.zeros((), dtype=tl.int32)
+    while j0 < n_blocks:
+        j = j0 + tl.arange(0, BLOCK_K)
+        k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < n_blocks, other=0.0))
+        j0 += BLOCK_K
+    k_top = tl.max(k_max, axis=0)
+    keys = nb * TILE_N + tl.arange(0, TILE_N_PAD)
+    bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+    block_bias = tl.max(tl.load(bias_row + keys.to(tl.int64) * stride_bs,
+                                mask=(tl.arange(0, TILE_N_PAD) < TILE_N) & (keys < seqlen_k), other=float("-inf")),
+                        axis=0)
+    tiles_row = (b * nheads + head) * m_blocks
+    end = tl.zeros((), dtype=tl.int32)
+    top = tl.zeros((), dtype=tl.int32) + m_blocks  # (this chunk's tiles: top - BLOCK_M .. top - 1)
+    while (end == 0) & (top > 0):
+        m = top - 1 - tl.arange(0, BLOCK_M)
+        inside = m >= 0
+        q_max = tl.load(q_norm_ptr + tiles_row + m, mask=inside, other=0.0)
+        ref_bias = tl.load(ref_ptr + tiles_row + m, mask=inside, other=float("inf"))
+        zero = (2 * q_max * k_top + block_bias - ref_bias) * scale_log2 < -MARGIN  # (NaN compares False: live)
+        end = tl.max(tl.where(inside & (zero == 0), m + 1, 0), axis=0)
+        top -= BLOCK_M
+    tl.store(out_ptr + (b * nheads + head) * n_blocks + nb, end)
