@@ -155,9 +155,9 @@ BWD_SM90_GATE_QUERY_MMA = True
 # The gated sm90 backward's mirror of FWD_SM90_GATE_SKIP_DECAYED: dense causal calls without a window, from this many
 # keys, not deterministic: the launcher bounds, per (query head, key block), the last query block whose P can be
 # nonzero (backends/gate_blocks.py ``last_live_rows``, two Triton launches) and every role of the key block's CTA
-# stops there (exact: the skipped blocks' P, dS and so every gradient part are 0 in fp32). Off: written in session 40;
-# on once measured (perf/NOTES.md session 40).
-BWD_SM90_GATE_SKIP_DECAYED = False
+# stops there (exact: the skipped blocks' P, dS and so every gradient part are 0 in fp32). Gated backward with / without
+# it, bench_gate's gates (H200, perf/NOTES.md session 40): 1.25-1.28x at 4k keys, 1.9-2.1x at 8k, 3.8x at 16k.
+BWD_SM90_GATE_SKIP_DECAYED = True
 BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
