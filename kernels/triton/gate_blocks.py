@@ -44,18 +44,10 @@ def block_norms_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     nheads = tl.num_programs(1)
-    cols = tl.arange(0, D_PAD)
-    in_cols = (cols < HEAD_DIM)[None, :]
     if blk < m_blocks:
-        rows_base = q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh
-        best = tl.zeros((CHUNK,), dtype=tl.float32)
-        for r0 in range(0, TILE_M, CHUNK):
-            rows = blk * TILE_M + r0 + tl.arange(0, CHUNK)
-            inside = (rows < seqlen_q) & (r0 + tl.arange(0, CHUNK) < TILE_M)
-            x = tl.load(rows_base + rows[:, None].to(tl.int64) * stride_qs + cols[None, :],
-                        mask=inside[:, None] & in_cols, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.sum(x * x, axis=1))
-        tl.store(q_norm_ptr + (b * nheads + head) * m_blocks + blk, tl.sqrt_rn(tl.max(best, axis=0)))
+        q_norm = _largest_row_norm(q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh, blk, seqlen_q, stride_qs,
+                                   HEAD_DIM, D_PAD, TILE_M, CHUNK)
+        tl.store(q_norm_ptr + (b * nheads + head) * m_blocks + blk, q_norm)
         if WITH_REF:
             rows = blk * TILE_M + tl.arange(0, TILE_M_PAD)
             ref = rows + (seqlen_k - seqlen_q)
@@ -64,15 +56,25 @@ def block_norms_kernel(
             ref_bias = tl.load(bias_row + ref.to(tl.int64) * stride_bs, mask=has_ref, other=float("inf"))
             tl.store(ref_ptr + (b * nheads + head) * m_blocks + blk, tl.min(ref_bias, axis=0))
     if (blk < n_blocks) & (head < nheads_k):
-        rows_base = k_ptr + b * stride_kb + head.to(tl.int64) * stride_kh
-        best = tl.zeros((CHUNK,), dtype=tl.float32)
-        for r0 in range(0, TILE_N, CHUNK):
-            rows = blk * TILE_N + r0 + tl.arange(0, CHUNK)
-            inside = (rows < seqlen_k) & (r0 + tl.arange(0, CHUNK) < TILE_N)
-            x = tl.load(rows_base + rows[:, None].to(tl.int64) * stride_ks + cols[None, :],
-                        mask=inside[:, None] & in_cols, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.sum(x * x, axis=1))
-        tl.store(k_norm_ptr + (b * nheads_k + head) * n_blocks + blk, tl.sqrt_rn(tl.max(best, axis=0)))
+        k_norm = _largest_row_norm(k_ptr + b * stride_kb + head.to(tl.int64) * stride_kh, blk, seqlen_k, stride_ks,
+                                   HEAD_DIM, D_PAD, TILE_N, CHUNK)
+        tl.store(k_norm_ptr + (b * nheads_k + head) * n_blocks + blk, k_norm)
+
+
+@triton.jit
+def _largest_row_norm(rows_base, blk, seqlen, stride_s, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                      TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """The largest fp32 2-norm of the ``TILE`` rows of block ``blk`` (rows past ``seqlen``: none), ``CHUNK`` rows
+    at a time; ``rows_base``: row 0 of this (batch, head)."""
+    cols = tl.arange(0, D_PAD)
+    best = tl.zeros((CHUNK,), dtype=tl.float32)
+    for r0 in range(0, TILE, CHUNK):
+        rows = blk * TILE + r0 + tl.arange(0, CHUNK)
+        inside = (rows < seqlen) & (r0 + tl.arange(0, CHUNK) < TILE)
+        x = tl.load(rows_base + rows[:, None].to(tl.int64) * stride_s + cols[None, :],
+                    mask=inside[:, None] & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(x * x, axis=1))
+    return tl.sqrt_rn(tl.max(best, axis=0))
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "m_blocks", "n_blocks", "group", "stride_bb",
