@@ -559,9 +559,10 @@ def test_sm90_gqa_loop_keys(monkeypatch):
 
 
 def test_varlen_plans_are_kept_and_take_each_calls_tensors(monkeypatch):
-    """``configs.VARLEN_PLANS`` (on since session 40; CPU, a stand-in family): a plain varlen call's plan is made once, after the
-    validation, from the call's varlen tensors (which are given: the keys' flags); a later call of the same shapes
-    runs it with its own cu_seqlens and no validation; a seqused given keys another plan, which gets it per call."""
+    """``configs.VARLEN_PLANS`` (on since session 40; CPU, a stand-in family): a plain varlen call's plan is made
+    once, after the validation, from the call's varlen tensors (which are given: the keys' flags); a later call of
+    the same shapes runs it with its own cu_seqlens and no validation; a seqused given keys another plan, which gets
+    it per call."""
     from flashattn_hopper import api, configs, dispatch, flash_attn_varlen_func, validate
 
     made, calls = [], []

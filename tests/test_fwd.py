@@ -165,8 +165,8 @@ def test_cached_calls_take_their_plan(monkeypatch, backend, causal):
 @pytest.mark.parametrize("backend", [None, "sm80"], ids=["default", "sm80"])
 @pytest.mark.parametrize("seqused", [False, True], ids=["cu", "seqused"])
 def test_varlen_calls_take_their_plan(monkeypatch, backend, seqused):
-    """``configs.VARLEN_PLANS`` (session 39, on since session 40): a repeated plain varlen call runs its signature's plan
-    (``PackedFwdPlan``, the backward's plan kept on it) with its own cu_seqlens and seqused, never the general
+    """``configs.VARLEN_PLANS`` (session 39, on since session 40): a repeated plain varlen call runs its signature's
+    plan (``PackedFwdPlan``, the backward's plan kept on it) with its own cu_seqlens and seqused, never the general
     path: out and lse bit for bit, and the gradients within the atomic dQ rounding, of the general path's on the
     same packing (another packing of as many tokens and sequences than the plan's first call's), GQA, causal."""
     from flashattn_hopper import api, configs, flash_attn_varlen_func

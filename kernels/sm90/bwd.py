@@ -469,7 +469,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
                       or (mdGk is not None) != self.has_gate):
             raise TypeError("mGate, mdGq and mdGk must be given exactly when has_gate")
-        if const_expr((mLiveRows is not None) != self.skip_decayed or (mLiveRows is not None and mCuSeqlensQ is not None)):
+        if const_expr((mLiveRows is not None) != self.skip_decayed
+                      or (mLiveRows is not None and mCuSeqlensQ is not None)):
             raise TypeError("mLiveRows must be given exactly when skip_decayed, and only to dense calls")
         varlen = const_expr(mCuSeqlensQ is not None)
         if const_expr(self.has_gate):  # -> (s, h[, b]), as LSE in the forward

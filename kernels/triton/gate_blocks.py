@@ -1,4 +1,4 @@
-"""The gated Hopper forward's live-block table in Triton (``flashattn_hopper/backends/gate_blocks.py``).
+"""The gated Hopper forward's and backward's live-block tables in Triton (``flashattn_hopper/backends/gate_blocks.py``).
 
 Purpose: ``configs.FWD_SM90_GATE_SKIP_DECAYED`` starts each tile of a gated forward at its first key block that
 can hold a nonzero P, by a Cauchy-Schwarz bound on q, k and the keys' bias (``gate_blocks.py``'s docstring). Its
@@ -10,6 +10,10 @@ host-bound (perf/NOTES.md session 40). Here it is two launches:
 - ``live_table_kernel``: per (tile, query head, batch entry) the head's largest key norm (over its KV head's
   blocks), the tile's smallest reference-key bias, then the leading key blocks whose bound stays below
   ``-MARGIN`` in log2 units, counted until the first that does not.
+
+The backward's mirror (``BWD_SM90_GATE_SKIP_DECAYED``, causal) is two launches too: ``block_norms_kernel`` with
+``WITH_REF`` (each tile's smallest reference-key bias beside its norm), then ``live_rows_kernel``: per (key block,
+query head, batch entry) one past the last tile whose bound is not below ``-MARGIN``.
 
 The same bound and comparisons as the torch build (fp32), so the tables agree but for norms that round apart at
 a block's boundary (the margin covers either count).
