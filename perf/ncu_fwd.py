@@ -1,10 +1,12 @@
 """One sm90 forward of ours and one of SDPA cuDNN on the same inputs, for Nsight Compute (not a test).
 
     ncu --clock-control none --profile-from-start off --set full --page details \
-        python perf/ncu_fwd.py HDIM SEQLEN CAUSAL(0|1) [fp8]
+        python perf/ncu_fwd.py HDIM SEQLEN CAUSAL(0|1) [fp8 | sink]
 
 bf16 (or, with ``fp8``, our e4m3 forward with per-tensor descales beside cuDNN's bf16), 16k tokens, nheads * hdim = 2048 (the bench sizes). Both run three times unprofiled first (our
-compile, cuDNN's plan), then once each between cudaProfilerStart/Stop, so ncu sees two kernels.
+compile, cuDNN's plan), then once each between cudaProfilerStart/Stop, so ncu sees two kernels. ``sink``: our
+forward with a learnable sink (in the kernel's finalize) beside our plain one instead of cuDNN's (issue 24: the
+sinked kernel ran +4.8 % at hdim 128 1k causal on an H200, perf/NOTES.md session 40).
 """
 
 import sys
@@ -19,6 +21,7 @@ from flashattn_hopper import flash_attn_func
 def main(argv: list[str]) -> None:
     hdim, seqlen, causal = int(argv[0]), int(argv[1]), bool(int(argv[2]))
     use_fp8 = len(argv) > 3 and argv[3] == "fp8"
+    use_sink = len(argv) > 3 and argv[3] == "sink"
     batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
     q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -30,7 +33,11 @@ def main(argv: list[str]) -> None:
             return flash_attn_func(q8, k8, v8, causal=causal, backend="sm90")
         return flash_attn_func(q, k, v, causal=causal, backend="sm90")
 
+    sink = torch.randn(nheads, device="cuda")
+
     def cudnn():
+        if use_sink:  # (the peer: our sinked forward)
+            return flash_attn_func(q, k, v, causal=causal, backend="sm90", learnable_sink=sink)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return sdpa(qt, kt, vt, is_causal=causal)
 
