@@ -532,6 +532,26 @@ for causal, (s_q, s_k), (tile_m, tile_n), d in cases:
             end = gate_blocks.last_live_rows_triton(q, k, bias, 0.25, tile_m, tile_n)
             assert torch.equal(end, ref), (s_q, s_k, shift, end, ref)
 assert skipped > 100, skipped
+# packed self-attention (one table row per sequence, an empty one among them): each sequence's entries as the dense
+# torch build's on that sequence alone
+lens = [70, 0, 200, 33, 129]
+cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+total, packed = int(cu[-1]), (cu, max(lens))
+for (tile_m, tile_n), d in (((32, 16), 16), ((64, 48), 24)):
+    q = torch.randn(total, 4, d, generator=gen).bfloat16()
+    k = torch.randn(total, 2, d, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(total, 4, generator=gen) - 1.0)
+    G = torch.cat([g[s:e].double().cumsum(0) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    bias = (-G / 0.25).float().t().contiguous()  # (h, total)
+    for causal in (True, False):
+        live = gate_blocks.first_live_blocks_triton(q, k, bias, 0.25, tile_m, tile_n, causal, packed)
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e > s:
+                one = gate_blocks.first_live_blocks_torch(q[None, s:e], k[None, s:e], bias[None, :, s:e], 0.25,
+                                                          tile_m, tile_n, causal)[0]
+                assert torch.equal(live[i, :, :one.shape[-1]], one), (i, causal)
+    end = gate_blocks.last_live_rows_triton(q, k, bias, 0.25, tile_m, tile_n, packed)
+    assert torch.equal(end, gate_blocks.last_live_rows(q, k, bias, 0.25, tile_m, tile_n, packed))  # (torch, per seq)
 """
 
 
@@ -539,7 +559,8 @@ def test_live_block_table_triton_matches_torch_in_the_interpreter():
     """``gate_blocks.first_live_blocks_triton`` and ``last_live_rows_triton`` (``kernels/triton/gate_blocks.py``,
     the tables' builds on CUDA with Triton) run by Triton's CPU interpreter: the same tables as the torch builds,
     causal and not (the backward's causal only), seqlen_q below seqlen_k, GQA, tiles that are not powers of two
-    (48, 176), odd head dims, gates that skip many blocks and none."""
+    (48, 176), odd head dims, gates that skip many blocks and none; packed self-attention (an empty sequence among
+    odd lengths) against the dense torch build per sequence."""
     import subprocess
     import sys
 
@@ -549,8 +570,8 @@ def test_live_block_table_triton_matches_torch_in_the_interpreter():
 
 
 def test_live_block_table_triton_compiles_for_sm90():
-    """The interpreter accepts code compiled Triton refuses: compile both kernels of the live-block table for
-    sm_90 (no GPU needed), causal and not, a tile_n that is not a power of two."""
+    """The interpreter accepts code compiled Triton refuses: compile the live-block tables' kernels for sm_90 (no
+    GPU needed), causal and not, dense and packed, a tile_n that is not a power of two."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -561,26 +582,30 @@ def test_live_block_table_triton_compiles_for_sm90():
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32",
            **{name: "i32" for name in (*ints, "nheads_k")},
            **{f"stride_{t}{a}": "i64" for t in "qk" for a in "bsh"}, "bias_ptr": "*fp32", "ref_ptr": "*fp32",
-           **{f"stride_b{a}": "i64" for a in "bhs"},
+           **{f"stride_b{a}": "i64" for a in "bhs"}, "cu_ptr": "*i32",
            **{name: "constexpr" for name in ("HEAD_DIM", "D_PAD", "TILE_M", "TILE_N", "CHUNK", "WITH_REF",
-                                             "TILE_M_PAD")}}
-    for with_ref in (False, True):
-        const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=128)
+                                             "TILE_M_PAD", "VARLEN")}}
+    for with_ref, varlen in ((False, False), (True, False), (True, True)):
+        const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=128,
+                     VARLEN=varlen)
         triton.compile(ASTSource(block_norms_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
     sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
            **{name: "i32" for name in (*ints, "group")}, **{f"stride_b{a}": "i64" for a in "bhs"},
-           "scale_log2": "fp32",
+           "scale_log2": "fp32", "cu_ptr": "*i32",
            **{name: "constexpr" for name in ("CAUSAL", "TILE_M", "TILE_M_PAD", "TILE_N", "TILE_N_PAD", "BLOCK_K",
-                                             "MARGIN")}}
-    for causal in (True, False):
-        const = dict(CAUSAL=causal, TILE_M=128, TILE_M_PAD=128, TILE_N=176, TILE_N_PAD=256, BLOCK_K=128, MARGIN=160.0)
+                                             "MARGIN", "VARLEN")}}
+    for causal, varlen in ((True, False), (False, False), (True, True)):
+        const = dict(CAUSAL=causal, TILE_M=128, TILE_M_PAD=128, TILE_N=176, TILE_N_PAD=256, BLOCK_K=128, MARGIN=160.0,
+                     VARLEN=varlen)
         triton.compile(ASTSource(live_table_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
     sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "ref_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
-           **{name: "i32" for name in ("seqlen_k", "m_blocks", "n_blocks", "group")},
-           **{f"stride_b{a}": "i64" for a in "bhs"}, "scale_log2": "fp32",
-           **{name: "constexpr" for name in ("TILE_N", "TILE_N_PAD", "BLOCK_K", "BLOCK_M", "MARGIN")}}
-    const = dict(TILE_N=128, TILE_N_PAD=128, BLOCK_K=128, BLOCK_M=128, MARGIN=160.0)
-    triton.compile(ASTSource(live_rows_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+           **{name: "i32" for name in (*ints, "group")},
+           **{f"stride_b{a}": "i64" for a in "bhs"}, "scale_log2": "fp32", "cu_ptr": "*i32",
+           **{name: "constexpr" for name in ("TILE_M", "TILE_N", "TILE_N_PAD", "BLOCK_K", "BLOCK_M", "MARGIN",
+                                             "VARLEN")}}
+    for varlen in (False, True):
+        const = dict(TILE_M=64, TILE_N=128, TILE_N_PAD=128, BLOCK_K=128, BLOCK_M=128, MARGIN=160.0, VARLEN=varlen)
+        triton.compile(ASTSource(live_rows_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,100 +32,141 @@ import torch.nn.functional as F
 SKIP_LOG2_MARGIN = 160.0
 
 
+Packed = tuple[torch.Tensor, int]  # packed self-attention: (cu_seqlens for queries and keys alike, max_seqlen)
+
+
 def first_live_blocks(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float, tile_m: int,
-                      tile_n: int, causal: bool) -> torch.Tensor:
+                      tile_n: int, causal: bool, packed: Packed | None = None) -> torch.Tensor:
     """``(batch, nheads, m_blocks)`` int32: per tile of ``tile_m`` query rows, how many of its first key blocks of
     ``tile_n`` keys hold only exact zeros of P (see the module's docstring). ``q`` ``(batch, seqlen_q, nheads,
     d)``, ``k`` ``(batch, seqlen_k, nheads_k, d)``, ``bias`` the kernel's fp32 rows ``(batch, nheads, seqlen_k)``
-    (``-G_j / softmax_scale``, any last-axis padding past seqlen_k ignored)."""
-    if _takes_triton(q, k):
-        return first_live_blocks_triton(q, k, bias, softmax_scale, tile_m, tile_n, causal)
+    (``-G_j / softmax_scale``, any last-axis padding past seqlen_k ignored). ``packed``: q ``(total, nheads, d)``,
+    k ``(total, nheads_k, d)``, bias ``(nheads, total)``, one table row per sequence, m_blocks from max_seqlen."""
+    if _takes_triton(q, k, packed):
+        return first_live_blocks_triton(q, k, bias, softmax_scale, tile_m, tile_n, causal, packed)
+    if packed is not None:
+        return _per_sequence(first_live_blocks_torch, q, k, bias, packed, tile_m, softmax_scale, tile_m, tile_n,
+                             causal)
     return first_live_blocks_torch(q, k, bias, softmax_scale, tile_m, tile_n, causal)
 
 
 def last_live_rows(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float, tile_m: int,
-                   tile_n: int) -> torch.Tensor:
+                   tile_n: int, packed: Packed | None = None) -> torch.Tensor:
     """``(batch, nheads, n_blocks)`` int32, causal: per key block of ``tile_n`` keys, one past the last tile of
     ``tile_m`` query rows whose P of the block may be nonzero (0: none), by the same bound as ``first_live_blocks``
     (its arguments)."""
-    if _takes_triton(q, k):
-        return last_live_rows_triton(q, k, bias, softmax_scale, tile_m, tile_n)
+    if _takes_triton(q, k, packed):
+        return last_live_rows_triton(q, k, bias, softmax_scale, tile_m, tile_n, packed)
+    if packed is not None:
+        return _per_sequence(last_live_rows_torch, q, k, bias, packed, tile_n, softmax_scale, tile_m, tile_n)
     return last_live_rows_torch(q, k, bias, softmax_scale, tile_m, tile_n)
 
 
-def _takes_triton(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """CUDA tensors with unit stride in head_dim, batch within the grid's z, and Triton importable."""
+def _takes_triton(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> bool:
+    """CUDA tensors with unit stride in head_dim, batch (or sequences) within the grid's z, and Triton importable."""
     from .sm90_fwd import _has_triton
 
-    return q.is_cuda and _has_triton() and q.shape[0] <= 65535 and q.stride(-1) == 1 and k.stride(-1) == 1
+    batch = q.shape[0] if packed is None else packed[0].shape[0] - 1
+    return q.is_cuda and _has_triton() and batch <= 65535 and q.stride(-1) == 1 and k.stride(-1) == 1
+
+
+def _per_sequence(table: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor,
+                  packed: Packed, tile: int, *args: Any) -> torch.Tensor:
+    """A packed call's table by the dense torch build per sequence (tests and machines without Triton: reads
+    cu_seqlens on the host), each row padded to ``max_seqlen``'s blocks of ``tile``."""
+    cu, max_seqlen = packed
+    bounds = cu.tolist()
+    rows = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:  # (an empty sequence has no tiles)
+            rows.append(torch.zeros(q.shape[1], -(-max_seqlen // tile), dtype=torch.int32, device=q.device))
+            continue
+        one = table(q[None, start:end], k[None, start:end], bias[None, :, start:end], *args)[0]
+        rows.append(F.pad(one, (0, -(-max_seqlen // tile) - one.shape[-1])))
+    return torch.stack(rows) if rows else torch.zeros(0, q.shape[1], 0, dtype=torch.int32, device=q.device)
 
 
 def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
-                             tile_m: int, tile_n: int, causal: bool) -> torch.Tensor:
+                             tile_m: int, tile_n: int, causal: bool, packed: Packed | None = None) -> torch.Tensor:
     """``first_live_blocks`` by two Triton launches (``_takes_triton``'s tensors)."""
     from ..kernels.triton.gate_blocks import live_table_kernel
     from .sm90_fwd import _next_pow2
 
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    (batch, seqlen_q, seqlen_k, nheads, nheads_k), strides, cu = _layout(q, k, bias, packed)
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     live = torch.empty(batch, nheads, m_blocks, dtype=torch.int32, device=q.device)
     if live.numel() == 0 or n_blocks == 0:
         return live.zero_()
 
     def launch() -> None:
-        q_norm, k_norm, _ = _block_norms(q, k, bias, tile_m, tile_n, with_ref=False)
+        q_norm, k_norm, _ = _block_norms(q, k, bias, tile_m, tile_n, packed, with_ref=False)
         live_table_kernel[(m_blocks, nheads, batch)](
-            q_norm, k_norm, bias, live, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
-            float(softmax_scale) * math.log2(math.e), CAUSAL=causal, TILE_M=tile_m, TILE_M_PAD=_next_pow2(tile_m),
-            TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
+            q_norm, k_norm, bias, live, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *strides[2],
+            float(softmax_scale) * math.log2(math.e), cu, CAUSAL=causal, TILE_M=tile_m,
+            TILE_M_PAD=_next_pow2(tile_m), TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128,
+            MARGIN=SKIP_LOG2_MARGIN, VARLEN=packed is not None, num_warps=4)
 
     _on_device_of(q, launch)
     return live
 
 
 def last_live_rows_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,
-                          tile_m: int, tile_n: int) -> torch.Tensor:
+                          tile_m: int, tile_n: int, packed: Packed | None = None) -> torch.Tensor:
     """``last_live_rows`` by two Triton launches (``_takes_triton``'s tensors)."""
     from ..kernels.triton.gate_blocks import live_rows_kernel
     from .sm90_fwd import _next_pow2
 
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    (batch, seqlen_q, seqlen_k, nheads, nheads_k), strides, cu = _layout(q, k, bias, packed)
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     end = torch.empty(batch, nheads, n_blocks, dtype=torch.int32, device=q.device)
     if end.numel() == 0 or m_blocks == 0:
         return end.zero_()
 
     def launch() -> None:
-        q_norm, k_norm, ref_bias = _block_norms(q, k, bias, tile_m, tile_n, with_ref=True)
+        q_norm, k_norm, ref_bias = _block_norms(q, k, bias, tile_m, tile_n, packed, with_ref=True)
         live_rows_kernel[(n_blocks, nheads, batch)](
-            q_norm, k_norm, ref_bias, bias, end, seqlen_k, m_blocks, n_blocks, nheads // nheads_k, *bias.stride(),
-            float(softmax_scale) * math.log2(math.e), TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128,
-            BLOCK_M=128, MARGIN=SKIP_LOG2_MARGIN, num_warps=4)
+            q_norm, k_norm, ref_bias, bias, end, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads // nheads_k,
+            *strides[2], float(softmax_scale) * math.log2(math.e), cu, TILE_M=tile_m, TILE_N=tile_n,
+            TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, BLOCK_M=128, MARGIN=SKIP_LOG2_MARGIN,
+            VARLEN=packed is not None, num_warps=4)
 
     _on_device_of(q, launch)
     return end
 
 
+def _layout(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, packed: Packed | None
+            ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], torch.Tensor]:
+    """``((batch, seqlen_q, seqlen_k, nheads, nheads_k), (q's, k's, bias's (batch, row, head) strides), cu)`` as the
+    Triton kernels take them: packed, one batch entry per sequence (batch strides 0, the rows from ``cu``), the
+    lengths ``max_seqlen``; ``cu``: the cu_seqlens, or a stand-in pointer the dense kernels never read."""
+    if packed is None:
+        batch, seqlen_q, nheads, _ = q.shape
+        strides = (q.stride()[:3], k.stride()[:3], bias.stride())
+        return (batch, seqlen_q, k.shape[1], nheads, k.shape[2]), strides, bias
+    cu, max_seqlen = packed
+    strides = ((0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *bias.stride()))
+    return (cu.shape[0] - 1, max_seqlen, max_seqlen, q.shape[1], k.shape[1]), strides, cu
+
+
 def _block_norms(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, tile_m: int, tile_n: int,
-                 with_ref: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 packed: Packed | None, with_ref: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(q_norm, k_norm, ref_bias)`` by one launch of ``block_norms_kernel``: the tiles' largest q norms ``(batch,
     nheads, m_blocks)``, the key blocks' largest k norms ``(batch, nheads_k, n_blocks)``, fp32; ``with_ref``
     (causal): the tiles' smallest reference-key bias ``(batch, nheads, m_blocks)``, else None."""
     from ..kernels.triton.gate_blocks import block_norms_kernel
     from .sm90_fwd import _next_pow2
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    (batch, seqlen_q, seqlen_k, nheads, nheads_k), strides, cu = _layout(q, k, bias, packed)
+    head_dim = q.shape[-1]
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     q_norm = torch.empty(batch, nheads, m_blocks, dtype=torch.float32, device=q.device)
     k_norm = torch.empty(batch, nheads_k, n_blocks, dtype=torch.float32, device=q.device)
     ref_bias = torch.empty_like(q_norm) if with_ref else None
     block_norms_kernel[(max(m_blocks, n_blocks), nheads, batch)](
-        q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *q.stride()[:3], *k.stride()[:3],
-        bias, q_norm if ref_bias is None else ref_bias, *bias.stride(), HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
-        TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=_next_pow2(tile_m), num_warps=4)
+        q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *strides[0], *strides[1],
+        bias, q_norm if ref_bias is None else ref_bias, *strides[2], cu, HEAD_DIM=head_dim,
+        D_PAD=_next_pow2(head_dim), TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, WITH_REF=with_ref,
+        TILE_M_PAD=_next_pow2(tile_m), VARLEN=packed is not None, num_warps=4)
     return q_norm, k_norm, ref_bias
 
 

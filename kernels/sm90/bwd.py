@@ -450,7 +450,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         mGate: cute.Tensor | None,  # has_gate: (batch, nheads, seqlen_k) | varlen (nheads, total_k) fp32 bias
         mdGq: cute.Tensor | None,  # has_gate: like LSE, (batch, nheads, seqlen_q) | (nheads, total_q) fp32, zeroed
         mdGk: cute.Tensor | None,  # has_gate: like mGate, fp32 (rows past seqused_k are not written)
-        mLiveRows: cute.Tensor | None,  # skip_decayed: (batch, nheads, key blocks) int32, each's query-block end
+        mLiveRows: cute.Tensor | None,  # skip_decayed: (batch | sequences, nheads, key blocks) int32, each's end
         stream: cuda.CUstream,
     ):
         if const_expr(
@@ -469,9 +469,8 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
         if const_expr((mGate is not None) != self.has_gate or (mdGq is not None) != self.has_gate
                       or (mdGk is not None) != self.has_gate):
             raise TypeError("mGate, mdGq and mdGk must be given exactly when has_gate")
-        if const_expr((mLiveRows is not None) != self.skip_decayed
-                      or (mLiveRows is not None and mCuSeqlensQ is not None)):
-            raise TypeError("mLiveRows must be given exactly when skip_decayed, and only to dense calls")
+        if const_expr((mLiveRows is not None) != self.skip_decayed):
+            raise TypeError("mLiveRows must be given exactly when skip_decayed")
         varlen = const_expr(mCuSeqlensQ is not None)
         if const_expr(self.has_gate):  # -> (s, h[, b]), as LSE in the forward
             mGate, mdGq, mdGk = (select_modes(t, [1, 0] if varlen else [2, 1, 0]) for t in (mGate, mdGq, mdGk))
@@ -643,7 +642,7 @@ class FlashBwdSm90(FlashBwdSm90Loop, FlashBwdSm90Store):
                 self.tile_m, self.tile_n, n_block, seqlen.seqlen_q, seqlen.seqlen_k, self.is_causal,
                 self.is_local, window_left, window_right,
             )
-            if const_expr(self.skip_decayed):  # (dense: batch_idx and head_idx are the table's)
+            if const_expr(self.skip_decayed):  # (packed: batch_idx is the sequence, a table row each)
                 m_block_max = cutlass.min(m_block_max, mLiveRows[batch_idx, head_idx, n_block])
             # Scratch rows of this sequence: dense (batch, head) rows; varlen padded offsets.
             scratch_b = Int32(0) if const_expr(varlen) else batch_idx

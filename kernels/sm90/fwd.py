@@ -380,7 +380,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         #   seqlen_k) | varlen (nheads, total_k) fp32
         mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
         mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32, each tile's
-        #   first key block that may hold a nonzero P (the launcher's bound; dense)
+        #   first key block that may hold a nonzero P (the launcher's bound; packed: a row per sequence)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -399,8 +399,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             raise TypeError("mDescale must be given exactly for FP8 inputs")
         if const_expr((mGate is not None) != self.has_gate):
             raise TypeError("mGate must be given exactly when has_gate")
-        if const_expr((mLiveBlocks is not None) != self.skip_decayed_blocks or (mLiveBlocks is not None and varlen_q)):
-            raise TypeError("mLiveBlocks must be given exactly when skip_decayed_blocks, dense")
+        if const_expr((mLiveBlocks is not None) != self.skip_decayed_blocks):
+            raise TypeError("mLiveBlocks must be given exactly when skip_decayed_blocks")
         if const_expr(self.gate_in_gemm):
             if const_expr(mGate.element_type != self.dtype):
                 raise TypeError(f"mGate (K's extra k16 slice) must be {self.dtype}")

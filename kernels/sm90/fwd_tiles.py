@@ -74,9 +74,11 @@ class FwdSm90Tiles:
             seqlen.seqlen_q, seqlen.seqlen_k, m_block
         )
         if const_expr(walk.live_blocks is not None):
-            # (skip_decayed_blocks, dense: the blocks before hold only exact zeros of P; the producer and the MMA
-            # warpgroups read the same entry, so their block counts agree)
-            n_block_min = cutlass.max(n_block_min, walk.live_blocks[batch_idx, head_idx, m_block])
+            # (skip_decayed_blocks: the blocks before hold only exact zeros of P; the producer and the MMA
+            # warpgroups read the same entry, so their block counts agree; packed: batch_idx is the sequence, -1
+            # past the last one's tiles, where the entry goes unused)
+            entry_b = batch_idx if const_expr(mCuSeqlensQ is None) else cutlass.max(batch_idx, 0)
+            n_block_min = cutlass.max(n_block_min, walk.live_blocks[entry_b, head_idx, m_block])
         tile = TileCoord(m_block, seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max)
         return has_tile, batch_idx, head_idx, seqlen, tile
 

@@ -36,9 +36,9 @@ import triton.language as tl
 def block_norms_kernel(
     q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, bias_ptr, ref_ptr, stride_bb, stride_bh,
-    stride_bs,
+    stride_bs, cu_ptr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
-    WITH_REF: tl.constexpr, TILE_M_PAD: tl.constexpr,
+    WITH_REF: tl.constexpr, TILE_M_PAD: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Program (block, head, batch): q's tile ``block`` of head ``head`` where both exist, and k's key block
     ``block`` of KV head ``head`` where both exist (grid: the larger block count by the query heads). ``WITH_REF``
@@ -48,21 +48,37 @@ def block_norms_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     nheads = tl.num_programs(1)
+    start, seqlen_q, seqlen_k = _sequence(cu_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    q_ptr += b * stride_qb + start * stride_qs
+    k_ptr += b * stride_kb + start * stride_ks
+    bias_ptr += b * stride_bb + start * stride_bs
     if blk < m_blocks:
-        q_norm = _largest_row_norm(q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh, blk, seqlen_q, stride_qs,
+        q_norm = _largest_row_norm(q_ptr + head.to(tl.int64) * stride_qh, blk, seqlen_q, stride_qs,
                                    HEAD_DIM, D_PAD, TILE_M, CHUNK)
         tl.store(q_norm_ptr + (b * nheads + head) * m_blocks + blk, q_norm)
         if WITH_REF:
             rows = blk * TILE_M + tl.arange(0, TILE_M_PAD)
             ref = rows + (seqlen_k - seqlen_q)
             has_ref = (tl.arange(0, TILE_M_PAD) < TILE_M) & (rows < seqlen_q) & (ref >= 0) & (ref < seqlen_k)
-            bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+            bias_row = bias_ptr + head.to(tl.int64) * stride_bh
             ref_bias = tl.load(bias_row + ref.to(tl.int64) * stride_bs, mask=has_ref, other=float("inf"))
             tl.store(ref_ptr + (b * nheads + head) * m_blocks + blk, tl.min(ref_bias, axis=0))
     if (blk < n_blocks) & (head < nheads_k):
-        k_norm = _largest_row_norm(k_ptr + b * stride_kb + head.to(tl.int64) * stride_kh, blk, seqlen_k, stride_ks,
+        k_norm = _largest_row_norm(k_ptr + head.to(tl.int64) * stride_kh, blk, seqlen_k, stride_ks,
                                    HEAD_DIM, D_PAD, TILE_N, CHUNK)
         tl.store(k_norm_ptr + (b * nheads_k + head) * n_blocks + blk, k_norm)
+
+
+@triton.jit
+def _sequence(cu_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``(first row, seqlen_q, seqlen_k)`` of batch entry ``b``: packed self-attention's sequence ``b`` (its
+    ``cu_seqlens`` for queries and keys alike), else row 0 and the dense lengths."""
+    if VARLEN:
+        start = tl.load(cu_ptr + b)
+        length = tl.load(cu_ptr + b + 1) - start
+        return start.to(tl.int64), length, length
+    else:
+        return tl.zeros((), dtype=tl.int64), seqlen_q, seqlen_k
 
 
 @triton.jit
@@ -85,24 +101,21 @@ def _largest_row_norm(rows_base, blk, seqlen, stride_s, HEAD_DIM: tl.constexpr, 
                                "stride_bh", "stride_bs"])
 def live_table_kernel(
     q_norm_ptr, k_norm_ptr, bias_ptr, out_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, group,
-    stride_bb, stride_bh, stride_bs, scale_log2,
+    stride_bb, stride_bh, stride_bs, scale_log2, cu_ptr,
     CAUSAL: tl.constexpr, TILE_M: tl.constexpr, TILE_M_PAD: tl.constexpr, TILE_N: tl.constexpr,
-    TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, MARGIN: tl.constexpr,
+    TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, MARGIN: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Program (tile, query head, batch): the tile's count of leading key blocks with only zeros of P."""
     mb = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     nheads = tl.num_programs(1)
+    start, seqlen_q, seqlen_k = _sequence(cu_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    seq_n_blocks = (seqlen_k + TILE_N - 1) // TILE_N  # (this sequence's; the table rows hold n_blocks)
     q_max = tl.load(q_norm_ptr + (b * nheads + head) * m_blocks + mb)
-    k_row = k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks
-    k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    j0 = tl.zeros((), dtype=tl.int32)
-    while j0 < n_blocks:  # (a while, not a range over a runtime bound: Triton 3.6's interpreter refuses that)
-        j = j0 + tl.arange(0, BLOCK_K)
-        k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < n_blocks, other=0.0))
-        j0 += BLOCK_K
-    bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+    k_max = _largest_key_norm(k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks, seq_n_blocks,
+                              BLOCK_K)
+    bias_row = bias_ptr + b * stride_bb + start * stride_bs + head.to(tl.int64) * stride_bh
     rows = mb * TILE_M + tl.arange(0, TILE_M_PAD)
     if CAUSAL:
         ref = rows + (seqlen_k - seqlen_q)  # (each row's own key, bottom-right aligned)
@@ -110,11 +123,11 @@ def live_table_kernel(
         ref = tl.zeros((TILE_M_PAD,), dtype=tl.int32) + (seqlen_k - 1)
     has_ref = (tl.arange(0, TILE_M_PAD) < TILE_M) & (rows < seqlen_q) & (ref >= 0) & (ref < seqlen_k)
     ref_bias = tl.min(tl.load(bias_row + ref.to(tl.int64) * stride_bs, mask=has_ref, other=float("inf")), axis=0)
-    span = 2 * q_max * tl.max(k_max, axis=0)
+    span = 2 * q_max * k_max
     keys = tl.arange(0, TILE_N_PAD)
     in_block = keys < TILE_N
     count = tl.zeros((), dtype=tl.int32)
-    stop = tl.zeros((), dtype=tl.int32) + n_blocks
+    stop = tl.zeros((), dtype=tl.int32) + seq_n_blocks
     while count < stop:
         key = count * TILE_N + keys
         block_bias = tl.max(tl.load(bias_row + key.to(tl.int64) * stride_bs, mask=in_block & (key < seqlen_k),
@@ -125,12 +138,13 @@ def live_table_kernel(
     tl.store(out_ptr + (b * nheads + head) * m_blocks + mb, count)
 
 
-@triton.jit(do_not_specialize=["seqlen_k", "m_blocks", "n_blocks", "group", "stride_bb", "stride_bh", "stride_bs"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "m_blocks", "n_blocks", "group", "stride_bb", "stride_bh",
+                               "stride_bs"])
 def live_rows_kernel(
-    q_norm_ptr, k_norm_ptr, ref_ptr, bias_ptr, out_ptr, seqlen_k, m_blocks, n_blocks, group,
-    stride_bb, stride_bh, stride_bs, scale_log2,
-    TILE_N: tl.constexpr, TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    MARGIN: tl.constexpr,
+    q_norm_ptr, k_norm_ptr, ref_ptr, bias_ptr, out_ptr, seqlen_q, seqlen_k, m_blocks, n_blocks, group,
+    stride_bb, stride_bh, stride_bs, scale_log2, cu_ptr,
+    TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_N_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, MARGIN: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Program (key block, query head, batch), causal: one past the last query tile whose bound on the block's P
     stays at or above ``-MARGIN`` (0: none), the tiles scanned from the last down ``BLOCK_M`` at a time."""
@@ -138,22 +152,17 @@ def live_rows_kernel(
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     nheads = tl.num_programs(1)
-    k_row = k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks
-    k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    j0 = tl.zeros((), dtype=tl.int32)
-    while j0 < n_blocks:
-        j = j0 + tl.arange(0, BLOCK_K)
-        k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < n_blocks, other=0.0))
-        j0 += BLOCK_K
-    k_top = tl.max(k_max, axis=0)
+    start, seqlen_q, seqlen_k = _sequence(cu_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    k_top = _largest_key_norm(k_norm_ptr + (b * (nheads // group) + head // group) * n_blocks,
+                              (seqlen_k + TILE_N - 1) // TILE_N, BLOCK_K)
     keys = nb * TILE_N + tl.arange(0, TILE_N_PAD)
-    bias_row = bias_ptr + b * stride_bb + head.to(tl.int64) * stride_bh
+    bias_row = bias_ptr + b * stride_bb + start * stride_bs + head.to(tl.int64) * stride_bh
     block_bias = tl.max(tl.load(bias_row + keys.to(tl.int64) * stride_bs,
                                 mask=(tl.arange(0, TILE_N_PAD) < TILE_N) & (keys < seqlen_k), other=float("-inf")),
                         axis=0)
     tiles_row = (b * nheads + head) * m_blocks
     end = tl.zeros((), dtype=tl.int32)
-    top = tl.zeros((), dtype=tl.int32) + m_blocks  # (this chunk's tiles: top - BLOCK_M .. top - 1)
+    top = tl.zeros((), dtype=tl.int32) + (seqlen_q + TILE_M - 1) // TILE_M  # (this sequence's tiles, a chunk a time)
     while (end == 0) & (top > 0):
         m = top - 1 - tl.arange(0, BLOCK_M)
         inside = m >= 0
@@ -163,3 +172,15 @@ def live_rows_kernel(
         end = tl.max(tl.where(inside & (zero == 0), m + 1, 0), axis=0)
         top -= BLOCK_M
     tl.store(out_ptr + (b * nheads + head) * n_blocks + nb, end)
+
+
+@triton.jit
+def _largest_key_norm(k_row, seq_n_blocks, BLOCK_K: tl.constexpr):
+    """The largest of a KV head's first ``seq_n_blocks`` key-block norms (``k_row``: its row of the norms)."""
+    k_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    j0 = tl.zeros((), dtype=tl.int32)
+    while j0 < seq_n_blocks:  # (a while, not a range over a runtime bound: Triton 3.6's interpreter refuses that)
+        j = j0 + tl.arange(0, BLOCK_K)
+        k_max = tl.maximum(k_max, tl.load(k_row + j, mask=j < seq_n_blocks, other=0.0))
+        j0 += BLOCK_K
+    return tl.max(k_max, axis=0)
