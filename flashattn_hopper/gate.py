@@ -476,7 +476,7 @@ class ScannedPlan:
                 gate = bias_rows if k_slice is None else k_slice
                 if varlen is None:
                     return self.fwd_plan(q, k, v, gate, bias_rows)
-                return self.fwd_plan(q, k, v, gate, varlen.cu_seqlens_k)
+                return self.fwd_plan(q, k, v, gate, varlen.cu_seqlens_k, bias_rows, varlen.max_seqlen_k)
             except (ValueError, TypeError):
                 pass
         return family.forward_with_gate(q, k, v, p, varlen, bias_rows, k_slice, self.fwd_key)

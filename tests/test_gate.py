@@ -719,6 +719,57 @@ def test_gate_backward_block_skip_is_exact(monkeypatch, head_dim, nheads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nheads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_gate_packed_skips_are_exact(monkeypatch, nheads):
+    """``configs.GATE_SKIP_DECAYED_VARLEN`` (session 40, off: written without a GPU): packed self-attention takes both
+    skips of decayed work (the tables a row per sequence); out and lse bit for bit those without it, dk and dv too
+    (MHA), dq, dg and GQA's dk / dv to fp32 rounding; odd lengths, a sequence under the min length among them (its
+    rows skip as the table finds), gates that decay most blocks and gates near 0."""
+    from flashattn_hopper import api, configs
+    from flashattn_hopper.backends import gate_blocks, sm80_bwd
+
+    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_HOPPER_BACKEND") == "sm80":
+        pytest.skip("needs a Hopper GPU and the sm90 backend: the skips are the sm90 kernels'")
+    from flashattn_hopper.backends.sm90_fwd import _has_triton
+
+    if not _has_triton():
+        pytest.skip("needs Triton: the packed tables' build")
+    monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K", 1024)
+    monkeypatch.setattr(configs, "BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K", 1024)
+    calls = []
+    for name in ("first_live_blocks", "last_live_rows"):
+        table = getattr(gate_blocks, name)
+        monkeypatch.setattr(gate_blocks, name, lambda *a, _t=table, _n=name: calls.append(_n) or _t(*a))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    lens, (h_q, h_k), head_dim = [3001, 700, 4093], nheads, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    q, dout = (torch.randn(total, h_q, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(total, h_k, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    for shift in (-1.0, 6.0):
+        g = torch.nn.functional.logsigmoid(torch.randn(total, h_q, device="cuda", generator=gen) + shift)
+        results = []
+        for skip in (False, True):
+            monkeypatch.setattr(configs, "GATE_SKIP_DECAYED_VARLEN", skip)
+            api.clear_plans()
+            monkeypatch.setattr(sm80_bwd, "_PLAN_MEMO", {})
+            calls.clear()
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+            out, lse = flash_attn_varlen_func(*leaves[:3], cu, cu, max(lens), max(lens), causal=True,
+                                              log_decay=leaves[3], return_lse=True)
+            grads = torch.autograd.grad(out, leaves, dout)
+            assert sorted(set(calls)) == (["first_live_blocks", "last_live_rows"] if skip else []), (skip, calls)
+            results.append((out, lse, *grads))
+        for name, base, skipped in zip("out lse q k v g".split(), *results):
+            if name in ("out", "lse") or name in "kv" and h_q == h_k:
+                assert torch.equal(base, skipped), (shift, name)
+            else:
+                err = float((base.float() - skipped.float()).abs().max())
+                assert err <= 1e-3 * float(base.float().abs().max()) + 1e-6, (shift, name, err)
+    api.clear_plans()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sums", ["off", "key", "query", "both"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_sums_by_wgmma_parity(monkeypatch, sums, head_dim):

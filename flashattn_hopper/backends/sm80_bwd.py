@@ -248,7 +248,7 @@ class BwdSm80:
         main = self._main_key(
             arch, dtype, hdim, hdim_v, causal, dk_fp32 or p.nheads != p.nheads_k, local=local, softcap=p.softcap > 0.0,
             varlen=is_varlen, seqused_q=su_q, seqused_k=su_k, **self._mode_flags(deterministic),
-            **self._gqa_flags(p, dk_fp32, is_varlen, sms), **self._gate_flags(p, gate, deterministic, is_varlen),
+            **self._gqa_flags(p, dk_fp32, is_varlen, sms), **self._gate_flags(p, gate, deterministic, varlen),
         )
         if sms is not None and self.splits_tail and not (deterministic or is_varlen or causal or local):
             plan = tail_plan(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, main.tile_m, main.tile_n, sms)
@@ -275,7 +275,8 @@ class BwdSm80:
         """Main-key options of a GQA problem (``_main_key`` pops them); here none."""
         return {}
 
-    def _gate_flags(self, p: AttnProblem, gate: bool, deterministic: bool, varlen: bool) -> dict[str, bool]:
+    def _gate_flags(self, p: AttnProblem, gate: bool, deterministic: bool,
+                    varlen: VarlenArgs | None) -> dict[str, bool]:
         """Main-key fields of a gated call (``gate``: the main key's gate variant); here the gate alone."""
         return {"gate": True} if gate else {}
 

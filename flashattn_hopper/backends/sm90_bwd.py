@@ -207,26 +207,48 @@ class BwdSm90(BwdSm80):
         q_rows = (p.nheads, p.seqlen_q) if p.is_varlen else (p.batch, p.nheads, p.seqlen_q)
         query_sums = torch.zeros(q_rows, dtype=f32, device=dev)
         key_sums = (torch.zeros_like if p.is_varlen else torch.empty_like)(bias)
-        live_rows = None
-        if plan.main_key.gate_skip_decayed:
-            from .gate_blocks import last_live_rows
-
-            live_rows = last_live_rows(q, k, bias, p.softmax_scale, plan.main_key.tile_m, plan.main_key.tile_n)
+        live_rows = self.live_rows(plan.main_key, p, varlen, q, k, bias) if plan.main_key.gate_skip_decayed else None
         grads = plan(dout.contiguous(), q, k, v, out, lse, varlen, gate=(bias, query_sums, key_sums, live_rows),
                      rows_dpsum=rows_dpsum)
         return (*grads[:3], key_sums, query_sums, *grads[3:])
+
+    @staticmethod
+    def live_rows(key: BwdSm90Key, p: AttnProblem, varlen: VarlenArgs | None, q: torch.Tensor, k: torch.Tensor,
+                  bias: torch.Tensor) -> torch.Tensor:
+        """A ``gate_skip_decayed`` key's table (``gate_blocks.last_live_rows``): dense; packed self-attention from
+        the min length (``sm90_fwd.skippable_packed``); else (a packed call it does not serve) one that skips
+        nothing, each key block's end past every query block."""
+        from .gate_blocks import last_live_rows
+        from .sm90_fwd import skippable_packed
+
+        if varlen is None:
+            return last_live_rows(q, k, bias, p.softmax_scale, key.tile_m, key.tile_n)
+        max_seqlen = skippable_packed(varlen)
+        if max_seqlen >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K:
+            return last_live_rows(q, k, bias, p.softmax_scale, key.tile_m, key.tile_n,
+                                  (varlen.cu_seqlens_k, max_seqlen))
+        # (p's lengths are the totals, bounds on any sequence's; one row read through zero strides: no memory per
+        # sequence and head)
+        ends = torch.full((1, 1, -(-p.seqlen_k // key.tile_n)), -(-p.seqlen_q // key.tile_m), dtype=torch.int32,
+                          device=q.device)
+        return ends.expand(max(varlen.cu_seqlens_k.shape[0] - 1, 1), p.nheads, ends.shape[-1])
 
     def _mode_flags(self, deterministic: bool) -> dict[str, bool]:
         """The semaphore-ordered adds are compiled in (the turn bookkeeping costs registers)."""
         return {"deterministic": deterministic}
 
-    def _gate_flags(self, p: AttnProblem, gate: bool, deterministic: bool, varlen: bool) -> dict[str, bool]:
-        """The gate's key fields: the skip of decayed query blocks (``configs.BWD_SM90_GATE_SKIP_DECAYED``) for dense
-        causal calls without a window from ``_MIN_SEQLEN_K`` keys, not deterministic (its turns count every key
-        block). (GQA too: the gated GQA key's CTAs are per query head, as the table's rows.)"""
+    def _gate_flags(self, p: AttnProblem, gate: bool, deterministic: bool,
+                    varlen: VarlenArgs | None) -> dict[str, bool]:
+        """The gate's key fields: the skip of decayed query blocks (``configs.BWD_SM90_GATE_SKIP_DECAYED``) for causal
+        calls without a window, not deterministic (its turns count every key block): dense from ``_MIN_SEQLEN_K``
+        keys; packed (``configs.GATE_SKIP_DECAYED_VARLEN``) without seqused whatever the lengths (the plan is kept
+        per varlen flags: ``live_rows`` gives a call the table does not serve one that skips nothing). (GQA too:
+        the gated GQA key's CTAs are per query head, as the table's rows.)"""
         flags = super()._gate_flags(p, gate, deterministic, varlen)
-        if (gate and configs.BWD_SM90_GATE_SKIP_DECAYED and not deterministic and not varlen and p.causal
-                and p.window_left < 0 and p.seqlen_k >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
+        long_keys = (p.seqlen_k >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K if varlen is None else
+                     configs.GATE_SKIP_DECAYED_VARLEN and varlen.seqused_q is None and varlen.seqused_k is None)
+        if (gate and configs.BWD_SM90_GATE_SKIP_DECAYED and not deterministic and p.causal and p.window_left < 0
+                and long_keys):
             flags["gate_skip_decayed"] = True
         return flags
 

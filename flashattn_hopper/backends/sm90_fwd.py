@@ -395,8 +395,9 @@ class FwdSm90(FwdLauncher):
                 return result
         compiled = compile_cache.get(key, self.compile)
         ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        packed = None if varlen is None else (varlen.cu_seqlens_k, varlen.max_seqlen_k)
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None,
-                                  (ctas, counter, gate, None, live_blocks(key, p, q, k, bias)))
+                                  (ctas, counter, gate, None, live_blocks(key, p, q, k, bias, packed)))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def gate_scan_args(self, p: AttnProblem) -> tuple[torch.dtype | None, str]:
@@ -455,9 +456,10 @@ class FwdSm90(FwdLauncher):
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
         skips = {"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}
-        if (configs.FWD_SM90_GATE_SKIP_DECAYED and varlen is None and p.window_left < 0
-                and p.seqlen_k >= configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
-            skips["gate_skip_decayed"] = True  # (dense, causal or not, no left window: gate_blocks.py's bound)
+        if (configs.FWD_SM90_GATE_SKIP_DECAYED and p.window_left < 0
+                and (p.seqlen_k if varlen is None else skippable_packed(varlen))
+                >= configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
+            skips["gate_skip_decayed"] = True  # (causal or not, no left window: gate_blocks.py's bound)
         key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
                                cluster_m=1, **skips)[1]
         if long_keys and key.q_stages > 1 and not gate_slice(key):
@@ -470,17 +472,28 @@ class FwdSm90(FwdLauncher):
         return key
 
 
-def live_blocks(key: FwdSm90Key, p: AttnProblem, q: torch.Tensor, k: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The live-block table (``gate_blocks.first_live_blocks``) of a ``gate_skip_decayed`` key's dense call, else
-    None; ``bias``: the call's fp32 bias rows."""
+def live_blocks(key: FwdSm90Key, p: AttnProblem, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None,
+                packed: tuple[torch.Tensor, int] | None = None) -> torch.Tensor | None:
+    """The live-block table (``gate_blocks.first_live_blocks``) of a ``gate_skip_decayed`` key's call, else None;
+    ``bias``: the call's fp32 bias rows; ``packed``: packed self-attention's ``(cu_seqlens, max_seqlen)``."""
     if not key.gate_skip_decayed:
         return None
     from .gate_blocks import first_live_blocks
 
-    if bias is None:
-        raise ValueError("a gate_skip_decayed key's launch needs the fp32 bias rows")
-    return first_live_blocks(q, k, bias, p.softmax_scale, key.tile_m, key.tile_n, key.causal)
+    if bias is None or key.varlen and packed is None:
+        raise ValueError("a gate_skip_decayed key's launch needs the fp32 bias rows (packed: and its cu_seqlens)")
+    return first_live_blocks(q, k, bias, p.softmax_scale, key.tile_m, key.tile_n, key.causal, packed)
+
+
+def skippable_packed(varlen: VarlenArgs) -> int:
+    """The max length of a packed call the skips of decayed work serve (``configs.GATE_SKIP_DECAYED_VARLEN``: packed
+    self-attention, one ``cu_seqlens`` for queries and keys, no seqused, an int ``max_seqlen_k``; the tables need
+    Triton: without it, building them per sequence would read cu_seqlens on the host), else 0."""
+    if (not configs.GATE_SKIP_DECAYED_VARLEN or varlen.cu_seqlens_q is not varlen.cu_seqlens_k
+            or varlen.seqused_q is not None or varlen.seqused_k is not None
+            or not isinstance(varlen.max_seqlen_k, int) or not _has_triton()):
+        return 0
+    return varlen.max_seqlen_k
 
 
 def fake_live_blocks() -> Any:
@@ -635,12 +648,15 @@ class PackedGatePlan(GatePlan):
         self.out_shape, self.lse_shape = varlen_out_shapes(self.problem)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                 gate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(No live-block table: the gated keys of packed calls never take ``gate_skip_decayed``.)"""
+                 gate: torch.Tensor, cu_seqlens: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``bias``, ``max_seqlen``: the fp32 bias rows and the call's max length, read for the live-block table of
+        a ``gate_skip_decayed`` key (``configs.GATE_SKIP_DECAYED_VARLEN``)."""
         out = q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
-        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, None, cu_seqlens, cu_seqlens, None, None)
+        live = live_blocks(self.key, self.problem, q, k, bias, (cu_seqlens, max_seqlen))
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, live, cu_seqlens, cu_seqlens, None, None)
         return out, lse
 
 
