@@ -724,7 +724,8 @@ def test_gate_packed_skips_are_exact(monkeypatch, nheads):
     """``configs.GATE_SKIP_DECAYED_VARLEN`` (session 40, off: written without a GPU): packed self-attention takes both
     skips of decayed work (the tables a row per sequence); out and lse bit for bit those without it, dk and dv too
     (MHA), dq, dg and GQA's dk / dv to fp32 rounding; odd lengths, a sequence under the min length among them (its
-    rows skip as the table finds), gates that decay most blocks and gates near 0."""
+    rows skip as the table finds), gates that decay most blocks and gates near 0; and the backward's skip key on a
+    call under its min length (``BwdSm90.live_rows``' table that skips nothing, read through zero strides)."""
     from flashattn_hopper import api, configs
     from flashattn_hopper.backends import gate_blocks, sm80_bwd
 
@@ -749,8 +750,10 @@ def test_gate_packed_skips_are_exact(monkeypatch, nheads):
     for shift in (-1.0, 6.0):
         g = torch.nn.functional.logsigmoid(torch.randn(total, h_q, device="cuda", generator=gen) + shift)
         results = []
-        for skip in (False, True):
+        # (the third: the backward's min length above the call's, so its skip key gets a table that skips nothing)
+        for skip, bwd_min in ((False, 1024), (True, 1024), (True, 8192)):
             monkeypatch.setattr(configs, "GATE_SKIP_DECAYED_VARLEN", skip)
+            monkeypatch.setattr(configs, "BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K", bwd_min)
             api.clear_plans()
             monkeypatch.setattr(sm80_bwd, "_PLAN_MEMO", {})
             calls.clear()
@@ -758,14 +761,16 @@ def test_gate_packed_skips_are_exact(monkeypatch, nheads):
             out, lse = flash_attn_varlen_func(*leaves[:3], cu, cu, max(lens), max(lens), causal=True,
                                               log_decay=leaves[3], return_lse=True)
             grads = torch.autograd.grad(out, leaves, dout)
-            assert sorted(set(calls)) == (["first_live_blocks", "last_live_rows"] if skip else []), (skip, calls)
+            want = (["first_live_blocks"] if skip else []) + (["last_live_rows"] if skip and bwd_min <= 4093 else [])
+            assert sorted(set(calls)) == want, (skip, bwd_min, calls)
             results.append((out, lse, *grads))
-        for name, base, skipped in zip("out lse q k v g".split(), *results):
-            if name in ("out", "lse") or name in "kv" and h_q == h_k:
-                assert torch.equal(base, skipped), (shift, name)
-            else:
-                err = float((base.float() - skipped.float()).abs().max())
-                assert err <= 1e-3 * float(base.float().abs().max()) + 1e-6, (shift, name, err)
+        for name, base, *skipped in zip("out lse q k v g".split(), *results):
+            for other in skipped:
+                if name in ("out", "lse") or name in "kv" and h_q == h_k:
+                    assert torch.equal(base, other), (shift, name)
+                else:
+                    err = float((base.float() - other.float()).abs().max())
+                    assert err <= 1e-3 * float(base.float().abs().max()) + 1e-6, (shift, name, err)
     api.clear_plans()
 
 
