@@ -487,9 +487,10 @@ def live_blocks(key: FwdSm90Key, p: AttnProblem, q: torch.Tensor, k: torch.Tenso
 
 def skippable_packed(varlen: VarlenArgs) -> int:
     """The max length of a packed call the skips of decayed work serve (``configs.GATE_SKIP_DECAYED_VARLEN``: packed
-    self-attention, one ``cu_seqlens`` for queries and keys, no seqused, an int ``max_seqlen_k``; the tables need
-    Triton: without it, building them per sequence would read cu_seqlens on the host), else 0."""
-    if (not configs.GATE_SKIP_DECAYED_VARLEN or varlen.cu_seqlens_q is not varlen.cu_seqlens_k
+    self-attention, one ``cu_seqlens`` for queries and keys (the same memory), no seqused, an int ``max_seqlen_k``;
+    the tables need Triton: without it, building them per sequence would read cu_seqlens on the host), else 0."""
+    cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+    if (not configs.GATE_SKIP_DECAYED_VARLEN or cu_q.data_ptr() != cu_k.data_ptr() or cu_q.shape != cu_k.shape
             or varlen.seqused_q is not None or varlen.seqused_k is not None
             or not isinstance(varlen.max_seqlen_k, int) or not _has_triton()):
         return 0
