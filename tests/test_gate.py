@@ -339,6 +339,49 @@ def test_gate_slice_threshold_follows_how_the_slice_is_built(monkeypatch, triton
         assert key.gate and key.gate_slice == (keys >= threshold), (keys, varlen, key.name)
 
 
+def test_gated_keys_take_the_skips_of_decayed_work(monkeypatch):
+    """Which gated keys skip decayed work (CPU): the forward's dense key from the min length, causal or not, not with a
+    left window; the backward's dense causal key from its min length, not deterministic, not local; packed
+    self-attention only with ``configs.GATE_SKIP_DECAYED_VARLEN`` (and Triton: the forward's tables) and without
+    seqused; ``BwdSm90.live_rows`` gives a packed call it does not serve one row that skips nothing."""
+    import dataclasses
+
+    from flashattn_hopper import configs, dispatch
+    from flashattn_hopper.backends import sm90_fwd
+    from flashattn_hopper.backends.common import VarlenArgs
+    from flashattn_hopper.backends.sm90_bwd import BwdSm90
+    from flashattn_hopper.validate import AttnProblem
+
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: True)
+    monkeypatch.setattr(sm90_fwd, "_GATE_KEYS", {})
+    fwd, bwd = dispatch.FWD_KERNELS["sm90"], BwdSm90()
+    base = AttnProblem(batch=1, seqlen_q=4096, seqlen_k=4096, nheads=4, nheads_k=4, head_dim=128, head_dim_v=128,
+                       dtype=torch.bfloat16, softmax_scale=0.1, causal=True, window_left=-1, window_right=0,
+                       softcap=0.0, is_varlen=False)
+
+    def skips(p, varlen=None, deterministic=False):
+        bwd_key = bwd.keys(p, "sm_90a", varlen, deterministic, None, False, True)[1]
+        return fwd.gate_key(p, varlen).gate_skip_decayed, bwd_key.gate_skip_decayed
+
+    assert skips(base) == (True, True)
+    assert skips(dataclasses.replace(base, seqlen_q=2048, seqlen_k=2048)) == (False, False)
+    assert skips(base, deterministic=True) == (True, False)
+    assert skips(dataclasses.replace(base, causal=False, window_right=-1)) == (True, False)
+    assert skips(dataclasses.replace(base, causal=False, window_left=256, window_right=0)) == (False, False)
+    cu = torch.tensor([0, 3000, 8192], dtype=torch.int32)
+    packed = dataclasses.replace(base, batch=2, seqlen_q=8192, seqlen_k=8192, is_varlen=True)
+    for flag in (False, True):
+        monkeypatch.setattr(configs, "GATE_SKIP_DECAYED_VARLEN", flag)
+        assert skips(packed, VarlenArgs(cu, cu, None, None, 5192, 5192)) == (flag, flag)
+        assert skips(packed, VarlenArgs(cu, cu.clone(), None, None, 5192, 5192)) == (False, flag)  # (two cu_seqlens)
+        assert skips(packed, VarlenArgs(cu, cu, None, None, 2048, 2048)) == (False, flag)  # (short: the key's own)
+        assert skips(packed, VarlenArgs(cu, cu, cu[1:] - cu[:-1], None, 5192, 5192)) == (False, False)
+    key = bwd.keys(packed, "sm_90a", VarlenArgs(cu, cu, None, None, 2048, 2048), False, None, False, True)[1]
+    q = torch.zeros(8192, 4, 128, dtype=torch.bfloat16)
+    ends = BwdSm90.live_rows(key, packed, VarlenArgs(cu, cu, None, None, 2048, 2048), q, q, torch.zeros(4, 8192))
+    assert ends.shape == (2, 4, 8192 // key.tile_n) and bool((ends == 8192 // key.tile_m).all())
+
+
 def test_gated_key_drops_a_q_stage_for_the_slice(monkeypatch):
     """hdim 128 up to 2k queries keeps two Q stages in the plain key, and the k16 slice does not fit beside them: the
     gated key takes one Q stage and the slice (the 4k key's kernel); hdim 64 fits both and keeps two; below the slice
