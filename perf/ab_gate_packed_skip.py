@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
     print(f"# packed gated causal calls, skips of decayed work off / on (GATE_SKIP_DECAYED_VARLEN), "
           f"g = logsigmoid(2 x + {args.shift}), {torch.cuda.get_device_name()}, rounds={args.rounds}; TFLOP/s at "
           "the plain call's FLOPs (gated / plain)\n")
-    print("| hdim | seqlen | fwd plain | fwd off | fwd on | bwd plain | bwd off | bwd on |\n|---|---|---|---|---|---|---|---|")
+    print("| hdim | seqlen | fwd plain | fwd off | fwd on | bwd plain | bwd off | bwd on |")
+    print("|---|---|---|---|---|---|---|---|")
     for cell, (*_, flops) in cells.items():
         row = []
         for part, scale in ((0, 1.0), (1, 2.5)):
