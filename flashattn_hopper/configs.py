@@ -133,11 +133,12 @@ FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH = 4096
 # then costs one bar.red vote per warpgroup. Off: exact (tests), but +10 % at 16k keys and a loss at 1k-4k alone, and
 # nothing beside the whole-block skip below (H100 / H200, perf/NOTES.md session 40).
 FWD_SM90_GATE_SKIP_ZERO_PV = False
-# Dense gated calls from this many keys: the launcher bounds, per tile, which key blocks can hold a nonzero P (norms of
-# q and k against the decay: backends/gate_blocks.py, two Triton launches per call), and the kernel's producer and MMA
-# warpgroups start each tile at the first such block: decayed blocks neither loaded nor computed (exact: their P are 0
-# in fp32). Gated / plain causal forward with bench_gate's gates (H200, NOTES session 40): 1.03-1.09x at 4k keys,
-# 1.8x at 8k, 3.1x at 16k; at 1k 0.59x (nothing to skip, the norms' pass is the cost), hence the threshold.
+# Dense gated calls from this many keys, with Triton: the launcher bounds, per tile, which key blocks can hold a nonzero
+# P (norms of q and k against the decay: backends/gate_blocks.py, two Triton launches per call; its torch build made
+# every call host-bound), and the kernel's producer and MMA warpgroups start each tile at the first such block: decayed
+# blocks neither loaded nor computed (exact: their P are 0 in fp32). Gated / plain causal forward with bench_gate's
+# gates (H200, NOTES session 40): 1.03-1.09x at 4k keys, 1.8x at 8k, 3.1x at 16k; at 1k 0.59x (nothing to skip, the
+# norms' pass is the cost), hence the threshold.
 FWD_SM90_GATE_SKIP_DECAYED = True
 FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 # Plain varlen calls keep a plan per signature (api: ``PackedFwdPlan``, the backward's plan kept on it), as dense
@@ -153,10 +154,11 @@ VARLEN_PLANS = True
 BWD_SM90_GATE_KEY_MMA = True
 BWD_SM90_GATE_QUERY_MMA = True
 # The gated sm90 backward's mirror of FWD_SM90_GATE_SKIP_DECAYED: dense causal calls without a window, from this many
-# keys, not deterministic: the launcher bounds, per (query head, key block), the last query block whose P can be
-# nonzero (backends/gate_blocks.py ``last_live_rows``, two Triton launches) and every role of the key block's CTA
-# stops there (exact: the skipped blocks' P, dS and so every gradient part are 0 in fp32). Gated backward with / without
-# it, bench_gate's gates (H200, perf/NOTES.md session 40): 1.25-1.28x at 4k keys, 1.9-2.1x at 8k, 3.8x at 16k.
+# keys, not deterministic: the launcher bounds, per (query head, key block), the last query block whose P can be nonzero
+# (backends/gate_blocks.py ``last_live_rows``, two Triton launches; not without Triton) and every role of the key
+# block's CTA stops there (exact: the skipped blocks' P, dS and so every gradient part are 0 in fp32). Gated backward
+# with / without it, bench_gate's gates (H200, perf/NOTES.md session 40): 1.25-1.28x at 4k keys, 1.9-2.1x at 8k, 3.8x at
+# 16k.
 BWD_SM90_GATE_SKIP_DECAYED = True
 BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 # Both skips above on packed self-attention too (one cu_seqlens for queries and keys, no seqused, an int max_seqlen from

@@ -1113,7 +1113,8 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     monkeypatch.setattr(configs, "FWD_SM90_GATE_SKIP_DECAYED", skip)
 
     calls = record_sm90_launches(monkeypatch)
-    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: False)  # (the slice by torch ops on the CPU)
+    # (the slice's torch threshold; the skip's key needs Triton, its CPU tables are torch ops all the same)
+    monkeypatch.setattr(sm90_fwd, "_has_triton", lambda: skip)
     monkeypatch.setattr(sm90_fwd, "_GATE_PLANS", {})
     family = sm90_fwd.FwdSm90()
     batch, heads = 2, 4

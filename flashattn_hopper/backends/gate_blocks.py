@@ -90,7 +90,7 @@ def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tenso
                              tile_m: int, tile_n: int, causal: bool, packed: Packed | None = None) -> torch.Tensor:
     """``first_live_blocks`` by two Triton launches (``_takes_triton``'s tensors)."""
     from ..kernels.triton.gate_blocks import live_table_kernel
-    from .sm90_fwd import _next_pow2
+    from .sm90_fwd import _next_pow2, on_device_of
 
     (batch, seqlen_q, seqlen_k, nheads, nheads_k), strides, cu = _layout(q, k, bias, packed)
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -106,7 +106,7 @@ def first_live_blocks_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tenso
             TILE_M_PAD=_next_pow2(tile_m), TILE_N=tile_n, TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128,
             MARGIN=SKIP_LOG2_MARGIN, VARLEN=packed is not None, num_warps=4)
 
-    _on_device_of(q, launch)
+    on_device_of(q, launch)
     return live
 
 
@@ -114,7 +114,7 @@ def last_live_rows_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, 
                           tile_m: int, tile_n: int, packed: Packed | None = None) -> torch.Tensor:
     """``last_live_rows`` by two Triton launches (``_takes_triton``'s tensors)."""
     from ..kernels.triton.gate_blocks import live_rows_kernel
-    from .sm90_fwd import _next_pow2
+    from .sm90_fwd import _next_pow2, on_device_of
 
     (batch, seqlen_q, seqlen_k, nheads, nheads_k), strides, cu = _layout(q, k, bias, packed)
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -130,7 +130,7 @@ def last_live_rows_triton(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, 
             TILE_N_PAD=_next_pow2(tile_n), BLOCK_K=128, BLOCK_M=128, MARGIN=SKIP_LOG2_MARGIN,
             VARLEN=packed is not None, num_warps=4)
 
-    _on_device_of(q, launch)
+    on_device_of(q, launch)
     return end
 
 
@@ -168,15 +168,6 @@ def _block_norms(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, tile_m: i
         D_PAD=_next_pow2(head_dim), TILE_M=tile_m, TILE_N=tile_n, CHUNK=16, WITH_REF=with_ref,
         TILE_M_PAD=_next_pow2(tile_m), VARLEN=packed is not None, num_warps=4)
     return q_norm, k_norm, ref_bias
-
-
-def _on_device_of(q: torch.Tensor, launch: Callable[[], None]) -> None:
-    """``launch()`` with q's device current (Triton launches on the current device and stream)."""
-    if not q.is_cuda or q.device.index == torch.cuda.current_device():
-        launch()
-    else:
-        with torch.cuda.device(q.device):
-            launch()
 
 
 def first_live_blocks_torch(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, softmax_scale: float,

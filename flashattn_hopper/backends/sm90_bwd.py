@@ -244,8 +244,12 @@ class BwdSm90(BwdSm80):
         keys; packed (``configs.GATE_SKIP_DECAYED_VARLEN``) without seqused whatever the lengths (the plan is kept
         per varlen flags: ``live_rows`` gives a call the table does not serve one that skips nothing). (GQA too:
         the gated GQA key's CTAs are per query head, as the table's rows.)"""
+        from . import sm90_fwd
+
         flags = super()._gate_flags(p, gate, deterministic, varlen)
-        long_keys = (p.seqlen_k >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K if varlen is None else
+        # (dense: the table by Triton, as the forward's; packed: per call, ``live_rows``)
+        long_keys = (p.seqlen_k >= configs.BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K and sm90_fwd._has_triton()
+                     if varlen is None else
                      configs.GATE_SKIP_DECAYED_VARLEN and varlen.seqused_q is None and varlen.seqused_k is None)
         if (gate and configs.BWD_SM90_GATE_SKIP_DECAYED and not deterministic and p.causal and p.window_left < 0
                 and long_keys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -456,10 +457,12 @@ class FwdSm90(FwdLauncher):
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
         skips = {"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}
-        if (configs.FWD_SM90_GATE_SKIP_DECAYED and p.window_left < 0
+        if (configs.FWD_SM90_GATE_SKIP_DECAYED and p.window_left < 0 and _has_triton()
                 and (p.seqlen_k if varlen is None else skippable_packed(varlen))
                 >= configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):
-            skips["gate_skip_decayed"] = True  # (causal or not, no left window: gate_blocks.py's bound)
+            # (causal or not, no left window: gate_blocks.py's bound; its table by Triton: the torch build's ~30 ops
+            # per call made every call host-bound)
+            skips["gate_skip_decayed"] = True
         key = self.variant_key(p, varlen, gate=True, gate_slice=long_keys, pack_gqa=1, span_heads=False,
                                cluster_m=1, **skips)[1]
         if long_keys and key.q_stages > 1 and not gate_slice(key):
@@ -579,12 +582,18 @@ def _gate_k_slice_triton(bias: torch.Tensor, dtype: torch.dtype, varlen: bool, s
         grid = (-(-seqlen // 64), -(-nheads // block_h), batch)
         args = (rows, k_slice, seqlen, nheads, rows.stride(0), rows.stride(1), rows.stride(2))
         meta = dict(PARTS=parts, SLICE=slice_cols, BLOCK_S=64, BLOCK_H=block_h, num_warps=4)
-        if not bias.is_cuda or bias.device.index == torch.cuda.current_device():
-            gate_slice_kernel[grid](*args, **meta)
-        else:  # Triton launches on the current device and stream: make them the bias's
-            with torch.cuda.device(bias.device):
-                gate_slice_kernel[grid](*args, **meta)
+        on_device_of(bias, lambda: gate_slice_kernel[grid](*args, **meta))
     return k_slice[0] if varlen else k_slice
+
+
+def on_device_of(t: torch.Tensor, launch: Callable[[], None]) -> None:
+    """``launch()`` (Triton kernels) with ``t``'s device current: Triton launches on the current device and
+    stream."""
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        launch()
+    else:
+        with torch.cuda.device(t.device):
+            launch()
 
 
 def _next_pow2(n: int) -> int:
