@@ -628,10 +628,17 @@ def test_live_block_table_triton_compiles_for_sm90():
            **{f"stride_b{a}": "i64" for a in "bhs"}, "cu_ptr": "*i32",
            **{name: "constexpr" for name in ("HEAD_DIM", "D_PAD", "TILE_M", "TILE_N", "CHUNK", "WITH_REF",
                                              "TILE_M_PAD", "VARLEN")}}
+    # (q's and k's pointers and strides divisible by 16, as Triton specializes them at launch: the rows' loads
+    # must then be 16-byte vectors, not one 2-byte load per element)
+    aligned = {(list(sig).index(name),): [["tt.divisibility", 16]]
+               for name in ("q_ptr", "k_ptr", *(f"stride_{t}{a}" for t in "qk" for a in "bsh"))}
     for with_ref, varlen in ((False, False), (True, False), (True, True)):
-        const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=16, WITH_REF=with_ref, TILE_M_PAD=128,
+        const = dict(HEAD_DIM=128, D_PAD=128, TILE_M=128, TILE_N=176, CHUNK=64, WITH_REF=with_ref, TILE_M_PAD=128,
                      VARLEN=varlen)
         triton.compile(ASTSource(block_norms_kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+        ptx = triton.compile(ASTSource(block_norms_kernel, sig, const, attrs=aligned),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert "ld.global.v4" in ptx and "ld.global.b16" not in ptx
     sig = {"q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i32",
            **{name: "i32" for name in (*ints, "group")}, **{f"stride_b{a}": "i64" for a in "bhs"},
            "scale_log2": "fp32", "cu_ptr": "*i32",
