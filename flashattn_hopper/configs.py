@@ -163,11 +163,10 @@ BWD_SM90_GATE_SKIP_DECAYED = True
 BWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K = 4096
 # Both skips above on packed self-attention too (one cu_seqlens for queries and keys, no seqused, an int max_seqlen from
 # their min length; the tables a row per sequence: kernels/triton/gate_blocks.py ``VARLEN``; the backward's key takes
-# the skip whatever the call's lengths, and a call the table does not serve passes one that skips nothing). Off:
-# written in session 40 after its device time ran out (CPU: the tables against the dense build per sequence in
-# Triton's interpreter, the kernels compile); the next session runs the gate tier and ab_gate_skip-style A/Bs on
-# packed calls with it on (perf/NOTES.md session 40).
-GATE_SKIP_DECAYED_VARLEN = False
+# the skip whatever the call's lengths, and a call the table does not serve passes one that skips nothing). Packed
+# on / off, bench_gate's gates, 16k tokens (H100, perf/NOTES.md session 41): fwd 1.14-1.21x at 4k sequences, 3.2-3.4x
+# at 16k; bwd 1.35-1.36x and 3.7-3.8x; the 1k kernels unchanged.
+GATE_SKIP_DECAYED_VARLEN = True
 
 # Clusters of 2 (cluster_m = 2: two CTAs on adjacent m_blocks share each K/V block by TMA multicast, FA3's
 # ClusterShape for d >= 128 non-causal) on the hdim 256 row, for dense unmasked calls from this seqlen_q
