@@ -190,9 +190,10 @@ def main(arch: str) -> None:
         family = FwdSm90()
         counter = common.int_to_cute(torch.zeros(1, dtype=torch.int32))
         compiled = family.compile(family.key(problem, arch, None))
-        # softmax_scale, window_left, window_right, softcap, max_ctas, tile counter, gate, FP8 descale and
-        # live-block table slots, varlen slots
-        check(compiled, (*tensors, 0.125, 7, 3, 1.0, 132, counter, None, None, None, *varlen_none), 0x1234, "fwd_sm90")
+        # softmax_scale, window_left, window_right, softcap, max_ctas, tile counter, gate, FP8 descale,
+        # live-block table and sink logits slots, varlen slots
+        slots = (None, None, None, None)
+        check(compiled, (*tensors, 0.125, 7, 3, 1.0, 132, counter, *slots, *varlen_none), 0x1234, "fwd_sm90")
         check_plans(family, problem, arch, "fwd_sm90")
         from flashattn_hopper.backends.sm90_bwd import BwdSm90
 

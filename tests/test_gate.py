@@ -1135,7 +1135,7 @@ def test_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, ca
     gate = sm90_fwd.gate_k_slice(bias, q.dtype, False) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
     extra = family.extra_args(key, q.device, 0)
     common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
-                          (extra[0], extra[1], gate, None, sm90_fwd.live_blocks(key, p, q, k, bias)))
+                          (extra[0], extra[1], gate, None, sm90_fwd.live_blocks(key, p, q, k, bias), None))
 
     def general_launch(*args, **kwargs):
         raise AssertionError("the gated call took launch_forward, not its plan")

@@ -576,7 +576,7 @@ def test_packed_gate_plan_hands_the_kernel_the_general_launch_arguments(monkeypa
     gate = sm90_fwd.gate_k_slice(bias, q.dtype, True) if sm90_fwd.gate_slice(key) else common.aligned_rows(bias)
     extra = family.extra_args(key, q.device, 0)
     common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, varlen, None, None,
-                          (extra[0], extra[1], gate, None, None))
+                          (extra[0], extra[1], gate, None, None, None))
     plan = family.gate_plan(q, p, key)
     assert isinstance(plan, sm90_fwd.PackedGatePlan)
     plan(q, k, v, gate, cu)

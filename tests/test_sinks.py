@@ -370,17 +370,19 @@ def test_sink_gradient_deterministic_is_bitwise_stable(backend):
 @pytest.mark.parametrize("family_name", ["sm80", "sm90"])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 300)], ids=["decode", "prefill"])
 def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
-    """The in-kernel route's LSE buffer (the kernel reads the logits there and overwrites them) holds
-    each head's logit in every row and never shares memory with the sink parameter (batch 1 with one
-    query once made ``expand().contiguous()`` return the parameter itself); the sink key has the
-    family's restrictions. CPU: the launch and device lookups are stand-ins."""
+    """sm80's in-kernel route: the LSE buffer (the kernel reads the logits there and overwrites them) holds each
+    head's logit in every row and never shares memory with the sink parameter (batch 1 with one query once made
+    ``expand().contiguous()`` return the parameter itself). sm90's: no such buffer (the launch allocates the LSE),
+    the fp32 logits in the kernel's sink slot. The sink key has the family's restrictions. CPU: the launch and
+    device lookups are stand-ins."""
     from flashattn_hopper import dispatch
     from flashattn_hopper.validate import AttnProblem
 
     launched = {}
 
     def launch(compiled, key, q, k, v, p, varlen, out, lse, extra):
-        launched.update(key=key, lse=lse.clone(), lse_ptr=lse.data_ptr())
+        launched.update(key=key, lse=None if lse is None else lse.clone(), extra=extra,
+                        lse_ptr=None if lse is None else lse.data_ptr())
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), lse
 
     _cpu_launch_stand_ins(monkeypatch, launch)
@@ -393,22 +395,61 @@ def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
                     softcap=0.0, is_varlen=False)
     dispatch.FWD_KERNELS[family_name].forward_with_sink(q, k, v, p, None, sink, even_unpacked=True)
     lse, key = launched["lse"], launched["key"]
-    assert lse.shape == (batch, 8, s_q) and torch.equal(lse, sink[None, :, None].expand(batch, 8, s_q))
-    assert launched["lse_ptr"] != sink.data_ptr(), "the LSE buffer is the sink parameter itself"
+    if family_name == "sm80":
+        assert lse.shape == (batch, 8, s_q) and torch.equal(lse, sink[None, :, None].expand(batch, 8, s_q))
+        assert launched["lse_ptr"] != sink.data_ptr(), "the LSE buffer is the sink parameter itself"
+    else:
+        logits = launched["extra"][5]  # (max_ctas, counter, gate, FP8 descales, live blocks, sink logits)
+        assert lse is None and logits.dtype == torch.float32 and torch.equal(logits, sink)
     assert key.sink and (family_name == "sm80" or (key.pack_gqa == 1 and not key.span_heads))
 
 
+@pytest.mark.parametrize("causal, softcap", [(True, 0.0), (False, 30.0)], ids=["causal", "full-softcap"])
+def test_sink_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch, causal, softcap):
+    """A dense sinked sm90 call keeps a plan (``sm90_fwd.SinkPlan``): its call hands the compiled kernel what the
+    general launch does for the same key (the logits in the sink slot, the softcap among the scalars, the tile
+    counter where the schedule is dynamic), and the second call of a problem takes the kept plan. CPU: the kernel
+    and device lookups are stand-ins."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper.backends import common, sm90_fwd
+    from flashattn_hopper.validate import AttnProblem
+
+    from ._plan_launch import assert_same_launch, record_sm90_launches
+
+    calls = record_sm90_launches(monkeypatch)
+    monkeypatch.setattr(common, "_SINK_PLANS", {})
+    monkeypatch.setattr(sm90_fwd, "_SINK_PLANS", common._SINK_PLANS)
+    family = sm90_fwd.FwdSm90()
+    p = AttnProblem(batch=2, seqlen_q=300, seqlen_k=300, nheads=4, nheads_k=4, head_dim=128, head_dim_v=128,
+                    dtype=torch.bfloat16, softmax_scale=0.125, causal=causal, window_left=-1,
+                    window_right=0 if causal else -1, softcap=softcap, is_varlen=False)
+    q, k, v = (torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    logits = torch.randn(4)
+    _, key = family.variant_key(p, None, sink=True, **family.sink_key_overrides)
+    extra = family.extra_args(key, q.device, 0)
+    common.launch_forward(lambda *args: calls.append(args), key, q, k, v, p, None, None, None,
+                          (*extra[:5], logits))
+    family.launch_sinked(q, k, v, p, None, key, logits)
+    family.launch_sinked(q, k, v, p, None, key, logits)
+    general, planned, again = calls
+    assert_same_launch(planned, general)
+    assert_same_launch(again, general)
+    assert isinstance(common._SINK_PLANS[(key, p, q.device)], sm90_fwd.SinkPlan)
+
+
 def _cpu_launch_stand_ins(monkeypatch, launch) -> None:
-    """The forward launchers on the CPU: no compile, no plans (the dense sink route's ``plan``), ``launch``
-    for ``launch_forward``, device 0 with 132 SMs and a CPU tile counter."""
+    """The forward launchers on the CPU: no compile, no plans (the dense sink routes' ``plan`` and ``sink_plan``),
+    ``launch`` for ``launch_forward``, device 0 with 132 SMs and a CPU tile counter."""
     from flashattn_hopper.backends import common, sm90_fwd
 
     monkeypatch.setattr(common.compile_cache, "get", lambda key, build: None)
     monkeypatch.setattr(common.FwdLauncher, "plan", lambda self, q, p, key=None: None)
-    monkeypatch.setattr(common, "_SINK_PLANS", {})
-    monkeypatch.setattr(common, "launch_forward", launch)
-    monkeypatch.setattr(common, "current_stream_handle", lambda index: 0)
-    monkeypatch.setattr(common, "device_index", lambda device: 0)
+    monkeypatch.setattr(sm90_fwd.FwdSm90, "sink_plan", lambda self, q, p, key: None)
+    for module in (common, sm90_fwd):
+        monkeypatch.setattr(module, "_SINK_PLANS", {})
+        monkeypatch.setattr(module, "launch_forward", launch)
+        monkeypatch.setattr(module, "current_stream_handle", lambda index: 0)
+        monkeypatch.setattr(module, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(sm90_fwd, "num_sms", lambda index: 132)
     monkeypatch.setattr(sm90_fwd, "tile_counter", lambda index, stream=None: torch.zeros(1, dtype=torch.int32))

@@ -524,9 +524,8 @@ class FwdLauncher:
         sink: torch.Tensor, even_unpacked: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse')`` with one learnable sink logit per query head (``sink``: ``(nheads,)``) in
-        the kernel's finalize (``sinks.py`` has the math). The LSE buffer starts as each head's logit
-        in every row: the kernel reads it there and overwrites it. A non-empty problem (the caller
-        handles the others). None where the sink key would give up what the plain call's key does
+        the kernel's finalize (``sinks.py`` has the math), launched by ``launch_sinked``. A non-empty problem
+        (the caller handles the others). None where the sink key would give up what the plain call's key does
         (``sink_key_overrides``: sm90's packed GQA heads, 3-6x faster at decode, and spanning tiles),
         unless ``even_unpacked`` (tests): the caller then joins the sink after the plain kernel."""
         overrides = self.sink_key_overrides
@@ -534,6 +533,15 @@ class FwdLauncher:
         if not even_unpacked and any(getattr(plain, name) != value for name, value in overrides.items()):
             return None
         logits = sink.detach().to(device=q.device, dtype=torch.float32)
+        return self.launch_sinked(q, k, v, p, varlen, key, logits)
+
+    def launch_sinked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        key: Any, logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_with_sink``'s launch of the sink ``key``, ``logits`` fp32 on q's device: the LSE buffer
+        starts as each head's logit in every row, where the kernel reads it and overwrites it (sm80; sm90
+        overrides this with its kernel's sink slot)."""
         # A fresh buffer always (expand().contiguous() of a (1, h, 1) view would be the sink itself).
         if varlen is not None:
             lse = torch.empty((p.nheads, p.seqlen_q), dtype=torch.float32, device=q.device)

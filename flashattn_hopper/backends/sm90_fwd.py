@@ -24,8 +24,8 @@ from ..validate import AttnProblem, keys_contiguous
 from .common import (
     DTYPE_NAMES, UNBOUNDED_WINDOW, FwdLauncher, FwdPlan, VarlenArgs, aligned_rows, compile_cache, compile_forward,
     current_stream_handle, cutlass_dtype, cluster_ctas, device_index, fake_bshd, fake_f32, keys_contiguous_ready,
-    kept_plan, launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter, varlen_out_shapes,
-    window_args,
+    _SINK_PLANS, kept_plan, launch_forward, mask_flags, num_sms, run_kept_plan, target_arch, tile_counter,
+    varlen_out_shapes, window_args,
 )
 
 
@@ -60,8 +60,8 @@ class FwdSm90Key(KernelKey):
     lazy_rescale: bool = True
     # Q buffers in shared memory (2: the next tile's Q loads under this tile; persistent, own sO)
     q_stages: int = 1
-    # a learnable sink logit per query head joins each row's softmax at finalize, read from the LSE
-    # buffer the launcher fills with it (``forward_with_sink``); no pack_gqa, no spanning tiles
+    # a learnable sink logit per query head joins each row's softmax at finalize, one load per tile
+    # from the kernel's sink slot (``launch_sinked``); no pack_gqa, no spanning tiles
     sink: bool = False
     # gated log-decay: a bias per (query head, key) added to every score (``forward_with_gate``);
     # no pack_gqa, no spanning tiles, no softcap
@@ -333,7 +333,7 @@ class FwdSm90(FwdLauncher):
             descale = fake_f32(tuple(cute.sym_int() for _ in range(4 if key.fp8_block_scales else 3)))
             return compile_forward(
                 kernel, cutlass.Uint8, key.varlen, key.seqused_q, key.seqused_k, options,
-                extra_args=(cutlass.Int32(1), counter, None, descale, None), out_dtype=cutlass.BFloat16,
+                extra_args=(cutlass.Int32(1), counter, None, descale, None, None), out_dtype=cutlass.BFloat16,
                 v_keys_contiguous=key.fp8_v_colmajor,
             )
         gate = None
@@ -355,7 +355,8 @@ class FwdSm90(FwdLauncher):
                 gate = fake_bshd(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K)
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
-            extra_args=(cutlass.Int32(1), counter, gate, None, fake_live_blocks() if key.gate_skip_decayed else None),
+            extra_args=(cutlass.Int32(1), counter, gate, None, fake_live_blocks() if key.gate_skip_decayed else None,
+                        fake_sink_logits() if key.sink else None),
         )
 
     def extra_args(self, key: FwdSm90Key, device: torch.device, stream_handle: int | None = None) -> tuple[Any, ...]:
@@ -363,11 +364,12 @@ class FwdSm90(FwdLauncher):
         many as stay resident together), for the dynamic schedule a tile counter that is zero at
         launch on that stream (``tile_counter``), else None, and the gate's slot: None
         (``forward_with_gate`` puts its bias there), the FP8 descales' slot: None
-        (``forward_fp8`` puts them there), and the gated key's live-block table's slot: None
-        (``forward_with_gate`` puts it there with ``gate_skip_decayed``)."""
+        (``forward_fp8`` puts them there), the gated key's live-block table's slot: None
+        (``forward_with_gate`` puts it there with ``gate_skip_decayed``), and the sink logits' slot: None
+        (``launch_sinked`` puts them there)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         ctas = num_sms(index) if key.cluster_m == 1 else cluster_ctas(index, key.cluster_m)
-        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None, None, None
+        return ctas, tile_counter(index, stream_handle) if _dynamic(key) else None, None, None, None, None
 
     def forward_with_gate(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
@@ -398,7 +400,7 @@ class FwdSm90(FwdLauncher):
         ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         packed = None if varlen is None else (varlen.cu_seqlens_k, varlen.max_seqlen_k)
         out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None,
-                                  (ctas, counter, gate, None, live_blocks(key, p, q, k, bias, packed)))
+                                  (ctas, counter, gate, None, live_blocks(key, p, q, k, bias, packed), None))
         return out.contiguous(), lse  # (out is a view where v ran padded)
 
     def gate_scan_args(self, p: AttnProblem) -> tuple[torch.dtype | None, str]:
@@ -420,6 +422,31 @@ class FwdSm90(FwdLauncher):
             key = self.gate_key(p, None)
         return kept_plan(_GATE_PLANS, (key, p, q.device), lambda: self.gate_plan(q, p, key))
 
+    def launch_sinked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnProblem, varlen: VarlenArgs | None,
+        key: FwdSm90Key, logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``FwdLauncher.launch_sinked`` through the kernel's sink slot (the ``(nheads,)`` logits, one load per tile):
+        filling the LSE buffer with them was one more launch, 3.6 us beside a 139 us kernel at hdim 128, 1k,
+        causal on an H100 (perf/NOTES.md session 41). Dense calls keep a ``SinkPlan``."""
+        logits = logits.contiguous()
+        if varlen is None:
+            result = run_kept_plan(_SINK_PLANS, (key, p, q.device), lambda: self.sink_plan(q, p, key), q, k, v,
+                                   logits)
+            if result is not None:
+                return result
+        compiled = compile_cache.get(key, self.compile)
+        ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
+        out, lse = launch_forward(compiled, key, q, k, v, p, varlen, None, None,
+                                  (ctas, counter, None, None, None, logits))
+        return out.contiguous(), lse  # (out is a view where v ran padded)
+
+    def sink_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> SinkPlan | None:
+        """A ``SinkPlan`` of the sink ``key`` for dense ``p``, None where the kernel takes the inputs padded."""
+        if key.head_dim != p.head_dim or key.head_dim_v != p.head_dim_v:
+            return None
+        return SinkPlan(*self._plan_parts(q, p, key))
+
     def gate_plan(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> GatePlan | None:
         """A ``GatePlan`` of the gated ``key`` (``gate_key``) for ``p`` (a varlen problem: ``PackedGatePlan``, for
         packed self-attention), None where the kernel takes the inputs padded (launch_forward's way)."""
@@ -432,13 +459,14 @@ class FwdSm90(FwdLauncher):
         return GatePlan(*self._plan_parts(q, p, key))
 
     def _plan_parts(self, q: torch.Tensor, p: AttnProblem, key: FwdSm90Key) -> tuple[Any, ...]:
-        """``(fn, key, p, family, head, counter_device)`` of a gate or FP8 plan (no softcap): the compiled
-        function, the scalars up to ``max_ctas``, the tile counter's device where the schedule is dynamic."""
+        """``(fn, key, p, family, head, counter_device)`` of a gate, FP8 or sink plan: the compiled function, the
+        scalars up to ``max_ctas``, the tile counter's device where the schedule is dynamic."""
         fn = compile_cache.get(key, self.compile)
         index = device_index(q.device)
         max_ctas, counter, *_ = self.extra_args(key, q.device, current_stream_handle(index))
         window_left, window_right = window_args(p) if key.local else (0, 0)
-        head = (float(p.softmax_scale), window_left, window_right, 1.0, max_ctas)
+        softcap = float(p.softcap) if key.softcap else 1.0
+        head = (float(p.softmax_scale), window_left, window_right, softcap, max_ctas)
         return fn, key, p, self, head, None if counter is None else index
 
     def gate_key(self, p: AttnProblem, varlen: VarlenArgs | None) -> FwdSm90Key:
@@ -508,6 +536,15 @@ def fake_live_blocks() -> Any:
 
     shape = tuple(cute.sym_int() for _ in range(3))
     return make_fake_tensor(cutlass.Int32, shape, stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_sink_logits() -> Any:
+    """The compile-time stand-in of a sink key's logits: ``(nheads,)`` fp32, contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
 
 
 def gate_slice_dtype(key: FwdSm90Key) -> torch.dtype | None:
@@ -642,7 +679,7 @@ class GatePlan(FwdPlan):
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
         self.fn(q, k, v, out, lse, *self.head, counter, gate, None, live_blocks(self.key, self.problem, q, k, bias),
-                None, None, None, None)
+                None, None, None, None, None)
         return out, lse
 
 
@@ -666,7 +703,22 @@ class PackedGatePlan(GatePlan):
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
         live = live_blocks(self.key, self.problem, q, k, bias, (cu_seqlens, max_seqlen))
-        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, live, cu_seqlens, cu_seqlens, None, None)
+        self.fn(q, k, v, out, lse, *self.head, counter, gate, None, live, None, cu_seqlens, cu_seqlens, None, None)
+        return out, lse
+
+
+class SinkPlan(FwdPlan):
+    """``FwdPlan`` of a dense sinked call (``FwdSm90.sink_plan``): the call's ``(nheads,)`` fp32 logits go into the
+    kernel's sink slot."""
+
+    __slots__ = ()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        counter = None if self.counter_device is None else tile_counter(self.counter_device)
+        self.fn(q, k, v, out, lse, *self.head, counter, None, None, None, logits, None, None, None, None)
         return out, lse
 
 
@@ -713,5 +765,5 @@ class Fp8Plan(FwdPlan):
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         counter = None if self.counter_device is None else tile_counter(self.counter_device)
         self.fn(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), out, lse, *self.head, counter, None,
-                descale, None, None, None, None, None)
+                descale, None, None, None, None, None, None)
         return out, lse

@@ -192,7 +192,7 @@ class OnlineSoftmax:
         no key), ``lse`` is the natural-log log-sum-exp of the scaled scores (``-inf`` for such
         a row). A NaN sum (NaN inputs) is treated like an empty row for the LSE.
 
-        ``sink_log2`` (per row, log2 units; ``-inf``: none): a learnable sink's logit joins the
+        ``sink_log2`` (log2 units, per row or one for every row; ``-inf``: none): a learnable sink's logit joins the
         denominator with no value, once, here: with ``m`` the row's max in log2 units and
         ``M = max(m, sink)``, ``D = row_sum * 2^(m - M) + 2^(sink - M)``, ``o_scale = 2^(m - M) / D``
         and ``lse = (M + log2 D) * ln 2``. A row with no key gets ``o_scale = 0``, ``lse = sink``.
@@ -217,7 +217,7 @@ class OnlineSoftmax:
                     )
             else:
                 row_max_log2 = -Float32.inf if is_empty else self.row_max[r] * self.scale_log2
-                sink = sink_log2[r]
+                sink = sink_log2[r] if cutlass.const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
                 top = cute.arch.fmax(row_max_log2, sink)
                 if top == -Float32.inf:  # no key and no sink
                     o_scale[r] = Float32(0.0)
@@ -233,21 +233,13 @@ class OnlineSoftmax:
 
 @cute.jit
 def read_sink_log2(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, seqlen_q: Int32) -> cute.Tensor:
-    """A learnable sink's logit for this thread's accumulator rows, in log2 units (-inf past
-    ``seqlen_q``): ``load_sink_logits`` then ``sink_logits_log2`` at once (the load's latency exposed)."""
-    return sink_logits_log2(load_sink_logits(mLSE_cur, tOcO_mn, row0, seqlen_q))
-
-
-@cute.jit
-def load_sink_logits(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, seqlen_q: Int32) -> cute.Tensor:
-    """This thread's accumulator rows' sink logits (natural log; -inf past ``seqlen_q``), read from the
-    LSE rows (``mLSE_cur``: this (batch, head)'s) that the launcher filled with it and the epilogue will
-    overwrite; only a quad's lane 0 (its column-0 thread) holds the value ``sink_logits_log2`` takes.
-    ``tOcO_mn``: the O accumulator's (row, col) coordinates (``acc_rows_cols`` of an identity tensor's
-    partition). Both arches' epilogues write a row's LSE from that lane: its read precedes its own write
-    in program order, and the quad takes the value from it by a shuffle (a read by another lane has
-    no ordering against that write). Nothing waits for the load here: issued at a tile's start, its
-    latency hides under the key loop (``sink_logits_log2`` at finalize is its first use)."""
+    """The sm80 forward's learnable sink: this thread's accumulator rows' logits in log2 units (-inf past
+    ``seqlen_q``), read from the LSE rows (``mLSE_cur``: this (batch, head)'s) that the launcher filled with it and
+    the epilogue will overwrite. ``tOcO_mn``: the O accumulator's (row, col) coordinates (``acc_rows_cols`` of an
+    identity tensor's partition). The quad takes its lane 0's value (its column-0 thread's) by a shuffle: the
+    epilogue writes a row's LSE from that lane, so that read precedes the write in program order (another lane's
+    read has no ordering against it). (The sm90 forward reads one logit per tile from a kernel argument instead: no
+    fill of the LSE buffer.)"""
     num_rows = cute.size(tOcO_mn.shape[0])
     logits = cute.make_rmem_tensor(num_rows, Float32)
     for r in cutlass.range_constexpr(num_rows):
@@ -256,13 +248,6 @@ def load_sink_logits(mLSE_cur: cute.Tensor, tOcO_mn: cute.Tensor, row0: Int32, s
         if row < seqlen_q:
             logit = mLSE_cur[row]
         logits[r] = logit
-    return logits
-
-
-@cute.jit
-def sink_logits_log2(logits: cute.Tensor) -> cute.Tensor:
-    """``load_sink_logits``' values as every lane of the quad needs them: lane 0's, in log2 units."""
-    num_rows = cute.size(logits)
     quad_writer = cute.arch.lane_idx() // 4 * 4
     sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
     for r in cutlass.range_constexpr(num_rows):

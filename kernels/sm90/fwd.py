@@ -53,7 +53,7 @@ from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.pack_gqa import pack_gqa_view
 from ..common.sm90_utils import same_smem_atom
-from ..common.softmax import OnlineSoftmax, sink_logits_log2, softcap_scale_log2
+from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
 from ..common.utils import (
     LOG2_E, acc_rows_cols, assume_strides_aligned, attention_kernel_views, select_head, select_modes,
@@ -194,7 +194,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         self.is_local = is_local
         self.has_softcap = has_softcap
         # A learnable sink per query head joins each row's denominator at finalize (common/softmax.py);
-        # its logit is read from mLSE, which the launcher fills with it and the epilogue overwrites.
+        # its logit is one load per tile from mSinkLogits (a tile's rows are of one head).
         self.has_sink = has_sink
         # Gated log-decay (flashattn_hopper/gate.py): a bias per (query head, key) in each score before
         # the masks and the softmax. With ``gate_slice`` (the launcher's choice: long keys) and head dims
@@ -381,6 +381,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
         mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32, each tile's
         #   first key block that may hold a nonzero P (the launcher's bound; packed: a row per sequence)
+        mSinkLogits: cute.Tensor | None,  # has_sink only: (nheads,) fp32, each query head's sink logit (natural log)
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32
         mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32
         mSeqUsedQ: cute.Tensor | None,  # (batch,) int32
@@ -401,6 +402,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             raise TypeError("mGate must be given exactly when has_gate")
         if const_expr((mLiveBlocks is not None) != self.skip_decayed_blocks):
             raise TypeError("mLiveBlocks must be given exactly when skip_decayed_blocks")
+        if const_expr((mSinkLogits is not None) != self.has_sink):
+            raise TypeError("mSinkLogits must be given exactly when has_sink")
         if const_expr(self.gate_in_gemm):
             if const_expr(mGate.element_type != self.dtype):
                 raise TypeError(f"mGate (K's extra k16 slice) must be {self.dtype}")
@@ -468,7 +471,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, scale_log2, softcap_scale,
             window_left, window_right, qhead_per_kvhead, num_batch,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_Gate, tma_atom_Gate, mDescale,
-            mLiveBlocks, SharedStorage,
+            mLiveBlocks, mSinkLogits, SharedStorage,
         ).launch(
             grid=[scheduler.grid_size(max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -508,6 +511,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         tma_atom_Gate: cute.CopyAtom | None,  # has_gate only
         mDescale: cute.Tensor | None,  # FP8 only: (3, batch, nheads_k) | per block (3, batch, nheads, blocks)
         mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32
+        mSinkLogits: cute.Tensor | None,  # has_sink only: (nheads,) fp32
         SharedStorage: cutlass.Constexpr,
     ):
         """Prologue once per CTA (pipelines, smem views), then role dispatch; each role walks
@@ -616,7 +620,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             self.mma(
                 mO, mLSE, sQ, sK, self._pv_operand(storage, sV), sO, atoms.o,
                 pipes, walk, scale_log2, softcap_scale if const_expr(self.has_softcap) else None,
-                gate[1:] if const_expr(gate is not None) else None, mDescale,
+                gate[1:] if const_expr(gate is not None) else None, mDescale, mSinkLogits,
             )
 
     @cute.jit
@@ -636,6 +640,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         softcap_scale: Float32 | None,
         gate: tuple | None = None,  # has_gate: gate_in_gemm (sKx, sQx), else (the bias rows (box, K stages),)
         mDescale: cute.Tensor | None = None,
+        mSinkLogits: cute.Tensor | None = None,  # has_sink: (nheads,) fp32
     ):
         """MMA warpgroups: for each tile of this CTA, main loop over key blocks, finalize,
         epilogue. Fragments, accumulator registers and pipeline states live across tiles."""
@@ -699,13 +704,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                 row0 = tile.m_block * self.tile_m
             if has_tile:
                 acc_O.fill(0.0)
-                sink_logits = None
+                sink_logit = None
                 if const_expr(self.has_sink):  # (loaded at the tile's start, first used at finalize: the load's
-                    # latency hides under the key loop; a quad shuffle right after it stalled every tile's start)
-                    sink_logits = self.load_sink_logits(
-                        seqlen.q_view(select_head(mLSE, head_idx, 1), batch_idx), tiled_mma_pv, tidx, row0,
-                        tile.seqlen_q,
-                    )
+                    # latency hides under the key loop)
+                    sink_logit = mSinkLogits[head_idx]
                 v_descale, kv_scales = None, None
                 tile_scale_log2 = scale_log2
                 if const_expr(mDescale is not None):  # FP8: q and k descales fold into the scale
@@ -770,7 +772,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                         ring_count_a = ring_count_a + num_blocks
                         ring_count_b = ring_count_b + mixed * num_blocks
                 if const_expr(self.has_sink):
-                    o_scale, lse = softmax.finalize(sink_logits_log2(sink_logits))
+                    o_scale, lse = softmax.finalize(sink_logit * LOG2_E)
                 else:
                     o_scale, lse = softmax.finalize()
                 if const_expr(v_descale is not None):  # FP8: V's descale joins O's row scale

@@ -11,7 +11,6 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.sm90_utils import store_rows_predicated
-from ..common.softmax import load_sink_logits
 from ..common.utils import acc_rows_cols, convert_to_16bit
 from .fwd_parts import WG_THREADS as _WG_THREADS, NamedBarrierFwd
 
@@ -37,16 +36,6 @@ class FwdSm90Epilogue:
         warpgroup (warpgroup-local epilogue) or of the first one."""
         group_threads = _WG_THREADS if self.wg_local_epilogue else self.num_mma_threads
         return (tidx % group_threads) // 32 == 0
-
-    @cute.jit
-    def load_sink_logits(
-        self, mLSE_cur: cute.Tensor, tiled_mma_pv: cute.TiledMma, tidx: Int32, row0: Int32, seqlen_q: Int32,
-    ) -> cute.Tensor:
-        """``has_sink``: this thread's rows' sink logits, loaded, not waited for
-        (``common.softmax.load_sink_logits``; the rows as ``epilogue`` writes their LSE)."""
-        cO_acc = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
-        tOcO_mn = acc_rows_cols(tiled_mma_pv.get_slice(tidx).partition_C(cO_acc))
-        return load_sink_logits(mLSE_cur, tOcO_mn, row0, seqlen_q)
 
     @cute.jit
     def epilogue(
