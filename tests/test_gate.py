@@ -685,8 +685,9 @@ def test_live_block_table_triton_matches_torch_on_gpu():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
     """``configs.FWD_SM90_GATE_SKIP_ZERO_PV`` and ``FWD_SM90_GATE_SKIP_DECAYED`` (session 39; the second on since
-    session 40: the gated forward skips the P.V of a key block whose P underflowed to 0 in a whole warpgroup; dense calls also start each
-    tile at the first block the launcher's bound keeps, ``backends/gate_blocks.py``): the gated key takes them, and
+    session 40: the gated forward skips the P.V of a key block whose P underflowed to 0 in a whole warpgroup; dense
+    calls, and packed ones with ``GATE_SKIP_DECAYED_VARLEN`` (on since session 41), also start each tile at the first
+    block the launcher's bound keeps, ``backends/gate_blocks.py``): the gated key takes them, and
     out and lse are bit for bit those of the kernel without them, with gates that decay most key blocks to 0 (4k
     keys, ``g`` ~ -1.3 per step: the skips taken) and with gates near 0 (nothing skipped); odd lengths, GQA, causal
     and not."""
@@ -718,7 +719,8 @@ def test_gate_zero_block_skip_is_exact(monkeypatch, head_dim, varlen):
                         log_decay=g.flatten(0, 1), return_lse=True)
                 else:
                     out, lse = flash_attn_func(q, k, v, causal=causal, log_decay=g, return_lse=True)
-                assert (keys[-1].gate_skip_pv, keys[-1].gate_skip_decayed) == (skip_pv, skip_blocks and not varlen)
+                assert (keys[-1].gate_skip_pv, keys[-1].gate_skip_decayed) == (
+                    skip_pv, skip_blocks and (not varlen or configs.GATE_SKIP_DECAYED_VARLEN))
                 results.append((out, lse))
             for i, (out, lse) in enumerate(results[1:]):
                 assert torch.equal(results[0][0], out) and torch.equal(results[0][1], lse), (shift, causal, i)
