@@ -398,6 +398,19 @@ BWD_SM80_TILES_SM90: dict[int, BwdSm80Tile] = {
 }
 
 
+# A dense or packed gated sm90 forward is launched as a programmatic dependent of the gate's scan kernel
+# (kernels/common/gate_scan.py ``pdl``), and the scan's second pass of its first: each launch and prologue overlaps its
+# predecessor's tail. A 1k-key gated forward spends ~10 us in the scan beside ~150 us in the kernel (H100, perf/NOTES.md
+# session 41).
+FWD_GATE_PDL = True
+
+
+def fwd_gate_pdl(arch: str) -> bool:
+    """Whether gated forwards and the gate's scan are chained by programmatic dependent launch
+    (``FWD_GATE_PDL`` on sm_90 targets: ``griddepcontrol``, as ``bwd_pdl``)."""
+    return FWD_GATE_PDL and arch.startswith("sm_90")
+
+
 def bwd_pdl(arch: str) -> bool:
     """Whether the backward's preprocess, sm90 main kernel and postprocess are chained by programmatic
     dependent launch (sm_90 targets: ``griddepcontrol``): each is launched while its predecessor in the

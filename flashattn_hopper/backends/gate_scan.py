@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import configs
 from ..jit import KernelKey
 from .common import DTYPE_NAMES, compile_cache, cutlass_dtype, fake_bshd, fake_f32, ffi_compile
 
@@ -30,6 +31,7 @@ SCAN_CHUNK = SCAN_WARPS * SCAN_KEYS_PER_WARP
 class GateScanKey(KernelKey):
     slice_dtype: str = ""  # "" (G and bias rows only) or the forward's 16-bit dtype (K's k16 slice too)
     varlen: bool = False  # packed sequences (batch 1, the sums restarting at each cu_seqlens start)
+    pdl: bool = False  # the passes chained by programmatic dependent launch (configs.fwd_gate_pdl)
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,11 @@ def scan_keys(arch: str) -> list[KernelKey]:
     """The forward kernel's two variants (the slice only in bf16: fp16 is the same code) and the gradient's fp32 one
     (the 16-bit outputs differ in the final conversion only), and each kernel's varlen mode, for precompile and the
     CPU tier."""
-    return [GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=""),
-            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16"),
+    pdl = configs.fwd_gate_pdl(arch)
+    return [GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="", pdl=pdl),
+            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="bf16", pdl=pdl),
             GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32"),
-            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="", varlen=True),
+            GateScanKey(kernel="gate_scan", arch=arch, slice_dtype="", varlen=True, pdl=pdl),
             GateScanGradKey(kernel="gate_scan_grad", arch=arch, grad_dtype="fp32", varlen=True)]
 
 
@@ -104,7 +107,7 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
                             stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=8)
     k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K) if slice_dtype else None
     kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS, warps=SCAN_WARPS,
-                      keys_per_warp=SCAN_KEYS_PER_WARP)
+                      keys_per_warp=SCAN_KEYS_PER_WARP, pdl=key.pdl)
     segments = _fake_segments() if key.varlen else (None, None)
     return ffi_compile(kernel, g, sums, rows(), rows(), k_slice, cutlass.Float32(-1.0), *segments, options=options)
 
@@ -143,8 +146,8 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
         k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
     if seqlen > 0 and batch > 0 and nheads > 0:
         chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
-        _compiled(arch, slice_dtype, segments is not None)(g, chunk_sums, G_rows, bias_rows, k_slice,
-                                                           _neg_inv_scale(float(scale)), *(segments or (None, None)))
+        _compiled(arch, slice_dtype, segments is not None, configs.fwd_gate_pdl(arch))(
+            g, chunk_sums, G_rows, bias_rows, k_slice, _neg_inv_scale(float(scale)), *(segments or (None, None)))
     return G_rows, bias_rows, k_slice
 
 
@@ -189,8 +192,8 @@ def _compiled_grad(arch: str, dtype: torch.dtype, varlen: bool = False) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(arch: str, slice_dtype: torch.dtype | None, varlen: bool = False) -> Any:
+def _compiled(arch: str, slice_dtype: torch.dtype | None, varlen: bool = False, pdl: bool = False) -> Any:
     """The compiled scan of a variant, looked up once per process (the compile cache's memory keeps it too)."""
     key = GateScanKey(kernel="gate_scan", arch=arch, slice_dtype=DTYPE_NAMES[slice_dtype] if slice_dtype else "",
-                      varlen=varlen)
+                      varlen=varlen, pdl=pdl)
     return compile_cache.get(key, compile_scan)

@@ -66,6 +66,9 @@ class FwdSm90Key(KernelKey):
     # gated log-decay: a bias per (query head, key) added to every score (``forward_with_gate``);
     # no pack_gqa, no spanning tiles, no softcap
     gate: bool = False
+    # gated: launched as a programmatic dependent of the gate's scan (``configs.fwd_gate_pdl``): every role waits
+    # in the prologue (``griddepcontrol.wait``) before its first global access
+    gate_pdl: bool = False
     # the gate's bias as the QK^T GEMM's extra k16 slice where it fits (``gate_slice``), else fp32 rows
     # added per score; long keys only (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K)
     gate_slice: bool = False
@@ -317,7 +320,7 @@ class FwdSm90(FwdLauncher):
             num_stages=key.num_stages, cluster_m=key.cluster_m, section_l2_mb=key.section_l2_mb,
             span_heads=key.span_heads, lazy_rescale=key.lazy_rescale, q_stages=key.q_stages, has_sink=key.sink,
             has_gate=key.gate, gate_slice=key.gate_slice, skip_zero_pv=key.gate_skip_pv,
-            skip_decayed_blocks=key.gate_skip_decayed,
+            skip_decayed_blocks=key.gate_skip_decayed, pdl=key.gate_pdl,
         )
 
     def compile(self, key: FwdSm90Key, options: str | None = None) -> Any:
@@ -478,13 +481,17 @@ class FwdSm90(FwdLauncher):
         Dense calls' keys are kept per problem (``_GATE_KEYS``)."""
         min_keys = (configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K if _has_triton()
                     else configs.FWD_SM90_GATE_SLICE_MIN_SEQLEN_K_TORCH)
-        memo = (p, min_keys, target_arch(), configs.FWD_SM90_GATE_SKIP_ZERO_PV, configs.FWD_SM90_GATE_SKIP_DECAYED)
+        arch = target_arch()
+        memo = (p, min_keys, arch, configs.FWD_SM90_GATE_SKIP_ZERO_PV, configs.FWD_SM90_GATE_SKIP_DECAYED,
+                configs.FWD_GATE_PDL)
         key = _GATE_KEYS.get(memo) if varlen is None else None
         if key is not None:
             return key
         keys = p.seqlen_k if varlen is None else varlen.max_seqlen_k
         long_keys = isinstance(keys, int) and keys >= min_keys
         skips = {"gate_skip_pv": True} if configs.FWD_SM90_GATE_SKIP_ZERO_PV else {}
+        if configs.fwd_gate_pdl(arch):
+            skips["gate_pdl"] = True
         if (configs.FWD_SM90_GATE_SKIP_DECAYED and p.window_left < 0 and _has_triton()
                 and (p.seqlen_k if varlen is None else skippable_packed(varlen))
                 >= configs.FWD_SM90_GATE_SKIP_DECAYED_MIN_SEQLEN_K):

@@ -118,7 +118,11 @@ class GateScan:
     """A lane per head, ``keys_per_warp`` keys per warp, ``warps`` warps per CTA; the chunk sums, then the scan."""
 
     def __init__(self, slice_dtype: type[cutlass.Numeric] | None = None, slice_cols: int = 16, parts: int = 3,
-                 warps: int = 8, keys_per_warp: int = 8):
+                 warps: int = 8, keys_per_warp: int = 8, pdl: bool = False):
+        """``pdl`` (sm_90 targets): the scan is launched as a programmatic dependent of the chunk sums and waits for
+        them in the kernel (``griddepcontrol.wait``), and both let their dependents launch at their start: the
+        scan's launch and gate loads overlap the chunk sums, the gated forward's launch and prologue the scan (a
+        1k-key call is ~10 us of scan beside a ~150 us forward, perf/NOTES.md session 41)."""
         if slice_dtype not in (None, cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"slice_dtype must be None, BFloat16 or Float16, got {slice_dtype}")
         if not 1 <= parts <= slice_cols:
@@ -129,6 +133,7 @@ class GateScan:
         self.parts = parts
         self.warps = warps
         self.keys_per_warp = keys_per_warp
+        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -154,7 +159,7 @@ class GateScan:
         # alignment
         scan_smem = 2 * 8 * 32 * self.warps + 4 * self.chunk * 33 + 4 * self.warps + 256
         self.scan(mg, mSums, mG, mBias, mSlice, neg_inv_scale, mCu, mChunkSeq).launch(
-            grid=grid, block=block, smem=scan_smem, stream=stream,
+            grid=grid, block=block, smem=scan_smem, stream=stream, use_pdl=self.pdl,
         )
 
     @cute.jit
@@ -171,6 +176,8 @@ class GateScan:
 
     @cute.kernel
     def chunk_sums(self, mg: cute.Tensor, mSums: cute.Tensor, mCu: cute.Tensor | None, mChunkSeq: cute.Tensor | None):
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # (the scan waits for this grid before reading mSums)
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -198,6 +205,8 @@ class GateScan:
     def scan(self, mg: cute.Tensor, mSums: cute.Tensor, mG: cute.Tensor, mBias: cute.Tensor,
              mSlice: cute.Tensor | None, neg_inv_scale: Float32, mCu: cute.Tensor | None,
              mChunkSeq: cute.Tensor | None):
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # (the gated forward waits for this grid in its prologue)
         tidx, _, _ = cute.arch.thread_idx()
         head_block, batch_idx, chunk_idx = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -239,6 +248,9 @@ class GateScan:
             if lane == 0:
                 restart_flags[warp] = restarted
         own_sums[lane, warp] = own
+        if const_expr(self.pdl):
+            # (g, cu_seqlens and chunk_seq predate the chunk sums' launch; mSums is theirs; every store below)
+            cute.arch.griddepcontrol_wait()
         earlier = Float64(0.0)
         if head < nheads:
             earlier = strided_chunk_sum(mSums, batch_idx, head, first_chunk + warp, chunk_idx, self.warps)

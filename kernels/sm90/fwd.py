@@ -172,6 +172,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         gate_slice: bool = False,
         skip_zero_pv: bool = False,
         skip_decayed_blocks: bool = False,
+        pdl: bool = False,
     ):
         if (skip_zero_pv or skip_decayed_blocks) and not has_gate:
             raise ValueError("FlashFwdSm90 cannot implement this config: skipping decayed work needs has_gate")
@@ -214,6 +215,10 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # warpgroups then start each tile at that block (``tile_work``), so decayed blocks are neither loaded nor
         # computed.
         self.skip_decayed_blocks = skip_decayed_blocks
+        # Launched as a programmatic dependent (the gated call's scan, kernels/common/gate_scan.py): the CTAs'
+        # launch and prologue overlap the predecessor's tail; every thread waits (``griddepcontrol.wait``) after
+        # the pipelines' init, before any role reads or writes global memory.
+        self.pdl = pdl
         self.intra_wg_overlap = intra_wg_overlap
         self.num_stages = num_stages
         # A row keeps its softmax max until a block's exceeds it by 2**8, and a warp whose rows all
@@ -478,6 +483,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.pdl,
             **cluster,
         )
 
@@ -607,6 +613,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
             live_blocks=mLiveBlocks,
         )
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # (the predecessor's outputs: the gate's slice or rows, G)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
