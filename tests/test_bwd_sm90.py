@@ -313,7 +313,7 @@ def test_bwd_sm90_gqa_loop_table_rule(shape):
     check_poisoned_grads(q, k, v, dout, "sm90", causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("shape", [(2, 1023, 1024, 8, 2, (-1, 0)), (3, 1500, 2100, 8, 2, (-1, 0)),
                                    (2, 700, 1300, 6, 1, (-1, 0)), (2, 1000, 2200, 8, 2, (100, 0)),
                                    (2, 300, 333, 6, 2, (40, 10))], ids=["causal", "chunks", "mqa", "empty", "window"])

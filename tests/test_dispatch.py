@@ -486,17 +486,19 @@ def test_sm80_backward_splits_only_the_last_wave_of_dense_unmasked_calls():
 
 def test_sm90_gqa_loop_table_rows():
     """The table's masked ``gqa_loop`` bounds (H100, perf/NOTES.md session 37): causal GQA 4:1 at hdim 128 on the
-    descending loop up to 8k (the training step's 8k x batch 2), the fp32 sums at 16k; hdim 64 ascending at 1k,
-    descending at 2k-4k, the sums from 8k."""
+    descending loop up to 8k (the training step's 8k x batch 2), the fp32 sums at 16k, and so hdim 96 (session 41);
+    hdim 64 ascending at 1k, descending at 2k-4k, the sums from 8k."""
     family = dispatch.BWD_KERNELS["sm90"]
 
     def key(hdim, seqlen):
-        return family.keys(problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, nheads=2048 // hdim,
-                                   nheads_k=512 // hdim, head_dim=hdim, head_dim_v=hdim, causal=True),
+        nheads = 2048 // hdim // 4 * 4  # (hdim 96: 20 query heads of 5 KV heads)
+        return family.keys(problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, nheads=nheads,
+                                   nheads_k=nheads // 4, head_dim=hdim, head_dim_v=hdim, causal=True),
                            "sm_90a", sms=132)[1]
 
-    assert all(key(128, s).gqa_loop and key(128, s).loop_desc for s in (1024, 2048, 4096, 8192))
-    assert not key(128, 16384).gqa_loop
+    for hdim in (128, 96):
+        assert all(key(hdim, s).gqa_loop and key(hdim, s).loop_desc for s in (1024, 2048, 4096, 8192)), hdim
+        assert not key(hdim, 16384).gqa_loop, hdim
     assert key(64, 1024).gqa_loop and not key(64, 1024).loop_desc
     assert all(key(64, s).gqa_loop and key(64, s).loop_desc for s in (2048, 4096))
     assert not key(64, 8192).gqa_loop

@@ -76,12 +76,14 @@ class BwdSm90Tile:
 # not fit beside sdQ). d=192: 64x96 (bwd_wide96.py, picked by tile_n 96; below). GQA without causal or local masks:
 # one CTA per (key block, KV head) (``gqa_loop``): +1 to +36 % over the fp32-sum route at 1k-16k, GQA 4:1 and MQA
 # (H100, perf/NOTES.md session 36; -2 % at 16k with 2:1 and 16:1, within the runs' spread). Causal / local calls take
-# it with >= 3 CTAs per SM up to the row's ``loop_masked_max_seqlen`` (d128: 8k, descending; d64: 4k, descending
-# above 1k; d96 unmeasured: 1k; ``LOOP_*`` above); longer ones keep the fp32 sums.
+# it with >= 3 CTAs per SM up to the row's ``loop_masked_max_seqlen`` (d128 and d96: 8k, descending; d64: 4k,
+# descending above 1k; ``LOOP_*`` above); longer ones keep the fp32 sums. d96 causal GQA 4:1, descending loop against
+# the fp32 sums (and the 1k ascending loop): +3 / +7 / +4 / +2 % at 1k / 2k / 4k / 8k (H100, perf/NOTES.md session 41).
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {
     64: BwdSm90Tile(tile_m=128, tile_n=128, dq_split_rows=True, pingpong=True, ds_packed=True, dq_claim="all",
                     gqa_loop="balanced", loop_masked_max_seqlen=4096, loop_desc_above=1024),
-    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced"),
+    96: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced", loop_masked_max_seqlen=8192,
+                    loop_desc_above=0),
     128: BwdSm90Tile(tile_m=64, tile_n=128, dq_claim="masked", gqa_loop="balanced", loop_masked_max_seqlen=8192,
                      loop_desc_above=0),
     192: BwdSm90Tile(tile_m=64, tile_n=96, num_stages=2, dq_claim="all"),
