@@ -250,14 +250,16 @@ def test_split_bf16_parts_hold_fp32_precision():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gate_k_slice_is_the_bias_parts_in_the_kernel_layout(varlen):
     """K's extra k16 slice of the gated sm90 forward (``sm90_fwd.gate_k_slice``): the bias's parts as
-    ``gate._parts`` makes them, keys before heads as k is laid out, zeros after the parts."""
+    ``gate._parts`` makes them, keys before heads as k is laid out, zeros after the parts; the slice's first
+    ``GATE_COLS`` columns (the kernel zeroes the rest of its k16 in smem)."""
     from flashattn_hopper.backends.sm90_fwd import gate_k_slice
+    from flashattn_hopper.kernels.sm90.fwd_budget import GATE_COLS
 
     bias = torch.cat([torch.linspace(-5000, 0, 96), torch.randn(96) * 3]).float()
     bias = bias.reshape(4, 48) if varlen else bias.reshape(2, 4, 24)  # (h, total_k) | (b, h, s_k)
     k_slice = gate_k_slice(bias, torch.bfloat16, varlen)
     rows = bias.t() if varlen else bias.transpose(1, 2)
-    assert k_slice.shape == (*rows.shape, 16) and k_slice.dtype == torch.bfloat16 and k_slice.is_contiguous()
+    assert k_slice.shape == (*rows.shape, GATE_COLS) and k_slice.dtype == torch.bfloat16 and k_slice.is_contiguous()
     assert torch.equal(k_slice[..., :3], gate._parts(rows).bfloat16())
     assert bool((k_slice[..., 3:] == 0).all())
     assert torch.equal(gate_k_slice(torch.zeros_like(bias), torch.bfloat16, varlen), torch.zeros_like(k_slice))

@@ -94,7 +94,7 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
     from cutlass.cute.runtime import make_fake_tensor
 
     from ..kernels.common.gate_scan import GateScan
-    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+    from ..kernels.sm90.fwd_budget import GATE_COLS, GATE_PARTS
 
     slice_dtype = cutlass_dtype(key.slice_dtype) if key.slice_dtype else None
     b, s, h = (cute.sym_int() for _ in range(3))
@@ -105,8 +105,8 @@ def compile_scan(key: GateScanKey, options: str | None = None) -> Any:
 
     sums = make_fake_tensor(cutlass.Float64, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
                             stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=8)
-    k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K) if slice_dtype else None
-    kernel = GateScan(slice_dtype, slice_cols=GATE_K, parts=GATE_PARTS, warps=SCAN_WARPS,
+    k_slice = fake_bshd(slice_dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_COLS) if slice_dtype else None
+    kernel = GateScan(slice_dtype, slice_cols=GATE_COLS, parts=GATE_PARTS, warps=SCAN_WARPS,
                       keys_per_warp=SCAN_KEYS_PER_WARP, pdl=key.pdl)
     segments = _fake_segments() if key.varlen else (None, None)
     return ffi_compile(kernel, g, sums, rows(), rows(), k_slice, cutlass.Float32(-1.0), *segments, options=options)
@@ -126,7 +126,7 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(G_rows, bias_rows, k_slice)`` of dense ``log_decay`` ``(batch, seqlen_k, nheads)`` (CUDA, any float
     dtype: read as fp32): ``G`` and ``-G / scale`` as ``(batch, nheads, seqlen_k)`` fp32 rows, and K's k16
-    slice ``(batch, seqlen_k, nheads, GATE_K)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's.
+    slice ``(batch, seqlen_k, nheads, GATE_COLS)`` in ``slice_dtype`` (None: not built); ``arch``: the forward key's.
     ``segments``: ``(cu_seqlens, chunk_seq)`` of packed sequences (batch 1; ``scan_varlen``)."""
     g = log_decay.float()
     if g.stride(-1) != 1:
@@ -141,9 +141,9 @@ def scan(log_decay: torch.Tensor, scale: float, slice_dtype: torch.dtype | None,
     G_rows, bias_rows = rows.unbind(0)
     k_slice = None
     if slice_dtype is not None:
-        from ..kernels.sm90.fwd_budget import GATE_K
+        from ..kernels.sm90.fwd_budget import GATE_COLS
 
-        k_slice = torch.empty(batch, seqlen, nheads, GATE_K, dtype=slice_dtype, device=g.device)
+        k_slice = torch.empty(batch, seqlen, nheads, GATE_COLS, dtype=slice_dtype, device=g.device)
     if seqlen > 0 and batch > 0 and nheads > 0:
         chunk_sums = torch.empty(batch, -(-seqlen // SCAN_CHUNK), nheads, dtype=torch.float64, device=g.device)
         _compiled(arch, slice_dtype, segments is not None, configs.fwd_gate_pdl(arch))(
@@ -162,7 +162,7 @@ def scan_varlen(log_decay: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                 arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``scan`` of packed ``log_decay`` ``(total_k, nheads)`` with the cumsum restarting at each ``cu_seqlens`` start
     (int32, CUDA): ``(G_rows, bias_rows, k_slice, chunk_seq)``, the rows ``(nheads, total_k)`` fp32 (16-byte aligned),
-    K's slice ``(total_k, nheads, GATE_K)`` or None, and ``chunk_sequences`` (for ``scan_gradient_varlen``)."""
+    K's slice ``(total_k, nheads, GATE_COLS)`` or None, and ``chunk_sequences`` (for ``scan_gradient_varlen``)."""
     total, nheads = log_decay.shape
     chunk_seq = chunk_sequences(cu_seqlens, total)
     G_rows, bias_rows, k_slice = scan(log_decay[None], scale, slice_dtype, arch, (cu_seqlens, chunk_seq))

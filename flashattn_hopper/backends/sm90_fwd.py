@@ -340,22 +340,22 @@ class FwdSm90(FwdLauncher):
                 v_keys_contiguous=key.fp8_v_colmajor,
             )
         gate = None
-        from ..kernels.sm90.fwd_budget import GATE_K
+        from ..kernels.sm90.fwd_budget import GATE_COLS
 
         if key.gate and not gate_slice(key):  # (batch, nheads, seqlen_k) | varlen (nheads, total_k)
             import cutlass.cute as cute
 
             gate = fake_f32(tuple(cute.sym_int() for _ in range(2 if key.varlen else 3)), stride_divisibility=4)
-        elif key.gate:  # K's extra k16 slice: (batch, seqlen_k, nheads, GATE_K) | varlen (total_k, nheads, GATE_K)
+        elif key.gate:  # K's slice: (batch, seqlen_k, nheads, GATE_COLS) | varlen (total_k, nheads, GATE_COLS)
             import cutlass.cute as cute
             from cutlass.cute.runtime import make_fake_tensor
 
             if key.varlen:
-                shape = (cute.sym_int(), cute.sym_int(), GATE_K)
-                strides = (cute.sym_int64(divisibility=8), GATE_K, 1)
+                shape = (cute.sym_int(), cute.sym_int(), GATE_COLS)
+                strides = (cute.sym_int64(divisibility=8), GATE_COLS, 1)
                 gate = make_fake_tensor(dtype, shape, stride=strides, assumed_align=16)
             else:
-                gate = fake_bshd(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_K)
+                gate = fake_bshd(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(), GATE_COLS)
         return compile_forward(
             kernel, dtype, key.varlen, key.seqused_q, key.seqused_k, options,
             extra_args=(cutlass.Int32(1), counter, gate, None, fake_live_blocks() if key.gate_skip_decayed else None,
@@ -575,23 +575,24 @@ def gate_k_slice(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.
     """K's extra k16 slice of the gated forward (kernels/sm90/fwd.py ``gate_in_gemm``): the bias (fp32, dense
     ``(batch, nheads, seqlen_k)``, varlen ``(nheads, total_k)``) as ``GATE_PARTS`` 16-bit parts per key and
     query head, each the rest of the ones before rounded (as ``gate._parts``: their sum is the bias to fp32's
-    precision), zeros in the other columns; ``(batch, seqlen_k, nheads, GATE_K)`` | ``(total_k, nheads,
-    GATE_K)``, ``dtype`` (q's). This runs on every gated call: on CUDA with Triton one kernel
-    (``kernels/triton/gate_slice.py``, bit for bit the build below), else six small ops into one buffer."""
-    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+    precision), zeros in the other columns; ``(batch, seqlen_k, nheads, GATE_COLS)`` | ``(total_k, nheads,
+    GATE_COLS)`` (the kernel's k16 slice less the columns it zeroes itself), ``dtype`` (q's). This runs on every
+    gated call: on CUDA with Triton one kernel (``kernels/triton/gate_slice.py``, bit for bit the build below), else
+    six small ops into one buffer."""
+    from ..kernels.sm90.fwd_budget import GATE_COLS, GATE_PARTS
 
     batch = 1 if varlen else bias.shape[0]
     if bias.is_cuda and _has_triton() and batch <= 65535:  # (batch is the kernel's grid z)
-        return _gate_k_slice_triton(bias, dtype, varlen, GATE_K, GATE_PARTS)
+        return _gate_k_slice_triton(bias, dtype, varlen, GATE_COLS, GATE_PARTS)
     return gate_k_slice_torch(bias, dtype, varlen)
 
 
 def gate_k_slice_torch(bias: torch.Tensor, dtype: torch.dtype, varlen: bool) -> torch.Tensor:
     """``gate_k_slice`` by torch ops (any device)."""
-    from ..kernels.sm90.fwd_budget import GATE_K, GATE_PARTS
+    from ..kernels.sm90.fwd_budget import GATE_COLS, GATE_PARTS
 
     rows = bias.t() if varlen else bias.transpose(1, 2)  # keys before heads, as k
-    k_slice = torch.empty(*rows.shape, GATE_K, dtype=dtype, device=bias.device)
+    k_slice = torch.empty(*rows.shape, GATE_COLS, dtype=dtype, device=bias.device)
     k_slice[..., GATE_PARTS:] = 0
     rest = rows.float()
     for i in range(GATE_PARTS):

@@ -52,7 +52,7 @@ from cutlass.memory import SmemAllocator
 from ..common.block_info import BlockInfo
 from ..common.mask import AttentionMask
 from ..common.pack_gqa import pack_gqa_view
-from ..common.sm90_utils import same_smem_atom
+from ..common.sm90_utils import make_smem_layout_sm90, same_smem_atom
 from ..common.softmax import OnlineSoftmax, softcap_scale_log2
 from ..common.tile_scheduler import TileHandoff
 from ..common.utils import (
@@ -60,7 +60,7 @@ from ..common.utils import (
 )
 from .fwd_epilogue import FwdSm90Epilogue
 from .fwd_load import FwdSm90Load
-from .fwd_budget import GATE_BOX_SLACK, GATE_K, acc_registers, gate_in_gemm, gate_stage_floats
+from .fwd_budget import GATE_BOX_SLACK, GATE_COLS, acc_registers, gate_in_gemm, gate_stage_floats
 from .fwd_budget import SMEM_CAPACITY as _SMEM_CAPACITY
 from .fwd_scores import FwdSm90Scores
 from .fwd_smem import FwdSm90Smem
@@ -380,8 +380,8 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         softcap: Float32,  # has_softcap only (else ignored)
         max_ctas: Int32,  # persistent only: CTAs to launch at most (the SM count)
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch, left zero: dynamic_schedule only
-        mGate: cute.Tensor | None,  # has_gate only: gate_in_gemm: K's extra k16 slice, (batch, seqlen_k,
-        #   nheads, GATE_K) | varlen (total_k, nheads, GATE_K), 16-bit; else the bias (batch, nheads,
+        mGate: cute.Tensor | None,  # has_gate only: gate_in_gemm: K's extra k16 slice's first columns, (batch,
+        #   seqlen_k, nheads, GATE_COLS) | varlen (total_k, nheads, GATE_COLS), 16-bit; else the bias (batch, nheads,
         #   seqlen_k) | varlen (nheads, total_k) fp32
         mDescale: cute.Tensor | None,  # FP8 only, fp32: (3, batch, nheads_k) or per block (3, batch, nheads, blocks)
         mLiveBlocks: cute.Tensor | None,  # skip_decayed_blocks only: (batch, nheads, m_blocks) int32, each tile's
@@ -412,7 +412,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         if const_expr(self.gate_in_gemm):
             if const_expr(mGate.element_type != self.dtype):
                 raise TypeError(f"mGate (K's extra k16 slice) must be {self.dtype}")
-            # (s_k, GATE_K, h[, b]), as K
+            # (s_k, GATE_COLS, h[, b]), as K
             mGate = select_modes(assume_strides_aligned(mGate), [0, 2, 1] if varlen_k else [1, 3, 2, 0])
         elif const_expr(mGate is not None):
             mGate = select_modes(mGate, [1, 0] if varlen_k else [2, 1, 0])  # (s_k, h[, b]), as LSE
@@ -454,10 +454,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         )
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         tma_atom_Gate, tma_Gate = None, mGate
-        if const_expr(self.gate_in_gemm):  # K's extra k16 slice of each key block, into K's stage
-            sKx_layout = self._gate_layouts()[1]
+        if const_expr(self.gate_in_gemm):  # K's extra k16 slice of each key block (its GATE_COLS), into K's stage
             tma_atom_Gate, tma_Gate = cpasync.make_tiled_tma_atom(
-                tma_load, mGate, cute.select(sKx_layout, mode=[0, 1]), (self.tile_n, GATE_K)
+                tma_load, mGate, make_smem_layout_sm90(self.dtype, self.tile_n, GATE_COLS), (self.tile_n, GATE_COLS)
             )
         elif const_expr(self.has_gate):  # 1-D boxes of the bias beside each K block
             # Varlen: a box may start up to 3 keys before the sequence's block, at a 16-byte boundary
@@ -525,7 +524,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         varlen_q = const_expr(mCuSeqlensQ is not None)
         gate_tma = const_expr(tma_atom_Gate is not None)  # (K's stages then carry the gate's bias or slice)
         gate_box = self.tile_n + (GATE_BOX_SLACK if const_expr(mCuSeqlensK is not None) else 0)  # (as __call__'s)
-        gate_tx = self.tile_n * GATE_K * (self.dtype.width // 8) if const_expr(self.gate_in_gemm) else gate_box * 4
+        gate_tx = self.tile_n * GATE_COLS * (self.dtype.width // 8) if const_expr(self.gate_in_gemm) else gate_box * 4
         atoms = TmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, None if varlen_q else tma_atom_O, tma_atom_Gate)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -581,9 +580,9 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
         # sO: its own buffer, or the front of sQ's (large enough: head_dim_v <= head_dim there)
         sO_buffer = storage.sQ if const_expr(self.o_aliases_q) else sO_storage
         sO = sO_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        # has_gate: gate_in_gemm: (K's extra slice's TMA coordinates, sKx (tile_n, GATE_K, K stages), sQx
-        # (tile_m, GATE_K)); else (mGate's TMA coordinates, the bias of each K stage (box, stages) in smem,
-        # each stage's row 128-byte aligned).
+        # has_gate: gate_in_gemm: (K's extra slice's TMA coordinates, sKx (tile_n, GATE_K, K stages) of which TMA
+        # fills GATE_COLS, sQx (tile_m, GATE_K)); else (mGate's TMA coordinates, the bias of each K stage (box,
+        # stages) in smem, each stage's row 128-byte aligned).
         gate = None
         if const_expr(self.gate_in_gemm):
             sQx_layout, sKx_layout = self._gate_layouts()

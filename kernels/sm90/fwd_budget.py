@@ -43,6 +43,11 @@ def smem_bytes(
 GATE_GEMM_MAX_HEAD_DIM = 128
 GATE_K = 16
 GATE_PARTS = 3
+# K's slice as the host builds it and TMA loads it: its first GATE_COLS columns (TMA's least row, 16 bytes, holds the
+# GATE_PARTS parts); the kernel zeroes sKx's other columns once (Q's slice has zeros there, but 0 x a stale NaN in
+# smem would be NaN). Half the bytes of all 16: the scan's writes were most of its time (hdim 64 1k: 14 us of a
+# 27 us gated overhead, H100, perf/NOTES.md session 41).
+GATE_COLS = 8
 
 
 def gate_in_gemm(elem_bytes: int, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, kv_stages: int,

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.seqlen import SeqlenInfo
 from ..common.utils import select_head
-from .fwd_budget import GATE_BOX_SLACK, GATE_K, GATE_PARTS
+from .fwd_budget import GATE_BOX_SLACK, GATE_COLS, GATE_K, GATE_PARTS
 from .fwd_parts import Pipelines, TileCoord, TileWalk, TmaAtoms, ring_state
 
 
@@ -37,11 +37,12 @@ class FwdSm90Load:
         blocks in the consumers' order. The pipeline states run on across tiles. ``gate``
         (has_gate): the bias's TMA coordinates ``(s_k | total_k, nheads[, batch])`` and its smem
         stages; each K block's keys' bias goes into K's stage with K's barrier. With the bias in the
-        GEMM (``gate_in_gemm``): K's extra k16 slice's coordinates ``(s_k | total_k, GATE_K, nheads[,
-        batch])``, its stages sKx and sQx, which this warp fills once before its first Q load."""
+        GEMM (``gate_in_gemm``): K's extra k16 slice's coordinates ``(s_k | total_k, GATE_COLS, nheads[,
+        batch])``, its stages sKx and sQx, which this warp fills once before its first Q load (sQx, and sKx's
+        columns past GATE_COLS, which TMA never writes)."""
         in_gemm = const_expr(gate is not None and self.gate_in_gemm)
         if const_expr(in_gemm):
-            self._fill_gate_q(gate[2])
+            self._fill_gate_slices(gate[2], gate[1])
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         if const_expr(self.release_q_before_next_q):
             # sQ is not free at the start: the consumers release it before each Q they need.
@@ -114,9 +115,10 @@ class FwdSm90Load:
         load_v = (atoms.v, tVgV, tVsV, pipes.v)
         k_beside = None  # has_gate: the bias of K's keys (or K's extra k16 slice), into K's stage
         if const_expr(gate is not None and self.gate_in_gemm):
-            gG = cute.local_tile(gate[0], (self.tile_n, GATE_K), (None, 0))
+            gG = cute.local_tile(gate[0], (self.tile_n, GATE_COLS), (None, 0))
             tGsG, tGgG = cpasync.tma_partition(
-                atoms.gate, 0, cute.make_layout(1), cute.group_modes(gate[1], 0, 2), cute.group_modes(gG, 0, 2),
+                atoms.gate, 0, cute.make_layout(1), cute.group_modes(self._gate_load_view(gate[1]), 0, 2),
+                cute.group_modes(gG, 0, 2),
             )
             k_beside = (atoms.gate, tGgG, tGsG)
         elif const_expr(gate is not None):
@@ -246,11 +248,13 @@ class FwdSm90Load:
         return tKgK, tKsK, tVgV, tVsV
 
     @cute.jit
-    def _fill_gate_q(self, sQx: cute.Tensor) -> None:
+    def _fill_gate_slices(self, sQx: cute.Tensor, sKx: cute.Tensor) -> None:
         """Q's extra k16 slice (``gate_in_gemm``): ones in the first GATE_PARTS columns of every row,
-        zeros after (so the QK^T GEMM adds the key bias's parts, ``flashattn_hopper/gate.py``). Written
-        once by this warp, then fenced for the WGMMA's async proxy; the consumers first read it after
-        waiting for the first Q stage, which this warp's elected lane arrives on after this."""
+        zeros after (so the QK^T GEMM adds the key bias's parts, ``flashattn_hopper/gate.py``); and zeros in
+        every K stage's columns past GATE_COLS, which its TMA loads never write (Q's zeros meet them: they must not
+        be a stale NaN). Written once by this warp, then fenced for the WGMMA's async proxy; the consumers first
+        read them after waiting for the first Q (and K) stage, which this warp's elected lane arrives on after
+        this."""
         lane = cute.arch.lane_idx()
         num_rows = cute.size(sQx.shape[0])
         for i in cutlass.range_constexpr(-(-num_rows // 32)):
@@ -258,6 +262,13 @@ class FwdSm90Load:
             if row < num_rows:
                 for c in cutlass.range_constexpr(GATE_K):
                     sQx[row, c] = self.dtype(1.0) if c < GATE_PARTS else self.dtype(0.0)
+        num_keys = cute.size(sKx.shape[0])
+        for s in cutlass.range_constexpr(cute.size(sKx.shape[2])):
+            for i in cutlass.range_constexpr(-(-num_keys // 32)):
+                key = i * 32 + lane
+                if key < num_keys:
+                    for c in cutlass.range_constexpr(GATE_COLS, GATE_K):
+                        sKx[key, c, s] = self.dtype(0.0)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
 

@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..common.sm90_utils import make_smem_layout_sm90
-from .fwd_budget import GATE_K, SMEM_ALIGN, gate_stage_floats, smem_bytes
+from .fwd_budget import GATE_COLS, GATE_K, SMEM_ALIGN, gate_stage_floats, smem_bytes
 
 
 class FwdSm90Smem:
@@ -45,12 +45,20 @@ class FwdSm90Smem:
 
     def _gate_layouts(self):
         """has_gate: the QK^T GEMM's extra k16 slice, sQx ``(tile_m, GATE_K)`` (once) and sKx ``(tile_n,
-        GATE_K, K stages)`` (with each K stage), K-major like sQ and sK."""
+        GATE_K, K stages)`` (with each K stage), K-major like sQ and sK; sKx in atoms of GATE_COLS columns (no
+        swizzle at 16 bytes), so that each stage's first GATE_COLS columns, which TMA loads, are one contiguous box
+        (``_gate_load_view``)."""
         kv_stages = self.num_stages * self.num_rings
         return (
             make_smem_layout_sm90(self.dtype, self.tile_m, GATE_K),
-            make_smem_layout_sm90(self.dtype, self.tile_n, GATE_K, kv_stages),
+            make_smem_layout_sm90(self.dtype, self.tile_n, GATE_K, kv_stages, atom_cols=GATE_COLS),
         )
+
+    def _gate_load_view(self, sKx: cute.Tensor) -> cute.Tensor:
+        """The columns of sKx ``(tile_n, GATE_K, K stages)`` that TMA loads: ``(tile_n, GATE_COLS, K stages)``."""
+        return cute.make_tensor(sKx.iterator, cute.composition(
+            sKx.layout, cute.make_layout((self.tile_n, GATE_COLS, cute.size(sKx.shape[2])),
+                                         stride=(1, self.tile_n, self.tile_n * GATE_K))))
 
     def _tiled_mmas(self):
         """S = Q K^T: SS, both K-major. O += P V: A = P from registers, B = V^T (MN-major)."""
