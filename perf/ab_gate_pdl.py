@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     args = ap.parse_args(argv)
 
+    from bench_gate import gated_inputs
     from flashattn_hopper import api, configs, flash_attn_func
 
     default = configs.FWD_GATE_PDL
@@ -37,13 +38,8 @@ def main(argv: list[str]) -> int:
     print("| hdim | seqlen | plain | off | on | plain / off | plain / on |")
     print("|---|---|---|---|---|---|---|")
     for hdim in args.hdims:
-        nheads = 2048 // hdim
         for seqlen in args.seqlens:
-            batch = max(16384 // seqlen, 1)
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
-                       for _ in range(3))
-            g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
+            q, k, v, g = gated_inputs(hdim, seqlen, torch.Generator(device="cuda").manual_seed(0))
             times: dict[str, list[float]] = {"plain": [], **{name: [] for name in names}}
             for r in range(args.rounds):
                 times["plain"].append(do_bench(lambda: flash_attn_func(q, k, v, causal=True), warmup=10, rep=50))

@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--grad", action="store_true")
     args = ap.parse_args(argv)
 
+    from bench_gate import gated_inputs
     from flashattn_hopper import api, configs, flash_attn_func
     from flashattn_hopper.backends import sm90_fwd
 
@@ -53,13 +54,8 @@ def main(argv: list[str]) -> int:
         print("| hdim | seqlen | plain | " + " | ".join(SETTINGS) + " | " + " | ".join(f"plain / {s}" for s in SETTINGS) + " |")
         print("|---|---|---|" + "---|" * (2 * len(SETTINGS)))
     for hdim in args.hdims:
-        nheads = 2048 // hdim
         for seqlen in args.seqlens:
-            batch = max(16384 // seqlen, 1)
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
-                       for _ in range(3))
-            g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
+            q, k, v, g = gated_inputs(hdim, seqlen, torch.Generator(device="cuda").manual_seed(0))
             if args.grad:
                 q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
                 dout = torch.randn_like(q)

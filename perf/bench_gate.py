@@ -75,6 +75,18 @@ def sink_path(fn, in_kernel: bool, module: str = "sinks"):
     return run
 
 
+def gated_inputs(hdim: int, seqlen: int, gen: torch.Generator, tensors: int = 3,
+                 shift: float = 4.0) -> tuple[torch.Tensor, ...]:
+    """The bench sizes' inputs (16k tokens, hidden 2048): ``tensors`` bf16 ``(batch, seqlen, nheads, hdim)`` of
+    N(0, 1) (q, k, v[, dout]), then the gates ``g = logsigmoid(2 x + shift)`` ``(batch, seqlen, nheads)`` fp32 (x
+    N(0, 1); at shift 4 ~-0.06 per step on average), all from ``gen`` in that order."""
+    batch, nheads = max(16384 // seqlen, 1), 2048 // hdim
+    made = [torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
+            for _ in range(tensors)]
+    g = torch.nn.functional.logsigmoid(torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + shift)
+    return (*made, g)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128])
@@ -109,12 +121,8 @@ def main(argv: list[str]) -> int:
     for hdim in args.hdims:
         nheads = 2048 // hdim
         for seqlen in args.seqlens:
-            batch = max(16384 // seqlen, 1)
             gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v, dout = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda",
-                                         generator=gen) for _ in range(4))
-            g = torch.nn.functional.logsigmoid(
-                torch.randn(batch, seqlen, nheads, device="cuda", generator=gen) * 2 + 4)
+            q, k, v, dout, g = gated_inputs(hdim, seqlen, gen, tensors=4)
             sink = torch.randn(nheads, device="cuda", generator=gen)
             leaves = [t.requires_grad_() for t in (q, k, v)]
             g_leaf, sink_leaf = g.requires_grad_(), sink.requires_grad_()
@@ -148,7 +156,7 @@ def main(argv: list[str]) -> int:
                     continue
                 fns[f"fwd:{name}"] = fwd
                 fns[f"bwd:{name}"] = (lambda o=out, i=inputs: torch.autograd.grad(o, i, dout, retain_graph=True))
-            fwd_flops = 4 * batch * nheads * seqlen ** 2 * hdim / 2
+            fwd_flops = 4 * q.shape[0] * nheads * seqlen ** 2 * hdim / 2
             # The earlier cells' graphs and the compile caches out of the collector's way: a gated 1k call is
             # host-bound, and a later cell of the same process read up to 35 % lower (perf/NOTES.md session 37; a
             # reading, not yet confirmed: the collector walking a grown heap)
