@@ -166,8 +166,7 @@ def _block_norms(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, tile_m: i
         q, k, q_norm, k_norm, seqlen_q, seqlen_k, m_blocks, n_blocks, nheads_k, *strides[0], *strides[1],
         bias, q_norm if ref_bias is None else ref_bias, *strides[2], cu, HEAD_DIM=head_dim,
         D_PAD=_next_pow2(head_dim), TILE_M=tile_m, TILE_N=tile_n, CHUNK=min(64, 8192 // _next_pow2(head_dim)),
-        WITH_REF=with_ref,
-        TILE_M_PAD=_next_pow2(tile_m), VARLEN=packed is not None, num_warps=4)
+        WITH_REF=with_ref, TILE_M_PAD=_next_pow2(tile_m), VARLEN=packed is not None, num_warps=4)
     return q_norm, k_norm, ref_bias
 
 
