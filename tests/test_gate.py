@@ -952,6 +952,46 @@ def test_gated_backward_deterministic_is_bitwise_stable(varlen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_gated_call_replays_in_a_cuda_graph(varlen):
+    """A gated forward + backward (deterministic, 1k keys: the scan builds K's slice, the sm90 forward is launched as
+    the scan's programmatic dependent, ``configs.FWD_GATE_PDL``) captured in a CUDA graph: each replay gives the
+    eager call's out, dq, dk, dv and dg bit for bit, the captured outputs NaN-filled before it."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    s, h, d = 1024, 4, 64
+    q, k, v, dout = (torch.randn(2 * s, h, d, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(2 * s, h, device="cuda", generator=gen) * 2 + 3)
+    leaves = [t.requires_grad_() for t in (q, k, v, g)]
+    cu = torch.tensor([0, s, 2 * s], dtype=torch.int32, device="cuda")
+
+    def step():
+        if varlen:
+            out = flash_attn_varlen_func(*leaves[:3], cu, cu, s, s, causal=True, log_decay=leaves[3],
+                                         deterministic=True)
+            return (out, *torch.autograd.grad(out, leaves, dout))
+        dense = [t.view(2, s, *t.shape[1:]) for t in leaves]
+        out = flash_attn_func(*dense[:3], causal=True, log_decay=dense[3], deterministic=True)
+        return (out, *torch.autograd.grad(out, leaves, dout.view(2, s, h, d)))
+
+    eager = [t.detach().clone() for t in step()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # (compiled and the plans kept before the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        for t in captured:
+            t.detach().fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dg"), captured, eager):
+            assert torch.equal(a, b), f"{name}: the replay differs from the eager call"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gate_augmented_forward_on_hopper(monkeypatch, causal):
     """``gate.IN_KERNEL`` off: the forward runs the augmented problem on the sm90 kernel too (the
