@@ -86,8 +86,22 @@ def _gated_varlen() -> None:
     out.backward(torch.randn_like(out))
 
 
+def _gated_slice() -> None:
+    """The gate's bias as K's 8-column slice in the QK^T GEMM (from 1024 keys: the scan builds it, the sm90
+    forward runs as the scan's programmatic dependent and zeroes sKx's other columns once), dense and packed."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = _qkv(1024, 1024, d=64, grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 1024, 2, device="cuda", generator=gen)).requires_grad_()
+    out = flash_attn_func(q, k, v, causal=True, log_decay=g)
+    out.backward(torch.randn_like(out))
+    q, k, v, cu, max_len = _packed((1100, 1030), d=64, grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], 2, device="cuda", generator=gen)).requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True, log_decay=g)
+    out.backward(torch.randn_like(out))
+
+
 def _sink_varlen() -> None:
-    """A learnable sink in the sm90 forward (its logits loaded at each tile's start) and its gradient in
+    """A learnable sink in the sm90 forward (its logit loaded at each tile's start) and its gradient in
     the backward's preprocess (one part per warp of each CTA, some varlen CTAs past the last sequence),
     odd lengths and an empty sequence, GQA."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -194,6 +208,7 @@ CASES: dict[str, Callable[[], None]] = {
     # Gated log-decay: the bias inside the sm90 forward.
     "default_gated_causal": _gated,
     "default_gated_varlen_causal": _gated_varlen,
+    "default_gated_slice_causal": _gated_slice,
     # A learnable sink: in the sm90 forward, its gradient in the backward's preprocess.
     "default_sink_varlen_causal": _sink_varlen,
     # The FP8 forward (dense non-causal: static persistent walk; varlen causal: dynamic handoff).
