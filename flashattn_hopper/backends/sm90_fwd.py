@@ -278,7 +278,8 @@ class FwdSm90(FwdLauncher):
         extra = self.extra_args(key, q.device, current_stream_handle(device_index(q.device)))
         q8, k8, v8 = (t.view(torch.uint8) for t in (q, k, v))
         return launch_forward(
-            compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale, None), out_dtype=torch.bfloat16
+            compiled, key, q8, k8, v8, p, varlen, None, None, (*extra[:3], descale, *extra[4:]),
+            out_dtype=torch.bfloat16,
         )
 
     def plan_fp8(self, q: torch.Tensor, p: AttnProblem, block_scales: bool = False,
