@@ -369,7 +369,7 @@ def test_sink_gradient_deterministic_is_bitwise_stable(backend):
 
 @pytest.mark.parametrize("family_name", ["sm80", "sm90"])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 300)], ids=["decode", "prefill"])
-def test_sink_lse_buffer_is_a_fresh_copy(monkeypatch, family_name, shape):
+def test_sink_logits_reach_the_kernel(monkeypatch, family_name, shape):
     """sm80's in-kernel route: the LSE buffer (the kernel reads the logits there and overwrites them) holds each
     head's logit in every row and never shares memory with the sink parameter (batch 1 with one query once made
     ``expand().contiguous()`` return the parameter itself). sm90's: no such buffer (the launch allocates the LSE),
