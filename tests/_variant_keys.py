@@ -23,9 +23,13 @@ def variant_keys(spec, arch: str) -> list:
         # The gated log-decay bias in the scores (gate.IN_KERNEL, ``forward_with_gate``).
         # (dense causal hdim 128 and varlen causal: the bias's two views of its tensor, each as the
         # QK^T GEMM's extra k16 slice (long keys) and as fp32 rows added per score)
+        # (launched after the gate's scan as its programmatic dependent where calls are: configs.fwd_gate_pdl)
+        from flashattn_hopper import configs
+
         for varlen in (False, True):
             causal = next(key for key in keys if key.causal and key.head_dim == 128 and key.varlen == varlen)
-            keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False)
+            keys += [dataclasses.replace(causal, gate=True, gate_slice=in_gemm, pack_gqa=1, span_heads=False,
+                                         gate_pdl=configs.fwd_gate_pdl(arch))
                      for in_gemm in (True, False)]
         # (the skips of decayed work, configs.FWD_SM90_GATE_SKIP_ZERO_PV (opt-in) and _DECAYED (on from 4k keys): the
         # dense slice key with both)
