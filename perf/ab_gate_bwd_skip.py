@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shift", type=float, default=4.0)
     args = ap.parse_args(argv)
 
+    from bench_gate import gated_inputs
     from flashattn_hopper import configs, flash_attn_func
     from flashattn_hopper.backends import sm80_bwd
 
@@ -36,10 +37,8 @@ def main(argv: list[str]) -> int:
     for hdim in args.hdims:
         for seqlen in args.seqlens:
             b, h = 16384 // seqlen, 2048 // hdim
-            q, k, v, dout = (torch.randn(b, seqlen, h, hdim, dtype=torch.bfloat16, device="cuda", generator=gen,
-                                         requires_grad=True) for _ in range(4))
-            g = torch.nn.functional.logsigmoid(torch.randn(b, seqlen, h, device="cuda", generator=gen) * 2
-                                               + args.shift).requires_grad_()
+            q, k, v, dout, g = gated_inputs(hdim, seqlen, gen, tensors=4, shift=args.shift)
+            q, k, v, dout, g = (t.requires_grad_() for t in (q, k, v, dout, g))
             cells[(hdim, seqlen)] = (q, k, v, g, dout, 2.5 * 4 * b * h * seqlen ** 2 * hdim / 2)
 
     def backward_ms(q, k, v, g, dout) -> float:

@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shift", type=float, default=4.0)
     args = ap.parse_args(argv)
 
+    from bench_gate import gated_inputs
     from flashattn_hopper import api, configs, flash_attn_func
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -37,9 +38,7 @@ def main(argv: list[str]) -> int:
     for hdim in args.hdims:
         for seqlen in args.seqlens:
             b, h = 16384 // seqlen, 2048 // hdim
-            q, k, v = (torch.randn(b, seqlen, h, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
-                       for _ in range(3))
-            g = torch.nn.functional.logsigmoid(torch.randn(b, seqlen, h, device="cuda", generator=gen) * 2 + args.shift)
+            q, k, v, g = gated_inputs(hdim, seqlen, gen, shift=args.shift)
             cells[(hdim, seqlen)] = (q, k, v, g, 4 * b * h * seqlen ** 2 * hdim / 2)
 
     def forward_ms(q, k, v, g) -> float:

@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     args = ap.parse_args(argv)
 
+    from bench_gate import gated_inputs
     from flashattn_hopper import api, configs, flash_attn_func
     from flashattn_hopper.backends import sm80_bwd
 
@@ -36,9 +37,7 @@ def main(argv: list[str]) -> int:
     for hdim in args.hdims:
         for seqlen in args.seqlens:
             b, h = 16384 // seqlen, 2048 // hdim
-            q, k, v, dout = (torch.randn(b, seqlen, h, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
-                             for _ in range(4))
-            g = torch.nn.functional.logsigmoid(torch.randn(b, seqlen, h, device="cuda", generator=gen) * 2 + 4)
+            q, k, v, dout, g = gated_inputs(hdim, seqlen, gen, tensors=4)
             leaves = [t.requires_grad_() for t in (q, k, v, g)]
             cells[(hdim, seqlen)] = (leaves, dout, 2.5 * 4 * b * h * seqlen ** 2 * hdim / 2)
 
