@@ -253,7 +253,7 @@ class FwdSm90(FwdLauncher):
             pack_gqa=1 if block_scales else pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
-            fp8_block_scales=block_scales,  # (lazy_rescale stays at its default: the FP8 kernel never rescales lazily)
+            fp8_block_scales=block_scales, lazy_rescale=configs.FWD_SM90_FP8_LAZY_RESCALE and not block_scales,
             fp8_v_colmajor=v_colmajor, fp8_scale_tile_n=scale_n if block_scales and scale_n != tile.tile_n else 0,
         )
 
@@ -311,7 +311,7 @@ class FwdSm90(FwdLauncher):
                 intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
                 persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
                 section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales, v_colmajor=key.fp8_v_colmajor,
-                scale_tile_n=key.fp8_scale_tile_n,
+                scale_tile_n=key.fp8_scale_tile_n, lazy_rescale=key.lazy_rescale,
             )
 
         return FlashFwdSm90(

@@ -1,0 +1,75 @@
+"""The e4m3 forward with and without the lazy O rescale, in one process (not a test).
+
+    python perf/ab_fp8_lazy.py [--rounds 5] [--hdims 64 128 256] [--seqlens 2048 8192 16384] [--causal 0 1]
+
+Issue 25 (FP8 >= 1.6x our bf16 forward at hdim 128 and 256 from 4k, >= 1,200 TFLOP/s at hdim 256 16k): with
+per-tensor descales the FP8 kernel renewed every row's max and multiplied O by its row scale every block
+(``configs.FWD_SM90_FP8_LAZY_RESCALE`` off); on, a row keeps its max within 2**1.8 and a warp whose rows kept
+theirs skips the multiply (kernels/sm90/fwd_fp8.py). Off / on alternated round by round for both v layouts (rows:
+the transposing kernel; keys: v's keys contiguous, ``quantize_qkv(v_layout="keys")``), our bf16 forward of the
+same inputs beside them; 16k tokens, hidden 2048, N(0, 1) inputs, do_bench medians as TFLOP/s. The setting is
+switched by patching the flag and forgetting the kept plans (``api.clear_plans``; the FP8 key follows the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    args = ap.parse_args(argv)
+
+    from flashattn_hopper import api, configs, flash_attn_func, fp8
+
+    default = configs.FWD_SM90_FP8_LAZY_RESCALE
+    settings = {"off": False, "on": True}
+    print(f"# e4m3 forward, FWD_SM90_FP8_LAZY_RESCALE off / on, {torch.cuda.get_device_name()}, rounds={args.rounds}; "
+          "TFLOP/s, per-tensor descales\n")
+    print("| hdim | causal | seqlen | bf16 | rows off | rows on | keys off | keys on | rows on / off | keys on / off "
+          "| keys on / bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for hdim in args.hdims:
+        nheads = 2048 // hdim
+        for causal in args.causal:
+            for seqlen in args.seqlens:
+                batch = max(16384 // seqlen, 1)
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
+                           for _ in range(3))
+                layouts = {"rows": fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False),
+                           "keys": fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, v_layout="keys")}
+
+                def fp8_call(t):
+                    return lambda: flash_attn_func(t.q, t.k, t.v, causal=bool(causal), q_descale=t.q_descale,
+                                                   k_descale=t.k_descale, v_descale=t.v_descale)
+
+                flops = 4 * batch * nheads * seqlen ** 2 * hdim / (2 if causal else 1)
+                ms: dict[str, list[float]] = {"bf16": []}
+                for r in range(args.rounds):
+                    ms["bf16"].append(do_bench(lambda: flash_attn_func(q, k, v, causal=bool(causal)), warmup=10, rep=50))
+                    for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+                        configs.FWD_SM90_FP8_LAZY_RESCALE = settings[name]
+                        api.clear_plans()
+                        for layout, t in layouts.items():
+                            ms.setdefault(f"{layout} {name}", []).append(do_bench(fp8_call(t), warmup=10, rep=50))
+                tf = {name: flops / statistics.median(t) / 1e9 for name, t in ms.items()}
+                print(f"| {hdim} | {causal} | {seqlen} | {tf['bf16']:.0f} | {tf['rows off']:.0f} | {tf['rows on']:.0f} | "
+                      f"{tf['keys off']:.0f} | {tf['keys on']:.0f} | {tf['rows on'] / tf['rows off']:.3f} | "
+                      f"{tf['keys on'] / tf['keys off']:.3f} | {tf['keys on'] / tf['bf16']:.2f} |", flush=True)
+    configs.FWD_SM90_FP8_LAZY_RESCALE = default
+    api.clear_plans()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
