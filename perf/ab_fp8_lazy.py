@@ -1,11 +1,13 @@
 """The e4m3 forward with and without the lazy O rescale, in one process (not a test).
 
-    python perf/ab_fp8_lazy.py [--rounds 5] [--hdims 64 128 256] [--seqlens 2048 8192 16384] [--causal 0 1]
+    python perf/ab_fp8_lazy.py [--rounds 5] [--hdims 64 128 256] [--seqlens 2048 8192 16384] [--causal 0 1] \
+        [--descales tensor block]
 
 Issue 25 (FP8 >= 1.6x our bf16 forward at hdim 128 and 256 from 4k, >= 1,200 TFLOP/s at hdim 256 16k): with
-per-tensor descales the FP8 kernel renewed every row's max and multiplied O by its row scale every block
-(``configs.FWD_SM90_FP8_LAZY_RESCALE`` off); on, a row keeps its max within 2**1.8 and a warp whose rows kept
-theirs skips the multiply (kernels/sm90/fwd_fp8.py). Off / on alternated round by round for both v layouts (rows:
+``configs.FWD_SM90_FP8_LAZY_RESCALE`` off the FP8 kernel renews every row's max and multiplies O by its row scale
+every block; on, a row keeps its max within 2**1.8 and a warp whose rows kept theirs skips the multiply
+(kernels/sm90/fwd_fp8.py). ``--descales block``: per-block descales (``quantize_qkv(block=True)``, the issue's
+setting for its 1,200 TFLOP/s) instead of per-tensor ones. Off / on alternated round by round for both v layouts (rows:
 the transposing kernel; keys: v's keys contiguous, ``quantize_qkv(v_layout="keys")``), our bf16 forward of the
 same inputs beside them; 16k tokens, hidden 2048, N(0, 1) inputs, do_bench medians as TFLOP/s. The setting is
 switched by patching the flag and forgetting the kept plans (``api.clear_plans``; the FP8 key follows the flag).
@@ -27,6 +29,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--descales", choices=["tensor", "block"], default="tensor")
     args = ap.parse_args(argv)
 
     from flashattn_hopper import api, configs, flash_attn_func, fp8
@@ -34,7 +37,7 @@ def main(argv: list[str]) -> int:
     default = configs.FWD_SM90_FP8_LAZY_RESCALE
     settings = {"off": False, "on": True}
     print(f"# e4m3 forward, FWD_SM90_FP8_LAZY_RESCALE off / on, {torch.cuda.get_device_name()}, rounds={args.rounds}; "
-          "TFLOP/s, per-tensor descales\n")
+          f"TFLOP/s, {args.descales} descales\n")
     print("| hdim | causal | seqlen | bf16 | rows off | rows on | keys off | keys on | rows on / off | keys on / off "
           "| keys on / bf16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -46,8 +49,9 @@ def main(argv: list[str]) -> int:
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=torch.bfloat16, device="cuda", generator=gen)
                            for _ in range(3))
-                layouts = {"rows": fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False),
-                           "keys": fp8.quantize_qkv(q, k, v, block=False, hadamard_qk=False, v_layout="keys")}
+                block = args.descales == "block"
+                layouts = {"rows": fp8.quantize_qkv(q, k, v, block=block, hadamard_qk=False),
+                           "keys": fp8.quantize_qkv(q, k, v, block=block, hadamard_qk=False, v_layout="keys")}
 
                 def fp8_call(t):
                     return lambda: flash_attn_func(t.q, t.k, t.v, causal=bool(causal), q_descale=t.q_descale,

@@ -380,6 +380,39 @@ def test_fp8_block_scales_match_the_dequantized_reference(head_dim, causal):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_block_scales_far_apart_and_a_zero_v_descale(head_dim, causal, v_layout):
+    """V's key blocks 2**-6 to 2**6 apart in size, and one block's V descale set to 0 by the caller (its values
+    then count as 0, its probabilities still in every row's sum): the kernel folds each block's V descale into
+    its scores as a log2 bias (kernels/common/softmax.py ``block_value_log2``), so P and the row sum must stay
+    right across blocks whatever their descales."""
+    from flashattn_hopper import fp8
+
+    batch, heads, s_q, s_k = 2, 2, 300, 900
+    tile_m, tile_n = fp8.kernel_tiles(head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + 2 * causal)
+    q, k = (torch.randn(batch, n, heads, head_dim, generator=gen, device="cuda") for n in (s_q, s_k))
+    block_size = torch.exp2(torch.randint(-6, 7, (-(-s_k // tile_n),), generator=gen, device="cuda").float())
+    v = torch.randn(batch, s_k, heads, head_dim, generator=gen, device="cuda")
+    v = v * block_size.repeat_interleave(tile_n)[:s_k, None, None]
+    quant = fp8.quantize_qkv(q, k, v, block=True, hadamard_qk=False, v_layout=v_layout)
+    v_descale = quant.v_descale.clone()
+    v_descale[:, :, 1] = 0.0
+    qf, kf, vf = (fp8.dequantize(x8, d, rows) for x8, d, rows in
+                  ((quant.q, quant.q_descale, tile_m), (quant.k, quant.k_descale, tile_n), (quant.v, v_descale, tile_n)))
+    out_ref, lse_ref = attention_ref(qf, kf, vf, causal=causal)
+    out_emul = _emulated(qf, kf, vf, causal, (-1, 0 if causal else -1), 1.0 / math.sqrt(head_dim))
+    _poison_allocator()
+    out, lse = flash_attn_func(quant.q, quant.k, quant.v, causal=causal, q_descale=quant.q_descale,
+                               k_descale=quant.k_descale, v_descale=v_descale, return_lse=True)
+    _check(out, lse, out_ref, lse_ref, out_emul, f"far-apart block scales d{head_dim} causal={causal} {v_layout}",
+           _score_magnitude(qf, kf, 1.0 / math.sqrt(head_dim)), head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 def test_fp8_equal_block_scales_give_the_per_tensor_result():
     from flashattn_hopper import fp8
 

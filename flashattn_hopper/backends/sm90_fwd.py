@@ -253,7 +253,7 @@ class FwdSm90(FwdLauncher):
             pack_gqa=1 if block_scales else pack_gqa_factor(p, tile.tile_m, varlen is not None),
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
-            fp8_block_scales=block_scales, lazy_rescale=configs.FWD_SM90_FP8_LAZY_RESCALE and not block_scales,
+            fp8_block_scales=block_scales, lazy_rescale=configs.FWD_SM90_FP8_LAZY_RESCALE,
             fp8_v_colmajor=v_colmajor, fp8_scale_tile_n=scale_n if block_scales and scale_n != tile.tile_n else 0,
         )
 

@@ -87,7 +87,6 @@ class OnlineSoftmax:
         # Per-block scales (FP8 block quantization: each key block's k descale): every ``update`` gets its
         # block's scale, and the running max is kept in scaled (log2) units so blocks compare.
         self.block_scales = block_scales
-        assert not (block_scales and rescale_threshold is not None), "no lazy rescale with per-block scales"
         # P = 2**max_offset * p (FP8's P in (0, 256] instead of (0, 1], so small probabilities stay
         # above e4m3's underflow): O / row_sum cancels the factor, the LSE subtracts it at finalize.
         self.max_offset = max_offset
@@ -103,7 +102,8 @@ class OnlineSoftmax:
 
     @cute.jit
     def update(
-        self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], block_scale_log2: Float32 | None = None
+        self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], block_scale_log2: Float32 | None = None,
+        block_value_log2: Float32 | None = None,
     ) -> cute.Tensor:
         """Fold one (already masked) S block in: S is overwritten with P, returns the O row scale.
 
@@ -111,6 +111,11 @@ class OnlineSoftmax:
         to the O accumulator before this block's P.V is added (``rescale_O``). On the first
         block O is zero, so the scale is 1 and need not be applied. ``block_scale_log2``: this
         block's scale (``block_scales`` mode only, where it replaces ``scale_log2``).
+        ``block_value_log2`` (``block_scales`` mode): log2 of the block's V descale ``vd``, folded into
+        its scores as a bias: P = 2**offset * p * vd / 2**(max's share), so O sums p * v in true units
+        whatever each block's descale (no O rescale between blocks of different descales, no descale at
+        the end), the max is taken over the biased scores (P stays in range), and the row sum takes
+        P / vd (one multiply per row).
         """
         acc_S_mn = acc_rows_cols(acc_S)
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
@@ -118,18 +123,26 @@ class OnlineSoftmax:
             self.block_sum[0] = Float32(0.0)
         scaled = self.block_scales
         scale_log2 = block_scale_log2 if cutlass.const_expr(scaled) else self.scale_log2
+        value_inv = None
+        if cutlass.const_expr(block_value_log2 is not None):
+            value_inv = cute.math.exp2(-block_value_log2, fastmath=True)
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
             row_max_cur = _chained_reduce(row, cute.arch.fmax, 4)
             row_max_cur = cute.arch.warp_reduction_max(row_max_cur, threads_in_group=4)
             if cutlass.const_expr(scaled):  # (a positive scale keeps the order; -inf stays -inf)
                 row_max_cur = row_max_cur * scale_log2
+                if cutlass.const_expr(block_value_log2 is not None):
+                    row_max_cur = row_max_cur + block_value_log2
             row_max_prev = self.row_max[r]
             if cutlass.const_expr(not is_first):
                 if cutlass.const_expr(self.rescale_threshold is not None):
                     # Keep the old max unless this block's exceeds it by more than the threshold
                     # (-inf - -inf = NaN compares false: an all-masked row stays at -inf).
-                    grows = (row_max_cur - row_max_prev) * scale_log2 > self.rescale_threshold
+                    growth = row_max_cur - row_max_prev
+                    if cutlass.const_expr(not scaled):
+                        growth = growth * scale_log2
+                    grows = growth > self.rescale_threshold
                     row_max_cur = row_max_cur if grows else row_max_prev
                 else:
                     row_max_cur = cute.arch.fmax(row_max_cur, row_max_prev)
@@ -138,6 +151,8 @@ class OnlineSoftmax:
             row_max_safe = Float32(0.0) if row_max_cur == -Float32.inf else row_max_cur
             if cutlass.const_expr(scaled):
                 neg_max_scaled = -row_max_safe
+                if cutlass.const_expr(block_value_log2 is not None):
+                    neg_max_scaled = neg_max_scaled + block_value_log2
             else:
                 neg_max_scaled = -(row_max_safe * scale_log2)
             if cutlass.const_expr(self.max_offset != 0.0):
@@ -145,6 +160,8 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(cute.size(row)):
                 row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
             row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
+            if cutlass.const_expr(block_value_log2 is not None):
+                row_sum_cur = row_sum_cur * value_inv
             if cutlass.const_expr(self.track_zero_blocks):
                 self.block_sum[0] = cute.arch.fmax(self.block_sum[0], row_sum_cur)
             if cutlass.const_expr(is_first):

@@ -721,7 +721,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     kv_head = head_idx // walk.qhead_per_kvhead
                     if const_expr(self.block_scales):
                         # (3, batch, nheads, blocks): q's per (head, m_block) here, k's per block in each
-                        # step's scale, v's through O's row scale (the last block visited's at finalize)
+                        # step's scale, v's as a bias on each block's scores (O in true units: no descale at finalize)
                         tile_scale_log2 = scale_log2 * mDescale[0, batch_idx, head_idx, tile.m_block]
                         kv_scales = (mDescale[1, batch_idx, kv_head, None], mDescale[2, batch_idx, kv_head, None])
                         if const_expr(self.kv_scale_ratio > 1):  # (key block n reads descale n // ratio)
@@ -730,8 +730,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                                                                               stride=(0, t.stride[0])))
                                 for t in kv_scales
                             )
-                        last = cutlass.max(cutlass.min(tile.n_block_min, tile.n_block_max - 1), 0)
-                        v_descale = kv_scales[1][last]
                     else:
                         tile_scale_log2 = scale_log2 * mDescale[0, batch_idx, kv_head] * mDescale[1, batch_idx, kv_head]
                         v_descale = mDescale[2, batch_idx, kv_head]

@@ -8,9 +8,9 @@ final row scale of O. Per-block descales (``block_scales``, ``mDescale[0, b, h, 
 ``mDescale[1|2, b, h_k, n_block // kv_scale_ratio]``, the FA3 paper's block quantization, blocks = this kernel's
 tiles, or for k/v ``scale_tile_n`` keys, a multiple of tile_n):
 q's in the tile's scale, each key block's k descale in that block's softmax scale (the running max
-kept in scaled units, ``OnlineSoftmax(block_scales=True)``), v's through O's row scale (O held in
-the units of the last block added; each step's row scale times ``vd[n + 1] / vd[n]``), the last
-block's at finalize. Note: e4m3 WGMMA adds with ~14 mantissa bits, so S is less exact than bf16's.
+kept in scaled units, ``OnlineSoftmax(block_scales=True)``), v's as a bias log2(vd[n]) on that block's
+scores: P carries vd, so O sums true values, the max is taken over the biased scores (P stays in e4m3's
+range) and the row sum takes P / vd (``OnlineSoftmax.update``'s ``block_value_log2``). Note: e4m3 WGMMA adds with ~14 mantissa bits, so S is less exact than bf16's.
 
 What differs from the 16-bit kernel (``../shared/design/fp8.md``):
 - e4m3 WGMMA takes both smem operands K-major only (no transpose bit below 16 bits), so P.V needs
@@ -24,11 +24,10 @@ What differs from the 16-bit kernel (``../shared/design/fp8.md``):
   so P goes from S's registers to the A fragment with a conversion only (``acc_to_frag_a_fp8``).
 - P is ``2**8 * p`` (``p_max_offset``): probabilities down to 2**-17 stay above e4m3's smallest
   subnormal, and 256 stays below its 448 maximum because the row max is renewed before every exp2.
-  O / row_sum cancels the factor; the LSE subtracts it. ``lazy_rescale`` (per-tensor descales only):
-  a row keeps its max while a block's exceeds it by at most ``FP8_RESCALE_THRESHOLD`` (1.8) powers of
-  two, with P ``2**7 * p``, so P stays <= 2**8.8 < 448, and a warp whose rows all kept theirs skips
-  the O rescale (``common/softmax.py``; block descales change O's units every block, so they
-  rescale always).
+  O / row_sum cancels the factor; the LSE subtracts it. ``lazy_rescale``: a row keeps its max while a
+  block's exceeds it by at most ``FP8_RESCALE_THRESHOLD`` (1.8) powers of two, with P ``2**7 * p``, so P
+  stays <= 2**8.8 < 448, and a warp whose rows all kept theirs skips the O rescale
+  (``common/softmax.py``; block descales too, their V descale being in the scores' bias).
 - O has its own bf16 buffer (it cannot alias the e4m3 sQ, half its size).
 
 V^T from the caller (``v_colmajor``, FA3's ``V_colmajor``): where v's keys are contiguous in global
@@ -130,8 +129,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         scale_tile_n: int = 0,
         lazy_rescale: bool = False,
     ):
-        if lazy_rescale and block_scales:
-            raise ValueError("FlashFwdSm90Fp8: lazy_rescale needs per-tensor descales (block descales rescale O every block)")
         if scale_tile_n and (not block_scales or scale_tile_n % tile_n):
             raise ValueError(f"FlashFwdSm90Fp8: scale_tile_n ({scale_tile_n}) needs block scales and a multiple of tile_n")
         # Per-block k/v descales over scale_tile_n keys: key block n reads descale n // kv_scale_ratio.

@@ -36,7 +36,7 @@ class FwdSm90Steps:
         step.pipeline_k.consumer_release(k_state)
         self._pass_other_ring(step, step.pipeline_k, kv_state)
         self._score_mods(step, acc_S, n_block, True, self.is_causal, self.is_local)
-        step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block))
+        step.softmax.update(acc_S, True, self._block_scale_log2(step, n_block), self._block_value_log2(step, n_block))
         self._note_zero_block(step)
         self._store_p(mma, acc_S)
         return kv_state
@@ -90,13 +90,9 @@ class FwdSm90Steps:
             step.pipeline_k.consumer_release(k_state)
             self._pass_other_ring(step, step.pipeline_k, kv_state)
             self._score_mods(step, acc_S, n_block, mask_seqlen, mask_causal, mask_local)
-            row_scale = step.softmax.update(acc_S, False, self._block_scale_log2(step, n_block))
-            if const_expr(step.kv_scales is not None):
-                # FP8 block scales: O holds V's values in units of the last block added (n_block + 1,
-                # whose P.V is in flight); the next P.V adds block n_block's, so O changes units now.
-                ratio = step.kv_scales[1][n_block + 1] / step.kv_scales[1][n_block]
-                for r in cutlass.range_constexpr(cute.size(row_scale)):
-                    row_scale[r] = row_scale[r] * ratio
+            row_scale = step.softmax.update(
+                acc_S, False, self._block_scale_log2(step, n_block), self._block_value_log2(step, n_block)
+            )
             warpgroup.wait_group(0)  # P.V done: P registers and V stage are free again
             self._release_v(step, v_state, v_local)
             self._note_zero_block(step)  # (after the flag's last read: it now names block n_block)
@@ -191,6 +187,15 @@ class FwdSm90Steps:
         if const_expr(step.kv_scales is None):
             return None
         return step.softmax.scale_log2 * step.kv_scales[0][n_block]
+
+    def _block_value_log2(self, step: BlockStep, n_block: Int32) -> Float32 | None:
+        """FP8 block scales: log2 of key block ``n_block``'s V descale, a bias on its scores (``OnlineSoftmax.update``:
+        O then sums true values, so blocks of different descales need no O rescale between them); else None.
+        Descales below 2**-100 count as 2**-100 (the row sum takes P / vd: a zero descale would give 0 * inf; such a
+        block's values are ~0 either way)."""
+        if const_expr(step.kv_scales is None):
+            return None
+        return cute.math.log2(cute.arch.fmax(step.kv_scales[1][n_block], Float32(2.0 ** -100)), fastmath=True)
 
     def _pv_operand(self, storage, sV: cute.Tensor) -> cute.Tensor:
         """The shared-memory tensor the P.V WGMMA reads (16-bit: the V stages as the TMA wrote them)."""
