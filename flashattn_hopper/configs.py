@@ -287,9 +287,6 @@ FWD_SM90_FP8_SCALE_TILES: dict[int, tuple[int, int]] = {64: (192, 128), 128: (12
 # P = 2**7 * p, a warp whose rows kept theirs skips the O multiply), as the 16-bit forward does. Per-tensor
 # descales, H100 (perf/NOTES.md session 42): hdim 256 +1 to +7 %, hdim 128 rows-major v +0 to +11 %, keys-major -2 to 0 %.
 FWD_SM90_FP8_LAZY_RESCALE = True
-# The FP8 forward computes every n-th score's exp2 on the FMA pipe (kernels/common/utils.py ``exp2_fma``) instead of the
-# MUFU, whose 16 lanes per clock bind its exp2 pass (ncu, perf/NOTES.md session 42); 0: none.
-FWD_SM90_FP8_FMA_EXP2_EVERY = 0
 
 
 def sm90_fwd_tile(

@@ -5,13 +5,13 @@
 
 Issue 25 (FP8 >= 1.6x our bf16 forward at hdim 128 and 256 from 4k, >= 1,200 TFLOP/s at hdim 256 16k). The flags
 (perf/NOTES.md session 42): ``FWD_SM90_FP8_LAZY_RESCALE`` (0 / 1: every row's max renewed and O multiplied every
-block, or a row's max kept within 2**1.8 and the multiply skipped where a warp's rows kept theirs) and
-``FWD_SM90_FP8_FMA_EXP2_EVERY`` (n: every n-th score's exp2 on the FMA pipe; 0: none). Values alternated round by
+block, or a row's max kept within 2**1.8 and the multiply skipped where a warp's rows kept theirs; session 42 also
+ran a since-reverted ``FWD_SM90_FP8_FMA_EXP2_EVERY`` through it). Values alternated round by
 round (forward, then backward order) for both v layouts (rows: the transposing kernel; keys: v's keys contiguous,
 ``quantize_qkv(v_layout="keys")``), our bf16 forward of the same inputs beside them; 16k tokens, hidden 2048,
 N(0, 1) inputs, do_bench medians as TFLOP/s; each value's ratio to the first. ``--descales block``: per-block
 descales (``quantize_qkv(block=True)``, the issue's setting for its 1,200 TFLOP/s). The setting is switched by
-patching the flag and forgetting the kept plans (``api.clear_plans``; the FP8 key follows both flags).
+patching the flag and forgetting the kept plans (``api.clear_plans``; the FP8 key follows the flag).
 """
 
 from __future__ import annotations

@@ -85,8 +85,6 @@ class FwdSm90Key(KernelKey):
     fp8_v_colmajor: bool = False
     # FP8 per-block descales over more keys than tile_n (``configs.FWD_SM90_FP8_SCALE_TILES``; 0: tile_n's)
     fp8_scale_tile_n: int = 0
-    # FP8: every n-th score's exp2 on the FMA pipe instead of the MUFU (``configs.FWD_SM90_FP8_FMA_EXP2_EVERY``; 0: none)
-    fp8_fma_exp2: int = 0
 
 
 def q_ring_fits(tile_m: int, tile_n: int, hdim: int, hdim_v: int, kv_stages: int) -> bool:
@@ -256,7 +254,6 @@ class FwdSm90(FwdLauncher):
             varlen=varlen is not None, seqused_q=varlen is not None and varlen.seqused_q is not None,
             seqused_k=varlen is not None and varlen.seqused_k is not None,
             fp8_block_scales=block_scales, lazy_rescale=configs.FWD_SM90_FP8_LAZY_RESCALE,
-            fp8_fma_exp2=configs.FWD_SM90_FP8_FMA_EXP2_EVERY,
             fp8_v_colmajor=v_colmajor, fp8_scale_tile_n=scale_n if block_scales and scale_n != tile.tile_n else 0,
         )
 
@@ -314,7 +311,7 @@ class FwdSm90(FwdLauncher):
                 intra_wg_overlap=key.intra_wg_overlap, pingpong=key.pingpong, num_stages=key.num_stages,
                 persistent=key.persistent, pack_gqa=key.pack_gqa, wg_local_epilogue=key.wg_local_epilogue,
                 section_l2_mb=key.section_l2_mb, block_scales=key.fp8_block_scales, v_colmajor=key.fp8_v_colmajor,
-                scale_tile_n=key.fp8_scale_tile_n, lazy_rescale=key.lazy_rescale, fma_exp2_every=key.fp8_fma_exp2,
+                scale_tile_n=key.fp8_scale_tile_n, lazy_rescale=key.lazy_rescale,
             )
 
         return FlashFwdSm90(

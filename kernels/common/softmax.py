@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .utils import LN_2, LOG2_E, acc_rows_cols, exp2_fma
+from .utils import LN_2, LOG2_E, acc_rows_cols
 
 
 def softcap_scale_log2(softmax_scale: Float32, softcap: Float32) -> tuple[Float32, Float32]:
@@ -79,7 +79,7 @@ class OnlineSoftmax:
 
     def __init__(
         self, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None, max_offset: float = 0.0,
-        block_scales: bool = False, track_zero_blocks: bool = False, fma_exp2_every: int = 0,
+        block_scales: bool = False, track_zero_blocks: bool = False,
     ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
@@ -99,9 +99,6 @@ class OnlineSoftmax:
         # skips the block's P.V, whose product would be exactly 0).
         self.track_zero_blocks = track_zero_blocks
         self.block_sum = cute.make_rmem_tensor(1, Float32) if track_zero_blocks else None
-        # ``fma_exp2_every`` n > 0: every n-th column's exp2 on the FMA pipe (``utils.exp2_fma``) instead of the MUFU,
-        # where the exp2 pass waits on the MUFU's 16 lanes per clock (the FP8 forward: perf/NOTES.md session 42).
-        self.fma_exp2_every = fma_exp2_every
 
     @cute.jit
     def update(
@@ -160,12 +157,8 @@ class OnlineSoftmax:
                 neg_max_scaled = -(row_max_safe * scale_log2)
             if cutlass.const_expr(self.max_offset != 0.0):
                 neg_max_scaled = neg_max_scaled + self.max_offset
-            n = self.fma_exp2_every
             for c in cutlass.range_constexpr(cute.size(row)):
-                if cutlass.const_expr(n > 0 and c % n == n - 1):
-                    row[c] = exp2_fma(row[c] * scale_log2 + neg_max_scaled)
-                else:
-                    row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
+                row[c] = cute.math.exp2(row[c] * scale_log2 + neg_max_scaled, fastmath=True)
             row_sum_cur = _chained_reduce(row, lambda a, b: a + b, 4)
             if cutlass.const_expr(block_value_log2 is not None):
                 row_sum_cur = row_sum_cur * value_inv

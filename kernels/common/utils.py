@@ -213,46 +213,6 @@ def mul_b16x2(a: Uint32, b: Uint32, dtype: type[cutlass.Numeric], *, loc=None, i
                     [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)], "=r,r,r")
 
 
-# 2^f on [-0.5, 0.5] by a cubic, minimax in relative error (8.3e-5), lowest power first (fp32 bits).
-_EXP2_CUBIC = (0x3F7FFABB, 0x3F3179A1, 0x3E788A1A, 0x3D622720)
-
-
-@dsl_user_op
-def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``2**x`` on the FMA and integer pipes instead of the MUFU (16 lanes per clock per SM: a warp's ``MUFU.EX2``
-    holds its SMSP's unit 8 cycles). x = j + f with j the nearest integer (adding 1.5 * 2**23 leaves j in the low
-    mantissa bits, no conversion instruction), a cubic for 2**f, j shifted into the exponent field; 0 below -126,
-    -inf included (``ex2.approx.ftz``'s flush). Ten instructions. For a kernel whose exp2 pass waits on the MUFU
-    while its issue slots are free (the FP8 forward, perf/NOTES.md session 42; FA4 does so on Blackwell); the
-    session-31 backward, issue-bound, lost 1-7 % with it."""
-    c0, c1, c2, c3 = (f"0f{c:08X}" for c in _EXP2_CUBIC)
-    out = llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n"
-        ".reg .f32 t, r, f, p;\n.reg .b32 tb, pb;\n.reg .pred u;\n"
-        "add.rn.f32 t, $1, 0f4B400000;\n"
-        "sub.rn.f32 r, t, 0f4B400000;\n"
-        "sub.rn.f32 f, $1, r;\n"
-        f"fma.rn.f32 p, f, {c3}, {c2};\n"
-        f"fma.rn.f32 p, p, f, {c1};\n"
-        f"fma.rn.f32 p, p, f, {c0};\n"
-        "mov.b32 tb, t;\nmov.b32 pb, p;\n"
-        "shl.b32 tb, tb, 23;\n"
-        "add.s32 pb, pb, tb;\n"
-        "setp.lt.f32 u, $1, 0fC2FC0000;\n"
-        "selp.b32 $0, 0, pb, u;\n"
-        "}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Float32(out)
-
-
 def convert_to_16bit(src: cute.Tensor, dtype: type[cutlass.Numeric]) -> cute.Tensor:
     """fp32 register tensor -> new register tensor of ``dtype`` with the same layout.
 

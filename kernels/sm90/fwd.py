@@ -737,7 +737,6 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     tile_scale_log2, num_rows=cute.size(acc_rows_cols(acc_O).shape[0]),
                     rescale_threshold=self.rescale_threshold, max_offset=self.p_max_offset,
                     block_scales=self.block_scales, track_zero_blocks=self.skip_zero_pv,
-                    fma_exp2_every=self.fma_exp2_every,
                 )
                 mask = AttentionMask(
                     self.tile_m, self.tile_n, tile.seqlen_q, tile.seqlen_k,

@@ -128,7 +128,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         v_colmajor: bool = False,
         scale_tile_n: int = 0,
         lazy_rescale: bool = False,
-        fma_exp2_every: int = 0,
     ):
         if scale_tile_n and (not block_scales or scale_tile_n % tile_n):
             raise ValueError(f"FlashFwdSm90Fp8: scale_tile_n ({scale_tile_n}) needs block scales and a multiple of tile_n")
@@ -148,8 +147,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             pack_gqa=pack_gqa, wg_local_epilogue=wg_local_epilogue, section_l2_mb=section_l2_mb,
             lazy_rescale=False,
         )
-        # Every n-th score's exp2 on the FMA pipe (0: none): the exp2 pass waits on the MUFU (ncu, session 42).
-        self.fma_exp2_every = fma_exp2_every
         if lazy_rescale:
             self.rescale_threshold = FP8_RESCALE_THRESHOLD
             self.p_max_offset = FP8_LAZY_MAX_OFFSET

@@ -177,7 +177,6 @@ class FwdSm90Steps:
     block_scales = False
     kv_scale_ratio = 1  # (FP8 block scales: key blocks per k/v descale)
     skip_zero_pv = False  # (the gated kernel's option: FlashFwdSm90 sets it)
-    fma_exp2_every = 0  # (FP8: every n-th score's exp2 on the FMA pipe, ``OnlineSoftmax``)
 
     @staticmethod
     def _out_dtype(dtype: type[cutlass.Numeric]) -> type[cutlass.Numeric]:
