@@ -27,8 +27,9 @@ VARIANTS = {
 # --v-layout keys (the V^T kernel, ``fp8_v_colmajor``): shared memory the transposing kernel spent on sVt is free
 VARIANTS_KEYS = {
     64: {"shipped": {}, "3 stages": {"num_stages": 3}},
-    128: {"shipped": {}, "tile_n 224": {"tile_n": 224}, "no pingpong": {"pingpong": False}},
-    256: {"shipped": {}, "pingpong": {"pingpong": True}},
+    128: {"shipped": {}, "192 x 96": {"tile_m": 192, "tile_n": 96},
+          "192 x 96, 3 stages": {"tile_m": 192, "tile_n": 96, "num_stages": 3}},
+    256: {"shipped": {}},
 }
 
 
