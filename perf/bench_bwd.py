@@ -2,7 +2,7 @@
 
     python perf/bench_bwd.py [--hdims 64 128] [--seqlens 512 ... 16384] [--causal off on]
                              [--repeat N] [--deterministic] [--sm80] [--tiles 64:128x128:1:rows ...]
-                             [--hdim-v DV] [--group G] [--energy]
+                             [--hdim-v DV] [--group G] [--energy] [--no-flush]
 
 FA3-paper sizes: bf16, batch * seqlen = 16k tokens, nheads * hdim = 2048, MHA. Times the backward
 alone: ``torch.autograd.grad`` of a retained forward graph, for ours (``backend="sm90"``: preprocess,
@@ -13,7 +13,8 @@ by the package). ``--tiles HDIM:MxN[:STAGES][:rows]``: one more column per spec,
 launcher with that tile at that head dim (``BwdSm90Tile``: tile_m x tile_n, Q/dO stages, dQ split by
 rows), called directly on our forward's out/lse (A/B of tiles in one interleaved run). Before timing, every column's gradients are checked against cuDNN's on the same inputs
 (max abs difference per gradient below 0.1: a wrong kernel gets no speed). Timing: triton ``do_bench``
-median, interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
+median (``--no-flush``: back-to-back calls with no L2 flush between them, ``bench_fwd_sm90.back_to_back_timer``),
+interleaved over ``--repeat`` rounds (``bench_fwd_sm90.time_interleaved``). FLOPs = 2.5 * 4 * b
 * h * s^2 * d (x 1/2 causal); ``--group G``: G query heads per kv head (GQA; cuDNN with ``enable_gqa``); ``--hdim-v``: v (and dout) at that width, FLOPs 2.5 * 2 * b * h * s^2 * (d + dv). Prints a Markdown table of TFLOP/s and ours / the faster peer. ``--energy``: under each row, every column's
 joules per backward, TFLOP/J, mean watts and SM clock over ~2 s of back-to-back calls (NVML's energy counter
 through ``pynvml``, else ``nvidia-smi``): from 4k an H100's backward runs at its 700 W cap, where speed follows energy per FLOP.
@@ -138,6 +139,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tiles", nargs="+", default=[], help="HDIM:MxN[:STAGES][:rows] sm90 tile candidates")
     ap.add_argument("--hdim-v", type=int, default=None, help="v's head dim (default: q/k's)")
     ap.add_argument("--group", type=int, default=1, help="GQA: query heads per kv head (default 1: MHA)")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="time back-to-back calls (no L2 flush between them, as a training loop) instead of do_bench's")
     ap.add_argument("--energy", action="store_true",
                     help="also each column's joules per backward, mean watts and clock (about 2 s of calls each)")
     args = ap.parse_args(argv)
@@ -149,9 +152,10 @@ def main(argv: list[str]) -> int:
     from flashattn_hopper import flash_attn_func
 
     fa4 = fa4_func()
-    timer = make_timer()
+    timer = make_timer(flush=not args.no_flush)
     print(f"# bwd, bf16, 16k tokens, nheads*hdim=2048, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"deterministic={args.deterministic}, repeat={args.repeat}, query heads per kv head={args.group}\n")
+          f"deterministic={args.deterministic}, repeat={args.repeat}, query heads per kv head={args.group}"
+          f"{', back-to-back calls (no L2 flush)' if args.no_flush else ''}\n")
     ours_cols = ["sm90", *(["sm80"] if args.sm80 else [])]
     cols = [*ours_cols, *tile_cols, "cudnn", "fa4"]
     print("| hdim | seqlen | causal | " + " | ".join(cols) + " | sm90/cudnn | sm90/fa4 | sm90/best |")

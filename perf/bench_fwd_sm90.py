@@ -167,7 +167,11 @@ def make_steady_timer(secs: float):
     return timer
 
 
-def make_timer():
+def make_timer(flush: bool = True):
+    """A callable's time in ms: triton ``do_bench``'s median (an L2 flush before every call, each call timed alone);
+    ``flush=False``: back-to-back calls instead (``back_to_back_timer``), as a training loop runs them."""
+    if not flush:
+        return back_to_back_timer
     try:
         from triton.testing import do_bench
 
@@ -187,6 +191,24 @@ def make_timer():
             return sorted(times)[len(times) // 2]
 
         return timer
+
+
+def back_to_back_timer(fn, calls: int = 10, reps: int = 15) -> float:
+    """ms per call of ``calls`` back-to-back calls between two CUDA events (no flush: L2 keeps what the previous call
+    left, as in a training loop), the median over ``reps``, after a warm-up of as many calls."""
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def time_interleaved(timer, fns: dict, names: list[str], repeat: int, flops: float) -> dict[str, float]:
