@@ -269,3 +269,28 @@ def test_fp8_plan_hands_the_kernel_the_general_launch_arguments(monkeypatch):
                 assert a.shape == b.shape and a.dtype == b.dtype, (block, i)
             else:
                 assert (a is None) == (b is None) and (a is None or a == b), (block, i, a, b)
+
+
+def test_fp8_lazy_rescale_keeps_p_inside_e4m3(monkeypatch):
+    """The FP8 kernel's lazy rescale lets P grow to 2**(offset + threshold) against a kept row max: that must stay
+    at or under e4m3's 448 (the cvt would saturate); the kernel takes both constants only when the key asks, per
+    tensor or per block (block V descales are a score bias, so O needs no rescale between blocks), and the key
+    follows ``configs.FWD_SM90_FP8_LAZY_RESCALE``."""
+    pytest.importorskip("cutlass")
+    from flashattn_hopper import configs, validate
+    from flashattn_hopper.backends.sm90_fwd import FwdSm90
+    from flashattn_hopper.kernels.sm90 import fwd_fp8
+
+    assert 2.0 ** (fwd_fp8.FP8_LAZY_MAX_OFFSET + fwd_fp8.FP8_RESCALE_THRESHOLD) <= 448.0
+    for block_scales in (False, True):
+        lazy = fwd_fp8.FlashFwdSm90Fp8(128, 128, 128, 192, False, block_scales=block_scales, lazy_rescale=True)
+        assert (lazy.rescale_threshold, lazy.p_max_offset) == (fwd_fp8.FP8_RESCALE_THRESHOLD, fwd_fp8.FP8_LAZY_MAX_OFFSET)
+        eager = fwd_fp8.FlashFwdSm90Fp8(128, 128, 128, 192, False, block_scales=block_scales)
+        assert eager.rescale_threshold is None and 2.0 ** eager.p_max_offset <= 448.0
+    p = validate.AttnProblem(batch=1, seqlen_q=256, seqlen_k=256, nheads=2, nheads_k=2, head_dim=128, head_dim_v=128,
+                             dtype=torch.float8_e4m3fn, softmax_scale=128 ** -0.5, causal=False, window_left=-1,
+                             window_right=-1, softcap=0.0, is_varlen=False)
+    for setting in (False, True):
+        monkeypatch.setattr(configs, "FWD_SM90_FP8_LAZY_RESCALE", setting)
+        for block_scales in (False, True):
+            assert FwdSm90().fp8_key(p, "sm_90a", block_scales=block_scales).lazy_rescale is setting

@@ -358,7 +358,7 @@ def _rows_varied(*shape, gen):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_block_scales_match_the_dequantized_reference(head_dim, causal):
     """Per-block descales (q per tile of rows, k and v per key block, the kernel's tiles): each block's
-    k descale in its step's scale, v's through O's row scale."""
+    k descale in its step's scale, v's as a bias on each block's scores."""
     from flashattn_hopper import fp8
 
     batch, heads, heads_k, s_q, s_k = 2, 4, 2, 1023, 700

@@ -780,7 +780,7 @@ class FlashFwdSm90(FwdSm90Load, FwdSm90Epilogue, FwdSm90Tiles, FwdSm90Smem, FwdS
                     o_scale, lse = softmax.finalize(sink_logit * LOG2_E)
                 else:
                     o_scale, lse = softmax.finalize()
-                if const_expr(v_descale is not None):  # FP8: V's descale joins O's row scale
+                if const_expr(v_descale is not None):  # FP8 per tensor: V's descale joins O's row scale
                     for r in cutlass.range_constexpr(cute.size(o_scale)):
                         o_scale[r] = o_scale[r] * v_descale
                 softmax.rescale_O(acc_O, o_scale)
