@@ -274,7 +274,9 @@ def descales(
     (a sequence's rows from its start, as the kernel tiles it; ``max_seqlen_k`` must bound every sequence's
     key count, or the kernel reads past a sequence's scales). A wrong shape, dtype or device
     raises, naming the argument: a silently dropped descale gives wrong output. Values must be positive
-    and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction)."""
+    and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction); a per-block
+    v descale of 0 gives its block's values as 0, its probabilities still in the rows' sums (the kernel takes
+    each block's v descale as a log2 bias on its scores, floored at 2**-100)."""
     given = {name: extras.get(name) for name in DESCALE_NAMES}
     for name, value in given.items():
         if value is None:

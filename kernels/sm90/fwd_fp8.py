@@ -10,7 +10,8 @@ tiles, or for k/v ``scale_tile_n`` keys, a multiple of tile_n):
 q's in the tile's scale, each key block's k descale in that block's softmax scale (the running max
 kept in scaled units, ``OnlineSoftmax(block_scales=True)``), v's as a bias log2(vd[n]) on that block's
 scores: P carries vd, so O sums true values, the max is taken over the biased scores (P stays in e4m3's
-range) and the row sum takes P / vd (``OnlineSoftmax.update``'s ``block_value_log2``). Note: e4m3 WGMMA adds with ~14 mantissa bits, so S is less exact than bf16's.
+range) and the row sum takes P / vd (``OnlineSoftmax.update``'s ``block_value_log2``). Note: e4m3
+WGMMA adds with ~14 mantissa bits, so S is less exact than bf16's.
 
 What differs from the 16-bit kernel (``../shared/design/fp8.md``):
 - e4m3 WGMMA takes both smem operands K-major only (no transpose bit below 16 bits), so P.V needs
