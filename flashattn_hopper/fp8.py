@@ -275,8 +275,9 @@ def descales(
     key count, or the kernel reads past a sequence's scales). A wrong shape, dtype or device
     raises, naming the argument: a silently dropped descale gives wrong output. Values must be positive
     and finite (not checked: that would cost a device sync; ``quantize_qkv``'s are by construction); a per-block
-    v descale of 0 gives its block's values as 0, its probabilities still in the rows' sums (the kernel takes
-    each block's v descale as a log2 bias on its scores, floored at 2**-100)."""
+    v descale of 0 gives its block's values as 0, its probabilities still in the rows' sums while the other
+    blocks' descales stay below 2**26 (the kernel takes each block's v descale as a log2 bias on its scores,
+    floored at 2**-100; NaN or negative ones read as that floor too)."""
     given = {name: extras.get(name) for name in DESCALE_NAMES}
     for name, value in given.items():
         if value is None:
