@@ -1,6 +1,7 @@
 """The FP8 (e4m3) forward against our bf16 forward and cuDNN's bf16 SDPA (not a test).
 
-    python perf/bench_fp8.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384] [--repeat 3]
+    python perf/bench_fp8.py [--hdims 64 128 256] [--seqlens 512 1024 2048 4096 8192 16384] [--repeat 3] \
+        [--systems fp8_vt fp8_vt_block bf16] [--no-quantize]
 
 Issue 25: TFLOP/s of ``flash_attn_func`` on e4m3 q, k, v with per-(batch, kv head) descales (bf16 out),
 and with per-block descales (``fp8_block``), each also with v's keys contiguous (``fp8_vt``, ``fp8_vt_block``:
@@ -28,6 +29,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-quantize", action="store_true")
+    ap.add_argument("--systems", nargs="+", default=None,
+                    help="time only these columns (fp8 fp8_vt fp8_block fp8_vt_block bf16 cudnn_bf16; default all): "
+                         "fewer systems interleaved keep each cell's power state closer to a lone run's")
     args = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,6 +79,8 @@ def main(argv: list[str]) -> int:
                     "bf16": lambda: flash_attn_func(q, k, v, causal=causal),
                     "cudnn_bf16": cudnn,
                 }
+                if args.systems:
+                    fns = {name: fn for name, fn in fns.items() if name in args.systems}
                 notes: dict[str, object] = {}
                 for name in list(fns):
                     try:
