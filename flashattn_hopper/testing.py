@@ -182,3 +182,19 @@ def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
     """
     r = ref.detach().to(dtype)
     return 2.0 * ((r + 0.3 - 0.3) - r).abs().max().item() if r.numel() else 0.0
+
+
+def capture_cuda_graph(step, warmups: int = 1):
+    """``(graph, outputs)``: ``step()`` run ``warmups`` times on a side stream first (its kernels compiled and its
+    plans kept before the capture, which can do neither), then captured once in a CUDA graph; ``outputs`` are that
+    call's static tensors, which every ``graph.replay()`` rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

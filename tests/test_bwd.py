@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from flashattn_hopper import configs, dispatch, flash_attn_func, flash_attn_varlen_func
-from flashattn_hopper.testing import assert_close_to_ref, attention_ref, rounding_atol
+from flashattn_hopper.testing import assert_close_to_ref, attention_ref, capture_cuda_graph, rounding_atol
 
 from ._parity import poisoned_bwd, problem
 from .shapes import HEAD_DIMS_FAST, HEAD_DIMS_SLOW, HEADS, SEQLENS_SLOW
@@ -163,14 +163,7 @@ def test_bwd_under_cuda_graph(backend, shape, causal, deterministic):
     _, *ref = reference_grads(q, k, v, dout, causal)
     _, *pt = reference_grads(q, k, v, dout, causal, upcast=False)
     check_against_refs(eager, (q, k, v), ref, pt, what="eager ")
-    capture = torch.cuda.Stream()
-    capture.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture):
-        step()  # compiled before capture
-    torch.cuda.current_stream().wait_stream(capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step)  # (compiled before capture)
     for _ in range(3):
         for g in captured:
             g.fill_(float("nan"))

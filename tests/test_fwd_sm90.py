@@ -23,7 +23,7 @@ import torch
 from flashattn_hopper import flash_attn_func, validate
 from flashattn_hopper.api import _fwd
 from flashattn_hopper.backends.common import VarlenArgs
-from flashattn_hopper.testing import attention_ref
+from flashattn_hopper.testing import attention_ref, capture_cuda_graph
 
 from ._parity import check_parity as _check_parity
 from ._parity import (
@@ -223,14 +223,7 @@ def test_fwd_sm90_under_cuda_graph(causal, shape):
     (two K/V rings)."""
     q, k, v = make_qkv(*shape)
     eager, _ = check_parity(q, k, v, causal)
-    capture = torch.cuda.Stream()
-    capture.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture):
-        flash_attn_func(q, k, v, causal=causal, backend="sm90")  # compiled before capture
-    torch.cuda.current_stream().wait_stream(capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = flash_attn_func(q, k, v, causal=causal, backend="sm90")
+    graph, captured = capture_cuda_graph(lambda: flash_attn_func(q, k, v, causal=causal, backend="sm90"))
     for _ in range(3):
         captured.fill_(float("nan"))
         graph.replay()

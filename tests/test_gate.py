@@ -974,14 +974,7 @@ def test_gated_call_replays_in_a_cuda_graph(varlen):
         return (out, *torch.autograd.grad(out, leaves, dout.view(2, s, h, d)))
 
     eager = [t.detach().clone() for t in step()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # (compiled and the plans kept before the capture)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = testing.capture_cuda_graph(step)  # (compiled and the plans kept before the capture)
     for _ in range(3):
         for t in captured:
             t.detach().fill_(float("nan"))

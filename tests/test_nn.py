@@ -18,7 +18,7 @@ from torch import nn
 
 from flashattn_hopper import flash_attn_func, flash_attn_varlen_func
 from flashattn_hopper.nn import MultiheadAttention, apply_rotary, packed_positions, rotary_cos_sin
-from flashattn_hopper.testing import assert_close_to_ref
+from flashattn_hopper.testing import assert_close_to_ref, capture_cuda_graph
 
 
 def test_constructor_checks_name_the_argument():
@@ -225,15 +225,7 @@ def test_training_step_replays_from_a_cuda_graph():
     eager = [train_step(model, opt).item() for _ in range(53)][3:]
 
     model, opt = make()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            train_step(model, opt)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = train_step(model, opt)
+    graph, static_loss = capture_cuda_graph(lambda: train_step(model, opt), warmups=3)
     replayed = []
     for _ in range(50):
         graph.replay()
